@@ -1,0 +1,513 @@
+"""Tessera's configuration: typed dataclasses, TOML loading, `--section.key value` overrides, validation.
+
+Data flow: ``parse_args(argv)`` -> TOML file (``--config``) -> command-line overrides -> ``validate()``
+(cross-field rules) -> the trainer. Every field carries a docstring; ``--help`` prints them all.
+
+A user error raises ``ConfigError`` (a ``ValueError``) whose message names the field; the entry point prints
+it as one ``error:`` line and exits non-zero before anything is written.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import difflib
+import inspect
+import os
+import sys
+import textwrap
+import typing
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on Python 3.10 only
+    import tomli as tomllib
+
+
+class ConfigError(ValueError):
+    """A user error in the configuration; the message names the offending field."""
+
+
+# --------------------------------------------------------------------------------------------------------
+# Sections
+# --------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Job:
+    dump_folder: str = "./outputs"
+    """Run folder: the resolved config.toml, metrics.jsonl, tensorboard/wandb logs and checkpoints go here."""
+    description: str = "Tessera training run"
+    """Free text describing the run; written into the dumped config."""
+    print_config: bool = False
+    """Print the resolved configuration on rank 0 before training."""
+
+
+@dataclass
+class Model:
+    name: str = "llama3"
+    """Model family, a key of the ModelSpec registry (models/<name>/)."""
+    flavor: str = "debugmodel"
+    """Shape preset of the model family, e.g. debugmodel, 8B, 70B, 405B for llama3."""
+    attn: str = "sdpa"
+    """Attention backend: sdpa (torch scaled_dot_product_attention), flex (flex_attention), flash_attn (the
+    flash-attn package, when installed)."""
+    attn_mask: str = "causal"
+    """Attention mask: causal, or block_causal (causal within each packed document; needs attn = flex)."""
+    hf_assets_path: str = ""
+    """Folder with a Hugging Face tokenizer.json (and config.json); its tokenizer is used when
+    data.tokenizer is empty."""
+    vocab_size: int = -1
+    """Vocabulary size of the embedding and output layers; -1 takes the flavor's size, or the tokenizer's
+    size for flavors that do not fix one (debugmodel)."""
+
+
+@dataclass
+class Data:
+    dataset: str = "tessera_docs"
+    """A built-in dataset (tessera_docs: English prose from the Python distribution's docstrings, shipped
+    with Tessera) or a Hugging Face dataset name such as allenai/c4. Ignored when data.path is set."""
+    dataset_config: str = ""
+    """Hugging Face dataset configuration name (e.g. en for allenai/c4); empty for none."""
+    path: str = ""
+    """A local data file or folder (json, jsonl, parquet or txt files); overrides data.dataset."""
+    split: str = "train"
+    """Dataset split to read."""
+    text_field: str = "text"
+    """Name of the column/key holding the document text (json, jsonl, parquet, HF datasets)."""
+    streaming: bool = True
+    """Stream Hugging Face and local datasets instead of loading them into memory first."""
+    tokenizer: str = ""
+    """Path to a Hugging Face tokenizer.json; empty uses model.hf_assets_path, else the built-in tokenizer."""
+
+
+@dataclass
+class Training:
+    steps: int = 200
+    """Number of optimizer steps to train."""
+    seq_len: int = 512
+    """Tokens per sample (packed documents)."""
+    local_batch_size: int = 8
+    """Samples per data-parallel rank per forward/backward pass (a microbatch)."""
+    global_batch_size: int = -1
+    """Samples per optimizer step over all data-parallel ranks; -1 means local_batch_size x dp degree. A
+    multiple of that product turns on gradient accumulation."""
+    max_norm: float = 1.0
+    """Gradient clipping: maximum total L2 norm of the gradients."""
+    mixed_precision_param: str = "bfloat16"
+    """On CUDA: dtype of the compute (bfloat16 autocast, or float32 for none). On CPU training runs in
+    float32 regardless."""
+    mixed_precision_reduce: str = "float32"
+    """On CUDA: dtype of gradient reductions across data-parallel ranks."""
+
+
+@dataclass
+class Optimizer:
+    name: str = "AdamW"
+    """Optimizer: AdamW or Adam."""
+    lr: float = 8e-4
+    """Peak learning rate."""
+    beta1: float = 0.9
+    """Adam beta1."""
+    beta2: float = 0.95
+    """Adam beta2."""
+    eps: float = 1e-8
+    """Adam epsilon."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay, applied to matrices only (never to norms and biases)."""
+    implementation: str = "auto"
+    """Optimizer kernel: auto (fused on CUDA, foreach on CPU), fused, foreach or for-loop."""
+
+
+@dataclass
+class LRScheduler:
+    warmup_steps: int = 20
+    """Steps of linear warmup from near 0 to the peak lr."""
+    decay_ratio: float = -1.0
+    """Fraction of the steps spent decaying at the end (warmup-stable-decay); -1 decays over every step
+    after warmup."""
+    decay_type: str = "linear"
+    """Shape of the decay: linear, cosine or sqrt."""
+    min_lr_factor: float = 0.0
+    """The lr at the end of the decay, as a fraction of the peak lr."""
+
+
+@dataclass
+class Metrics:
+    log_freq: int = 10
+    """Log metrics every this many steps (the first and last steps are always logged)."""
+    enable_tensorboard: bool = False
+    """Write tensorboard event files to <dump_folder>/tb."""
+    enable_wandb: bool = False
+    """Log to Weights & Biases (files under <dump_folder>/wandb)."""
+    wandb_project: str = "tessera"
+    """Weights & Biases project name."""
+    wandb_mode: str = "online"
+    """Weights & Biases mode: online, offline (no network needed; sync later) or disabled."""
+    save_for_all_ranks: bool = False
+    """Every rank writes metrics (metrics_rank<N>.jsonl); otherwise rank 0 only."""
+    peak_flops: float = -1.0
+    """Peak FLOP/s of one device for MFU; -1 looks the device up in a table (H100 bf16 989e12, ...)."""
+
+
+@dataclass
+class Debug:
+    seed: int = 42
+    """Random seed for weight initialization and dropout-free training; the data order is fixed by it too."""
+    deterministic: bool = False
+    """Use deterministic algorithms only (torch.use_deterministic_algorithms) for bit-identical reruns."""
+
+
+@dataclass
+class Config:
+    job: Job = field(default_factory=Job)
+    model: Model = field(default_factory=Model)
+    data: Data = field(default_factory=Data)
+    training: Training = field(default_factory=Training)
+    optimizer: Optimizer = field(default_factory=Optimizer)
+    lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
+    metrics: Metrics = field(default_factory=Metrics)
+    debug: Debug = field(default_factory=Debug)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+SECTIONS: dict[str, type] = {f.name: type(getattr(Config(), f.name)) for f in dataclasses.fields(Config)}
+
+
+# --------------------------------------------------------------------------------------------------------
+# Field documentation (attribute docstrings, read from the source)
+# --------------------------------------------------------------------------------------------------------
+
+
+@lru_cache(maxsize=None)
+def field_docs(cls: type) -> dict[str, str]:
+    """Map each field of a dataclass to the string literal that follows it in the class body."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body
+    docs = {}
+    for node, nxt in zip(body, body[1:]):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(nxt, ast.Expr)
+            and isinstance(nxt.value, ast.Constant)
+            and isinstance(nxt.value.value, str)
+        ):
+            docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+def _field_type(cls: type, name: str) -> type:
+    return typing.get_type_hints(cls)[name]
+
+
+def _type_name(tp) -> str:
+    origin = typing.get_origin(tp)
+    if origin in (list, typing.List):
+        return f"list[{_type_name(typing.get_args(tp)[0])}]"
+    return getattr(tp, "__name__", str(tp))
+
+
+def help_text() -> str:
+    lines = [
+        "usage: ./run_train.sh [--config FILE] [--section.key VALUE | --section.key=VALUE ...]",
+        "",
+        "Booleans also take --section.key (true) and --section.no-key (false). Lists are comma-separated.",
+        "Environment: NGPU (processes on this node), LOG_RANK (ranks whose output is shown).",
+        "",
+    ]
+    defaults = Config()
+    for section, cls in SECTIONS.items():
+        lines.append(f"[{section}]")
+        docs = field_docs(cls)
+        for f in dataclasses.fields(cls):
+            default = getattr(getattr(defaults, section), f.name)
+            lines.append(f"  --{section}.{f.name} ({_type_name(_field_type(cls, f.name))}, default {default!r})")
+            lines.append(textwrap.fill(docs.get(f.name, ""), width=100, initial_indent=" " * 6, subsequent_indent=" " * 6))
+        lines.append("")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Value conversion
+# --------------------------------------------------------------------------------------------------------
+
+_TRUE = {"true", "1", "yes", "on"}
+_FALSE = {"false", "0", "no", "off"}
+
+
+def _convert(key: str, tp, value, from_cli: bool):
+    """Convert a TOML value (typed) or a CLI string to the field's type, or raise ConfigError."""
+    origin = typing.get_origin(tp)
+    if origin in (list, typing.List):
+        (item_tp,) = typing.get_args(tp)
+        if from_cli:
+            value = [v.strip() for v in value.split(",") if v.strip()] if value.strip() else []
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        return [_convert(key, item_tp, v, from_cli) for v in value]
+    if tp is bool:
+        if from_cli:
+            low = value.strip().lower()
+            if low in _TRUE:
+                return True
+            if low in _FALSE:
+                return False
+        elif isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key}: expected true or false, got {value!r}")
+    if tp is int:
+        if from_cli:
+            try:
+                return int(value, 0)
+            except ValueError:
+                pass
+        elif isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key}: expected an integer, got {value!r}")
+    if tp is float:
+        if from_cli:
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(f"{key}: expected a number, got {value!r}")
+    if tp is str:
+        if from_cli or isinstance(value, str):
+            return value
+        raise ConfigError(f"{key}: expected a string, got {value!r}")
+    raise AssertionError(f"unsupported config type {tp} for {key}")
+
+
+def _did_you_mean(word: str, choices) -> str:
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def _all_keys() -> list[str]:
+    return [f"{s}.{f.name}" for s, cls in SECTIONS.items() for f in dataclasses.fields(cls)]
+
+
+def set_value(cfg: Config, key: str, value, from_cli: bool) -> None:
+    """Set ``section.name`` on cfg from a TOML value or a CLI string, checking the key and the type."""
+    section, _, name = key.partition(".")
+    if section not in SECTIONS or not name:
+        raise ConfigError(f"unknown config key '{key}'{_did_you_mean(key, _all_keys())}")
+    cls = SECTIONS[section]
+    names = [f.name for f in dataclasses.fields(cls)]
+    if name not in names:
+        raise ConfigError(f"unknown config key '{key}'{_did_you_mean(key, _all_keys())}")
+    setattr(getattr(cfg, section), name, _convert(key, _field_type(cls, name), value, from_cli))
+
+
+# --------------------------------------------------------------------------------------------------------
+# Loading: TOML file, then command-line overrides
+# --------------------------------------------------------------------------------------------------------
+
+
+def load_toml(cfg: Config, path: str) -> None:
+    if not os.path.isfile(path):
+        raise ConfigError(f"--config: file '{path}' not found; pass an existing TOML file such as train_configs/debug_model.toml")
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"--config: '{path}' is not valid TOML ({e})") from None
+    for section, values in data.items():
+        if section not in SECTIONS:
+            raise ConfigError(f"unknown config section '[{section}]' in {path}{_did_you_mean(section, SECTIONS)}")
+        if not isinstance(values, dict):
+            raise ConfigError(f"{section}: expected a [{section}] table in {path}, got {values!r}")
+        for name, value in values.items():
+            set_value(cfg, f"{section}.{name}", value, from_cli=False)
+
+
+def _is_bool_key(key: str) -> bool:
+    section, _, name = key.partition(".")
+    cls = SECTIONS.get(section)
+    if cls is None or name not in {f.name for f in dataclasses.fields(cls)}:
+        return False
+    return _field_type(cls, name) is bool
+
+
+def parse_args(argv: list[str] | None = None) -> Config:
+    """Build the Config from ``--config FILE`` and ``--section.key value`` overrides (file first)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    config_file = None
+    overrides: list[tuple[str, str]] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--"):
+            raise ConfigError(f"unexpected argument '{arg}': options look like --section.key value")
+        body = arg[2:]
+        key, eq, inline = body.partition("=")
+        if key == "config":
+            if eq:
+                config_file = inline
+            elif i + 1 < len(argv):
+                config_file = argv[i + 1]
+                i += 1
+            else:
+                raise ConfigError("--config: expects a TOML file path")
+        elif eq:
+            overrides.append((key, inline))
+        else:
+            section, _, name = key.partition(".")
+            if name.startswith("no-") and _is_bool_key(f"{section}.{name[3:]}"):
+                overrides.append((f"{section}.{name[3:]}", "false"))
+            elif _is_bool_key(key) and (i + 1 >= len(argv) or argv[i + 1].startswith("--")):
+                overrides.append((key, "true"))
+            elif i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+                overrides.append((key, argv[i + 1]))
+                i += 1
+            elif key not in _all_keys():
+                raise ConfigError(f"unknown config key '{key}'{_did_you_mean(key, _all_keys())}")
+            else:
+                raise ConfigError(f"--{key}: expects a value")
+        i += 1
+    cfg = Config()
+    if config_file is not None:
+        load_toml(cfg, config_file)
+    for key, value in overrides:
+        set_value(cfg, key, value, from_cli=True)
+    return cfg
+
+
+# --------------------------------------------------------------------------------------------------------
+# Validation: every cross-field rule known so far, before any model memory or file is touched
+# --------------------------------------------------------------------------------------------------------
+
+
+def _choice(key: str, value: str, choices) -> None:
+    if value not in choices:
+        raise ConfigError(f"{key}: '{value}' is not one of {', '.join(choices)}{_did_you_mean(value, choices)}")
+
+
+def _positive(key: str, value) -> None:
+    if not value > 0:
+        raise ConfigError(f"{key}: must be > 0, got {value}")
+
+
+def validate(cfg: Config, world_size: int = 1) -> None:
+    """Check every rule that does not need the model or the data built. Raises ConfigError naming the field."""
+    from models import get_model_spec, model_names  # local: models import torch
+
+    if not cfg.job.dump_folder.strip():
+        raise ConfigError("job.dump_folder: must not be empty")
+
+    # model
+    _choice("model.name", cfg.model.name, model_names())
+    spec = get_model_spec(cfg.model.name)
+    _choice("model.flavor", cfg.model.flavor, list(spec.flavors))
+    _choice("model.attn", cfg.model.attn, ["sdpa", "flex", "flash_attn"])
+    _choice("model.attn_mask", cfg.model.attn_mask, ["causal", "block_causal"])
+    if cfg.model.attn_mask == "block_causal" and cfg.model.attn != "flex":
+        raise ConfigError("model.attn_mask: block_causal document masking needs model.attn = flex")
+    if cfg.model.attn == "flash_attn":
+        import importlib.util
+
+        if importlib.util.find_spec("flash_attn") is None:
+            raise ConfigError("model.attn: flash_attn is not installed; pip install flash-attn, or use model.attn = sdpa")
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError("model.attn: flash_attn needs a CUDA GPU; use model.attn = sdpa on this machine")
+    if cfg.model.vocab_size != -1 and cfg.model.vocab_size <= 0:
+        raise ConfigError(f"model.vocab_size: must be > 0 or -1, got {cfg.model.vocab_size}")
+    if cfg.model.hf_assets_path and not os.path.isdir(cfg.model.hf_assets_path):
+        raise ConfigError(f"model.hf_assets_path: folder '{cfg.model.hf_assets_path}' not found")
+
+    # data
+    if cfg.data.path:
+        if not os.path.exists(cfg.data.path):
+            raise ConfigError(f"data.path: '{cfg.data.path}' not found; give a json, jsonl, parquet or txt file or folder")
+    elif not cfg.data.dataset:
+        raise ConfigError("data.dataset: empty; name a built-in dataset (tessera_docs), a Hugging Face dataset, or set data.path")
+    if cfg.data.tokenizer and not os.path.isfile(cfg.data.tokenizer):
+        raise ConfigError(f"data.tokenizer: file '{cfg.data.tokenizer}' not found; give a Hugging Face tokenizer.json")
+    if not cfg.data.text_field:
+        raise ConfigError("data.text_field: must not be empty")
+
+    # training
+    t = cfg.training
+    _positive("training.steps", t.steps)
+    _positive("training.seq_len", t.seq_len)
+    _positive("training.local_batch_size", t.local_batch_size)
+    dp = world_size  # every rank is data-parallel until the mesh adds other dimensions
+    if t.global_batch_size != -1:
+        _positive("training.global_batch_size", t.global_batch_size)
+        if t.global_batch_size % (t.local_batch_size * dp):
+            raise ConfigError(
+                f"training.global_batch_size: {t.global_batch_size} is not a multiple of local_batch_size x dp "
+                f"= {t.local_batch_size} x {dp}"
+            )
+    _positive("training.max_norm", t.max_norm)
+    _choice("training.mixed_precision_param", t.mixed_precision_param, ["bfloat16", "float32"])
+    _choice("training.mixed_precision_reduce", t.mixed_precision_reduce, ["float32", "bfloat16"])
+
+    # optimizer
+    o = cfg.optimizer
+    _choice("optimizer.name", o.name, ["AdamW", "Adam"])
+    if o.lr < 0:
+        raise ConfigError(f"optimizer.lr: must be >= 0, got {o.lr}")
+    for key, beta in (("optimizer.beta1", o.beta1), ("optimizer.beta2", o.beta2)):
+        if not 0.0 <= beta < 1.0:
+            raise ConfigError(f"{key}: must be in [0, 1), got {beta}")
+    _positive("optimizer.eps", o.eps)
+    if o.weight_decay < 0:
+        raise ConfigError(f"optimizer.weight_decay: must be >= 0, got {o.weight_decay}")
+    _choice("optimizer.implementation", o.implementation, ["auto", "fused", "foreach", "for-loop"])
+
+    # lr schedule
+    s = cfg.lr_scheduler
+    if s.warmup_steps < 0:
+        raise ConfigError(f"lr_scheduler.warmup_steps: must be >= 0, got {s.warmup_steps}")
+    if s.warmup_steps > t.steps:
+        raise ConfigError(f"lr_scheduler.warmup_steps: {s.warmup_steps} exceeds training.steps = {t.steps}")
+    if s.decay_ratio != -1.0 and not 0.0 <= s.decay_ratio <= 1.0:
+        raise ConfigError(f"lr_scheduler.decay_ratio: must be in [0, 1] or -1, got {s.decay_ratio}")
+    _choice("lr_scheduler.decay_type", s.decay_type, ["linear", "cosine", "sqrt"])
+    if not 0.0 <= s.min_lr_factor <= 1.0:
+        raise ConfigError(f"lr_scheduler.min_lr_factor: must be in [0, 1], got {s.min_lr_factor}")
+
+    # metrics, debug
+    _positive("metrics.log_freq", cfg.metrics.log_freq)
+    _choice("metrics.wandb_mode", cfg.metrics.wandb_mode, ["online", "offline", "disabled"])
+    if cfg.metrics.peak_flops != -1.0:
+        _positive("metrics.peak_flops", cfg.metrics.peak_flops)
+    if cfg.debug.seed < 0:
+        raise ConfigError(f"debug.seed: must be >= 0, got {cfg.debug.seed}")
+
+
+def grad_accumulation_steps(cfg: Config, dp: int) -> int:
+    """Microbatches per optimizer step on each data-parallel rank."""
+    t = cfg.training
+    if t.global_batch_size == -1:
+        return 1
+    return t.global_batch_size // (t.local_batch_size * dp)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Dump
+# --------------------------------------------------------------------------------------------------------
+
+
+def to_toml(cfg: Config) -> str:
+    import tomli_w
+
+    return tomli_w.dumps(cfg.to_dict())
+
+
+def dump(cfg: Config, folder: str) -> str:
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, "config.toml")
+    with open(path, "w") as f:
+        f.write(to_toml(cfg))
+    return path

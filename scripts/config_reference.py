@@ -1,0 +1,56 @@
+"""Write the configuration reference (every field, type, default, docstring) into README.md.
+
+    python scripts/config_reference.py          # rewrite README.md between the markers
+    python scripts/config_reference.py --check  # exit 1 if README.md is out of date (the tests run this)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from engine.config import SECTIONS, Config, _field_type, _type_name, field_docs  # noqa: E402
+
+README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
+START, END = "<!-- config-reference:start -->", "<!-- config-reference:end -->"
+
+
+def reference() -> str:
+    defaults = Config()
+    out = []
+    for section, cls in SECTIONS.items():
+        out += [f"**[{section}]**", "", "| key | type | default | meaning |", "|---|---|---|---|"]
+        docs = field_docs(cls)
+        for f in dataclasses.fields(cls):
+            default = getattr(getattr(defaults, section), f.name)
+            doc = docs[f.name].replace("|", "\\|")
+            out.append(f"| `{f.name}` | {_type_name(_field_type(cls, f.name))} | `{default!r}` | {doc} |")
+        out.append("")
+    return "\n".join(out)
+
+
+def render(text: str) -> str:
+    head, rest = text.split(START, 1)
+    _, tail = rest.split(END, 1)
+    return f"{head}{START}\n{reference()}{END}{tail}"
+
+
+def main() -> int:
+    with open(README) as f:
+        text = f.read()
+    new = render(text)
+    if "--check" in sys.argv:
+        if new != text:
+            print("README.md's config reference is out of date: run python scripts/config_reference.py")
+            return 1
+        return 0
+    with open(README, "w") as f:
+        f.write(new)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
