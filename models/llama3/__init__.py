@@ -1,0 +1,17 @@
+"""Llama 3 / 3.1: registers the ``llama3`` ModelSpec."""
+
+from models import ModelSpec, register_model_spec
+from models.llama3.flavors import llama3_flavors
+from models.llama3.model import Transformer, TransformerModelArgs, count_params, flops_per_token, num_params
+
+__all__ = ["Transformer", "TransformerModelArgs", "llama3_flavors", "flops_per_token", "num_params", "count_params"]
+
+register_model_spec(
+    ModelSpec(
+        name="llama3",
+        model_cls=Transformer,
+        args_cls=TransformerModelArgs,
+        flavors=llama3_flavors,
+        flops_per_token=flops_per_token,
+    )
+)

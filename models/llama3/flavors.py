@@ -1,0 +1,67 @@
+"""Named Llama 3 sizes (``model.flavor``)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from models.llama3.model import TransformerModelArgs
+
+__all__ = ["llama3_flavors"]
+
+_8B = TransformerModelArgs(
+    dim=4096,
+    n_layers=32,
+    n_heads=32,
+    n_kv_heads=8,
+    vocab_size=128256,
+    ffn_dim_multiplier=1.3,
+    multiple_of=1024,
+    rope_theta=500000.0,
+    rope_scaling=True,
+    max_seq_len=131072,
+)
+
+llama3_flavors: dict[str, TransformerModelArgs] = {
+    # A small model for tests and debugging; the vocabulary comes from the tokenizer.
+    "debugmodel": TransformerModelArgs(
+        dim=256,
+        n_layers=6,
+        n_heads=16,
+        n_kv_heads=8,
+        vocab_size=-1,
+        multiple_of=256,
+        rope_theta=500000.0,
+        rope_scaling=False,
+        max_seq_len=2048,
+        norm_eps=1e-5,
+    ),
+    "8B": _8B,
+    # The 8B shapes with 8 layers: the benchmark shape.
+    "8B_L8": dataclasses.replace(_8B, n_layers=8),
+    # The 8B shapes with 2 layers: GPU smoke tests.
+    "8B_L2": dataclasses.replace(_8B, n_layers=2),
+    "70B": TransformerModelArgs(
+        dim=8192,
+        n_layers=80,
+        n_heads=64,
+        n_kv_heads=8,
+        vocab_size=128256,
+        ffn_dim_multiplier=1.3,
+        multiple_of=4096,
+        rope_theta=500000.0,
+        rope_scaling=True,
+        max_seq_len=131072,
+    ),
+    "405B": TransformerModelArgs(
+        dim=16384,
+        n_layers=126,
+        n_heads=128,
+        n_kv_heads=8,
+        vocab_size=128256,
+        ffn_dim_multiplier=1.2,
+        multiple_of=4096,
+        rope_theta=500000.0,
+        rope_scaling=True,
+        max_seq_len=131072,
+    ),
+}

@@ -1,0 +1,384 @@
+"""The Llama 3 / 3.1 architecture, following Meta's reference implementation and torchtitan's llama3.
+
+Rotary embeddings use Meta's layout: each head's features are taken as ``D/2`` interleaved pairs
+``(x[2i], x[2i+1])`` rotated as complex numbers by ``freqs_cis``. (Hugging Face checkpoints store ``wq``/``wk``
+with a permutation that turns this into the rotate-half layout; the state-dict adapter undoes it.)
+
+Build on the meta device, then materialize::
+
+    with torch.device("meta"):
+        model = Transformer(args)
+    model.to_empty(device=device)
+    model.init_weights(buffer_device=None)
+
+``tok_embeddings``, ``norm`` and ``output`` may be set to ``None`` and entries of ``layers`` deleted (pipeline
+stages); ``forward`` and ``init_weights`` handle that.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from models.attention import BACKENDS, attention, flex_block_mask
+
+__all__ = [
+    "TransformerModelArgs",
+    "precompute_rope_inv_freq",
+    "precompute_freqs_cis",
+    "apply_rotary_emb",
+    "Attention",
+    "FeedForward",
+    "TransformerBlock",
+    "Transformer",
+    "ffn_hidden_dim",
+    "num_params",
+    "count_params",
+    "flops_per_token",
+]
+
+ATTN_MASKS = ("causal", "block_causal")
+
+
+@dataclass
+class TransformerModelArgs:
+    """Hyperparameters of a Llama 3 model."""
+
+    dim: int = 4096
+    """Model (residual stream) width."""
+    n_layers: int = 32
+    """Number of transformer blocks."""
+    n_heads: int = 32
+    """Number of query heads; the head dimension is ``dim // n_heads``."""
+    n_kv_heads: Optional[int] = None
+    """Number of key/value heads (grouped-query attention); None means ``n_heads`` (multi-head attention)."""
+    vocab_size: int = -1
+    """Vocabulary size of the embedding and output layers; -1 = unset, taken from the tokenizer."""
+    multiple_of: int = 256
+    """The SwiGLU hidden size is rounded up to a multiple of this."""
+    ffn_dim_multiplier: Optional[float] = None
+    """Multiplier applied to the SwiGLU hidden size ``int(2 * 4 * dim / 3)`` before rounding; None = 1."""
+    norm_eps: float = 1e-5
+    """Epsilon of the RMSNorms."""
+    rope_theta: float = 10000.0
+    """RoPE base frequency."""
+    rope_scaling: bool = False
+    """Apply Llama 3.1's RoPE frequency scaling (factor 8, low_freq_factor 1, high_freq_factor 4, original max
+    positions 8192)."""
+    max_seq_len: int = 2048
+    """Longest sequence the RoPE table (``freqs_cis``) covers."""
+    attn: str = "sdpa"
+    """Attention backend: sdpa, flex or flash_attn (see models.attention)."""
+    attn_mask: str = "causal"
+    """causal, or block_causal (causal within each document given by ``doc_ids``; needs attn = flex)."""
+
+    def __post_init__(self) -> None:
+        if self.n_kv_heads is None:
+            self.n_kv_heads = self.n_heads
+        if self.dim % self.n_heads != 0:
+            raise ValueError(f"dim ({self.dim}) must be divisible by n_heads ({self.n_heads})")
+        if self.n_heads % self.n_kv_heads != 0:
+            raise ValueError(f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})")
+        if (self.dim // self.n_heads) % 2 != 0:
+            raise ValueError(f"the head dimension ({self.dim // self.n_heads}) must be even for RoPE")
+        if self.attn not in BACKENDS:
+            raise ValueError(
+                f"model.attn: unknown attention backend {self.attn!r}; choose one of {', '.join(BACKENDS)}"
+            )
+        if self.attn_mask not in ATTN_MASKS:
+            raise ValueError(f"model.attn_mask: unknown mask {self.attn_mask!r}; choose one of {', '.join(ATTN_MASKS)}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    def update_from_config(self, model_cfg: Any, tokenizer_vocab_size: int, seq_len: int) -> "TransformerModelArgs":
+        """A copy updated from the job config's ``model`` section and the data pipeline.
+
+        ``model_cfg.attn`` and ``model_cfg.attn_mask`` replace the flavor's; ``model_cfg.vocab_size`` replaces the
+        flavor's vocabulary size unless it is -1, in which case a flavor without one (-1) takes
+        ``tokenizer_vocab_size``. ``max_seq_len`` grows to at least ``seq_len``.
+        """
+        vocab_size = self.vocab_size
+        if model_cfg.vocab_size != -1:
+            vocab_size = model_cfg.vocab_size
+        elif vocab_size == -1:
+            vocab_size = tokenizer_vocab_size
+        if vocab_size <= 0:
+            raise ValueError(f"model.vocab_size: must be positive, got {vocab_size}")
+        if tokenizer_vocab_size > vocab_size:
+            raise ValueError(
+                f"model.vocab_size: {vocab_size} is smaller than the tokenizer's vocabulary ({tokenizer_vocab_size})"
+            )
+        return dataclasses.replace(
+            self,
+            attn=model_cfg.attn,
+            attn_mask=model_cfg.attn_mask,
+            vocab_size=vocab_size,
+            max_seq_len=max(self.max_seq_len, seq_len),
+        )
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Rotary embeddings
+# ----------------------------------------------------------------------------------------------------------------
+
+# Llama 3.1 frequency scaling constants.
+ROPE_SCALE_FACTOR = 8.0
+ROPE_LOW_FREQ_FACTOR = 1.0
+ROPE_HIGH_FREQ_FACTOR = 4.0
+ROPE_ORIGINAL_MAX_POS = 8192
+
+
+def precompute_rope_inv_freq(head_dim: int, theta: float, rope_scaling: bool = False) -> Tensor:
+    """RoPE inverse frequencies ``[head_dim // 2]`` (fp32), with Llama 3.1 scaling when ``rope_scaling``."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if not rope_scaling:
+        return inv_freq
+    low_freq_wavelen = ROPE_ORIGINAL_MAX_POS / ROPE_LOW_FREQ_FACTOR
+    high_freq_wavelen = ROPE_ORIGINAL_MAX_POS / ROPE_HIGH_FREQ_FACTOR
+    wavelen = 2 * math.pi / inv_freq
+    # Long wavelengths (low frequencies) are divided by the factor, short ones kept, and the band between
+    # interpolated smoothly.
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / ROPE_SCALE_FACTOR, inv_freq)
+    smooth = (ROPE_ORIGINAL_MAX_POS / wavelen - ROPE_LOW_FREQ_FACTOR) / (ROPE_HIGH_FREQ_FACTOR - ROPE_LOW_FREQ_FACTOR)
+    smoothed = (1 - smooth) * scaled / ROPE_SCALE_FACTOR + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def precompute_freqs_cis(head_dim: int, end: int, theta: float, rope_scaling: bool = False) -> Tensor:
+    """Complex rotations ``[end, head_dim // 2]`` (complex64): ``exp(i * position * inv_freq)``."""
+    inv_freq = precompute_rope_inv_freq(head_dim, theta, rope_scaling)
+    t = torch.arange(end, dtype=torch.float32, device=inv_freq.device)
+    freqs = torch.outer(t, inv_freq)
+    return torch.polar(torch.ones_like(freqs), freqs)
+
+
+def apply_rotary_emb(xq: Tensor, xk: Tensor, freqs_cis: Tensor) -> tuple[Tensor, Tensor]:
+    """Rotate ``xq [B, S, Hq, D]`` and ``xk [B, S, Hkv, D]`` by ``freqs_cis [S, D/2]`` (Meta's interleaved layout)."""
+    xq_ = torch.view_as_complex(xq.float().reshape(*xq.shape[:-1], -1, 2))
+    xk_ = torch.view_as_complex(xk.float().reshape(*xk.shape[:-1], -1, 2))
+    freqs = freqs_cis.view(1, xq_.shape[1], 1, xq_.shape[-1])
+    xq_out = torch.view_as_real(xq_ * freqs).flatten(3)
+    xk_out = torch.view_as_real(xk_ * freqs).flatten(3)
+    return xq_out.type_as(xq), xk_out.type_as(xk)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Modules
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class Attention(nn.Module):
+    """Grouped-query self-attention with RoPE; the kernel is chosen by ``args.attn``."""
+
+    def __init__(self, args: TransformerModelArgs):
+        super().__init__()
+        self.n_heads = args.n_heads
+        self.n_kv_heads = args.n_kv_heads
+        self.head_dim = args.head_dim
+        self.attn_backend = args.attn
+        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+
+    def init_weights(self, init_std: float) -> None:
+        for linear in (self.wq, self.wk, self.wv):
+            nn.init.trunc_normal_(linear.weight, mean=0.0, std=0.02)
+        nn.init.trunc_normal_(self.wo.weight, mean=0.0, std=init_std)
+
+    def forward(
+        self, x: Tensor, freqs_cis: Tensor, doc_ids: Optional[Tensor] = None, block_mask: Any = None
+    ) -> Tensor:
+        bs, seqlen, _ = x.shape
+        # -1 heads rather than n_heads: under tensor parallelism each rank holds a slice of the heads.
+        xq = self.wq(x).view(bs, seqlen, -1, self.head_dim)
+        xk = self.wk(x).view(bs, seqlen, -1, self.head_dim)
+        xv = self.wv(x).view(bs, seqlen, -1, self.head_dim)
+        xq, xk = apply_rotary_emb(xq, xk, freqs_cis)
+        out = attention(
+            xq.transpose(1, 2),
+            xk.transpose(1, 2),
+            xv.transpose(1, 2),
+            backend=self.attn_backend,
+            doc_ids=doc_ids,
+            block_mask=block_mask,
+        )
+        out = out.transpose(1, 2).reshape(bs, seqlen, -1)
+        return self.wo(out)
+
+
+def ffn_hidden_dim(dim: int, multiple_of: int, ffn_dim_multiplier: Optional[float]) -> int:
+    """SwiGLU hidden size: ``int(2 * 4 * dim / 3)``, times ``ffn_dim_multiplier``, rounded up to ``multiple_of``."""
+    hidden = int(2 * (4 * dim) / 3)
+    if ffn_dim_multiplier is not None:
+        hidden = int(ffn_dim_multiplier * hidden)
+    return multiple_of * ((hidden + multiple_of - 1) // multiple_of)
+
+
+class FeedForward(nn.Module):
+    """SwiGLU MLP: ``w2(silu(w1(x)) * w3(x))``."""
+
+    def __init__(self, dim: int, hidden_dim: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+
+    def init_weights(self, init_std: float) -> None:
+        nn.init.trunc_normal_(self.w1.weight, mean=0.0, std=0.02)
+        for linear in (self.w2, self.w3):
+            nn.init.trunc_normal_(linear.weight, mean=0.0, std=init_std)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm block: ``h = x + attention(attention_norm(x))``; ``h + feed_forward(ffn_norm(h))``."""
+
+    def __init__(self, layer_id: int, args: TransformerModelArgs):
+        super().__init__()
+        self.layer_id = layer_id
+        self.attention = Attention(args)
+        self.feed_forward = FeedForward(args.dim, ffn_hidden_dim(args.dim, args.multiple_of, args.ffn_dim_multiplier))
+        self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        # Depth-scaled init of the output projections (torchtitan's depth_init).
+        self.weight_init_std = 0.02 / (2 * (layer_id + 1)) ** 0.5
+
+    def init_weights(self) -> None:
+        self.attention_norm.reset_parameters()
+        self.ffn_norm.reset_parameters()
+        self.attention.init_weights(self.weight_init_std)
+        self.feed_forward.init_weights(self.weight_init_std)
+
+    def forward(
+        self, x: Tensor, freqs_cis: Tensor, doc_ids: Optional[Tensor] = None, block_mask: Any = None
+    ) -> Tensor:
+        h = x + self.attention(self.attention_norm(x), freqs_cis, doc_ids=doc_ids, block_mask=block_mask)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    """Llama 3 decoder: ``tok_embeddings -> layers["0".."n-1"] -> norm -> output`` (logits, no loss)."""
+
+    def __init__(self, args: TransformerModelArgs):
+        super().__init__()
+        if args.vocab_size <= 0:
+            raise ValueError(f"model.vocab_size: must be set (positive) to build the model, got {args.vocab_size}")
+        self.args = args
+        self.vocab_size = args.vocab_size
+        self.n_layers = args.n_layers
+        self.tok_embeddings: Optional[nn.Embedding] = nn.Embedding(args.vocab_size, args.dim)
+        # Non-persistent: recomputed by init_weights (the model is usually built on the meta device).
+        self.register_buffer("freqs_cis", self._precompute_freqs_cis(), persistent=False)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
+        self.norm: Optional[nn.RMSNorm] = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.output: Optional[nn.Linear] = nn.Linear(args.dim, args.vocab_size, bias=False)
+
+    def _precompute_freqs_cis(self) -> Tensor:
+        a = self.args
+        return precompute_freqs_cis(a.head_dim, a.max_seq_len, a.rope_theta, a.rope_scaling)
+
+    def init_weights(self, buffer_device: Optional[torch.device] = None) -> None:
+        """Initialize every parameter and recompute ``freqs_cis`` on ``buffer_device`` (default: where it is).
+
+        Embedding ~ N(0, 0.02); wq/wk/wv/w1 ~ truncN(0, 0.02); wo/w2/w3 ~ truncN(0, 0.02 / sqrt(2 (layer_id + 1)));
+        output ~ truncN(0, dim^-0.5) cut at 3 std; norms = 1.
+        """
+        buffer_device = buffer_device if buffer_device is not None else self.freqs_cis.device
+        with torch.device(buffer_device):
+            self.freqs_cis = self._precompute_freqs_cis()
+        if self.tok_embeddings is not None:
+            nn.init.normal_(self.tok_embeddings.weight, mean=0.0, std=0.02)
+        for layer in self.layers.values():
+            if layer is not None:
+                layer.init_weights()
+        if self.norm is not None:
+            self.norm.reset_parameters()
+        if self.output is not None:
+            std = self.args.dim**-0.5
+            nn.init.trunc_normal_(self.output.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
+
+    def forward(self, tokens: Tensor, doc_ids: Optional[Tensor] = None) -> Tensor:
+        """``tokens [B, S]`` (or the hidden state ``[B, S, dim]`` when ``tok_embeddings`` is None) -> logits
+        ``[B, S, vocab_size]`` (or the hidden state when ``output`` is None).
+
+        ``doc_ids [B, S]`` gives each token's document; it is used when ``attn_mask = block_causal`` (and required
+        then) and ignored for ``causal``.
+        """
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        seqlen = h.shape[1]
+        if seqlen > self.freqs_cis.shape[0]:
+            raise ValueError(f"sequence length {seqlen} exceeds max_seq_len {self.freqs_cis.shape[0]}")
+        freqs_cis = self.freqs_cis[:seqlen]
+
+        if self.args.attn_mask == "block_causal":
+            if doc_ids is None:
+                raise ValueError("model.attn_mask = block_causal needs doc_ids in the forward call")
+        else:
+            doc_ids = None
+        block_mask = None
+        grad_on_cpu = h.device.type == "cpu" and torch.is_grad_enabled()
+        if self.args.attn == "flex" and not grad_on_cpu:
+            # One BlockMask per forward, shared by all layers (on CPU with grad flex falls back to a dense mask).
+            block_mask = flex_block_mask(doc_ids, seqlen, h.device)
+
+        for layer in self.layers.values():
+            h = layer(h, freqs_cis, doc_ids=doc_ids, block_mask=block_mask)
+        if self.norm is not None:
+            h = self.norm(h)
+        if self.output is not None:
+            h = self.output(h)
+        return h
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Parameter and FLOP counts
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def num_params(args: TransformerModelArgs, exclude_embedding: bool = False) -> int:
+    """Parameter count of ``Transformer(args)``, computed from the shapes (no model built).
+
+    ``exclude_embedding`` leaves out the input embedding ``tok_embeddings`` (the output projection is counted).
+    """
+    if args.vocab_size <= 0:
+        raise ValueError(f"model.vocab_size: must be set (positive) to count parameters, got {args.vocab_size}")
+    dim, hd = args.dim, args.head_dim
+    hidden = ffn_hidden_dim(dim, args.multiple_of, args.ffn_dim_multiplier)
+    attn = dim * args.n_heads * hd * 2 + dim * args.n_kv_heads * hd * 2  # wq, wo; wk, wv
+    mlp = 3 * dim * hidden
+    norms = 2 * dim
+    layer = attn + mlp + norms
+    embedding = args.vocab_size * dim
+    total = args.n_layers * layer + dim + args.vocab_size * dim + embedding  # + final norm + output + embedding
+    return total - embedding if exclude_embedding else total
+
+
+def count_params(model: nn.Module, exclude_embedding: bool = False) -> int:
+    """Number of parameters of ``model`` (global sizes for DTensor parameters; works on meta).
+
+    ``exclude_embedding`` leaves out ``model.tok_embeddings`` when the model has one.
+    """
+    total = sum(p.numel() for p in model.parameters())
+    if exclude_embedding:
+        emb = getattr(model, "tok_embeddings", None)
+        if emb is not None:
+            total -= sum(p.numel() for p in emb.parameters())
+    return total
+
+
+def flops_per_token(args: TransformerModelArgs, seq_len: int) -> int:
+    """Training FLOPs per token (torchtitan's count): ``6 * params_without_input_embedding
+    + 12 * n_layers * n_heads * head_dim * seq_len`` (attention scores, causality not discounted)."""
+    return 6 * num_params(args, exclude_embedding=True) + 12 * args.n_layers * args.n_heads * args.head_dim * seq_len

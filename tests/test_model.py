@@ -1,0 +1,389 @@
+"""Tests of the model registry, the attention backends and the Llama 3 model (CPU, fast)."""
+
+import dataclasses
+import importlib.util
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import models
+from models import ModelSpec, get_model_spec, model_names
+from models.attention import attention, flash_attn_available
+from models.llama3 import Transformer, TransformerModelArgs, llama3_flavors
+from models.llama3.model import count_params, flops_per_token, num_params, precompute_rope_inv_freq
+
+VOCAB = 512
+
+
+def debug_args(**overrides) -> TransformerModelArgs:
+    return dataclasses.replace(llama3_flavors["debugmodel"], vocab_size=VOCAB, **overrides)
+
+
+def build(args: TransformerModelArgs, seed: int = 0) -> Transformer:
+    """Build on meta, materialize on CPU, initialize (the way the trainer does)."""
+    with torch.device("meta"):
+        model = Transformer(args)
+    model.to_empty(device="cpu")
+    torch.manual_seed(seed)
+    model.init_weights(buffer_device=None)
+    return model
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# registry
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def test_registry():
+    assert "llama3" in model_names()
+    spec = get_model_spec("llama3")
+    assert isinstance(spec, ModelSpec)
+    assert spec.model_cls is Transformer and spec.args_cls is TransformerModelArgs
+    assert {"debugmodel", "8B", "8B_L8", "8B_L2", "70B", "405B"} <= set(spec.flavors)
+    assert spec.flops_per_token is flops_per_token
+    assert spec.parallelize_fn is None and spec.pipeline_fn is None and spec.state_dict_adapter is None
+    with pytest.raises(ValueError, match="model.name.*llama3"):
+        get_model_spec("no_such_model")
+    assert models.get_model_spec is get_model_spec
+
+
+def test_flavor_shapes():
+    f = llama3_flavors
+    assert f["debugmodel"].vocab_size == -1 and f["debugmodel"].n_kv_heads == 8
+    assert f["8B_L8"].n_layers == 8 and f["8B_L2"].n_layers == 2
+    for name in ("8B_L8", "8B_L2"):
+        assert dataclasses.replace(f[name], n_layers=32) == f["8B"]
+    for name in ("8B", "70B", "405B"):
+        assert f[name].rope_scaling and f[name].rope_theta == 500000 and f[name].vocab_size == 128256
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# parameter and FLOP counts
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "flavor,published,tol",
+    [("8B", 8_030_261_248, 0.0), ("70B", 70_553_706_496, 0.005), ("405B", 405_853_388_800, 0.005)],
+)
+def test_param_counts_on_meta(flavor, published, tol):
+    args = llama3_flavors[flavor]
+    with torch.device("meta"):
+        model = Transformer(args)
+    n = count_params(model)
+    assert abs(n - published) <= tol * published, (flavor, n)
+    assert n == num_params(args)
+    assert count_params(model, exclude_embedding=True) == num_params(args, exclude_embedding=True)
+    assert n - count_params(model, exclude_embedding=True) == args.vocab_size * args.dim
+    if flavor == "8B":
+        assert f"{n / 1e9:.2f}B" == "8.03B"
+
+
+def test_param_counts_small_flavors():
+    for name in ("8B_L8", "8B_L2"):
+        args = llama3_flavors[name]
+        with torch.device("meta"):
+            model = Transformer(args)
+        assert count_params(model) == num_params(args)
+    args = debug_args()
+    with torch.device("meta"):
+        model = Transformer(args)
+    assert count_params(model) == num_params(args)
+    with pytest.raises(ValueError, match="vocab_size"):
+        num_params(llama3_flavors["debugmodel"])
+
+
+def test_flops_per_token_8b_hand_count():
+    # Published Llama 3 8B shapes.
+    dim, n_layers, n_heads, head_dim, vocab, seq_len = 4096, 32, 32, 128, 128256, 8192
+    embedding = 128256 * 4096
+    per_layer = (
+        4096 * 4096  # wq
+        + 4096 * 1024  # wk
+        + 4096 * 1024  # wv
+        + 4096 * 4096  # wo
+        + 3 * 4096 * 14336  # w1, w2, w3
+        + 2 * 4096  # attention_norm, ffn_norm
+    )
+    total = embedding + 32 * per_layer + 4096 + 128256 * 4096  # + final norm + output
+    assert total == 8_030_261_248
+    expected = 6 * (total - embedding) + 12 * n_layers * n_heads * head_dim * seq_len
+    assert flops_per_token(llama3_flavors["8B"], seq_len) == expected
+    assert get_model_spec("llama3").flops_per_token(llama3_flavors["8B"], seq_len) == expected
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# args
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def test_update_from_config():
+    base = llama3_flavors["debugmodel"]
+    cfg = SimpleNamespace(attn="flex", attn_mask="block_causal", vocab_size=-1)
+    args = base.update_from_config(cfg, tokenizer_vocab_size=1000, seq_len=4096)
+    assert (args.attn, args.attn_mask, args.vocab_size, args.max_seq_len) == ("flex", "block_causal", 1000, 4096)
+    assert base.vocab_size == -1 and base.attn == "sdpa"  # the flavor is untouched
+    args = base.update_from_config(SimpleNamespace(attn="sdpa", attn_mask="causal", vocab_size=2048), 1000, 128)
+    assert args.vocab_size == 2048 and args.max_seq_len == 2048
+    cfg = SimpleNamespace(attn="sdpa", attn_mask="causal", vocab_size=-1)
+    eight = llama3_flavors["8B"].update_from_config(cfg, 1000, 8192)
+    assert eight.vocab_size == 128256 and eight.max_seq_len == 131072
+    with pytest.raises(ValueError, match="model.vocab_size"):
+        base.update_from_config(SimpleNamespace(attn="sdpa", attn_mask="causal", vocab_size=500), 1000, 128)
+    with pytest.raises(ValueError, match="model.attn"):
+        base.update_from_config(SimpleNamespace(attn="nope", attn_mask="causal", vocab_size=-1), 1000, 128)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# model
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def test_debugmodel_meta_init_forward_backward():
+    args = debug_args()
+    model = build(args, seed=0)
+    assert model.freqs_cis.device.type == "cpu" and model.freqs_cis.is_complex()
+    assert "freqs_cis" not in model.state_dict()
+    assert list(model.layers.keys()) == [str(i) for i in range(6)]
+    for name, p in model.named_parameters():
+        assert torch.isfinite(p).all(), name
+    for name, b in model.named_buffers():
+        assert torch.isfinite(torch.view_as_real(b) if b.is_complex() else b).all(), name
+    # Norms are ones; init stds are the documented ones (roughly).
+    assert torch.equal(model.norm.weight, torch.ones(args.dim))
+    assert abs(model.tok_embeddings.weight.std().item() - 0.02) < 0.002
+    assert abs(model.layers["5"].attention.wo.weight.std().item() - 0.02 / 12**0.5) < 0.001
+    assert abs(model.output.weight.std().item() - args.dim**-0.5) < 0.1 * args.dim**-0.5
+    assert model.output.weight.abs().max().item() <= 3 * args.dim**-0.5 + 1e-6
+
+    tokens = torch.randint(0, VOCAB, (2, 64), generator=torch.Generator().manual_seed(1))
+    logits = model(tokens)
+    assert logits.shape == (2, 64, VOCAB)
+    assert torch.isfinite(logits).all()
+    loss = F.cross_entropy(logits.flatten(0, 1), tokens.roll(-1, 1).flatten())
+    loss.backward()
+    assert abs(loss.item() - torch.log(torch.tensor(float(VOCAB))).item()) < 0.5
+    for name, p in model.named_parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all(), name
+    assert model.layers["0"].attention.wq.weight.grad.abs().sum() > 0
+
+    # Same seed => identical weights; another seed => different weights.
+    same = build(args, seed=0)
+    for (n1, p1), (n2, p2) in zip(model.named_parameters(), same.named_parameters()):
+        assert n1 == n2 and torch.equal(p1, p2), n1
+    other = build(args, seed=1)
+    assert not torch.equal(model.layers["0"].attention.wq.weight, other.layers["0"].attention.wq.weight)
+
+
+def test_init_weights_recomputes_freqs_cis_matches_eager_build():
+    args = debug_args(n_layers=1)
+    torch.manual_seed(0)
+    eager = Transformer(args)
+    model = build(args)
+    assert torch.equal(model.freqs_cis, eager.freqs_cis)
+    assert model.freqs_cis.shape == (args.max_seq_len, args.head_dim // 2)
+
+
+def test_pipeline_style_pieces_can_be_none():
+    args = debug_args(n_layers=2)
+    model = build(args)
+    tokens = torch.randint(0, VOCAB, (2, 16))
+    with torch.no_grad():
+        full = model(tokens)
+        first = build(args)
+        del first.layers["1"]
+        first.norm, first.output = None, None
+        h = first(tokens)
+        assert h.shape == (2, 16, args.dim)
+        second = build(args)
+        del second.layers["0"]
+        second.tok_embeddings = None
+        assert list(second.layers.keys()) == ["1"]
+        second.init_weights()  # works with pieces missing
+        second.load_state_dict(model.state_dict(), strict=False)
+        first.load_state_dict(model.state_dict(), strict=False)
+        out = second(first(tokens))
+    torch.testing.assert_close(out, full, rtol=0, atol=1e-5)
+
+
+def test_block_causal_requires_doc_ids():
+    model = build(debug_args(n_layers=1, attn="flex", attn_mask="block_causal"))
+    with pytest.raises(ValueError, match="doc_ids"):
+        with torch.no_grad():
+            model(torch.randint(0, VOCAB, (1, 8)))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# attention backends
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _qkv(B=2, Hq=8, Hkv=2, S=64, D=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, Hq, S, D, generator=g)
+    return q, torch.randn(B, Hkv, S, D, generator=g), torch.randn(B, Hkv, S, D, generator=g)
+
+
+def test_flex_equals_sdpa_causal():
+    q, k, v = _qkv()
+    ref = attention(q, k, v, "sdpa")
+    assert ref.shape == q.shape
+    with torch.no_grad():  # the flex kernel itself (no CPU backward in torch)
+        out = attention(q, k, v, "flex")
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
+    # With gradients on CPU the flex backend falls back to SDPA and still matches.
+    qg = q.clone().requires_grad_()
+    out = attention(qg, k, v, "flex")
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
+    out.sum().backward()
+    assert torch.isfinite(qg.grad).all()
+
+
+def _doc_ids(B, S):
+    doc = torch.zeros(B, S, dtype=torch.long)
+    doc[0, 20:] = 1
+    doc[0, 41:] = 2
+    doc[1, 33:] = 7
+    return doc
+
+
+def _per_document_sdpa(q, k, v, doc):
+    out = torch.empty_like(q)
+    for b in range(q.shape[0]):
+        for d in doc[b].unique():
+            idx = (doc[b] == d).nonzero().squeeze(1)
+            s, e = idx.min().item(), idx.max().item() + 1
+            assert e - s == idx.numel()  # documents are contiguous
+            out[b, :, s:e] = F.scaled_dot_product_attention(
+                q[b : b + 1, :, s:e], k[b : b + 1, :, s:e], v[b : b + 1, :, s:e], is_causal=True, enable_gqa=True
+            )[0]
+    return out
+
+
+def test_flex_document_mask_equals_per_document_sdpa():
+    q, k, v = _qkv(S=64)
+    doc = _doc_ids(2, 64)
+    ref = _per_document_sdpa(q, k, v, doc)
+    with torch.no_grad():
+        out = attention(q, k, v, "flex", doc_ids=doc)
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
+    # Differs from plain causal attention (the mask is really applied).
+    assert (out - attention(q, k, v, "sdpa")).abs().max() > 1e-2
+    # The CPU training path (dense-mask SDPA) agrees too, and backpropagates.
+    qg = q.clone().requires_grad_()
+    out = attention(qg, k, v, "flex", doc_ids=doc)
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
+    out.sum().backward()
+    assert torch.isfinite(qg.grad).all()
+
+
+def test_sdpa_with_doc_ids_raises():
+    q, k, v = _qkv(S=16)
+    with pytest.raises(ValueError, match="flex"):
+        attention(q, k, v, "sdpa", doc_ids=torch.zeros(2, 16, dtype=torch.long))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("flash_attn") is not None, reason="flash_attn is installed")
+def test_flash_attn_missing_raises():
+    assert not flash_attn_available()
+    q, k, v = _qkv(S=16)
+    with pytest.raises(ValueError, match="model.attn"):
+        attention(q, k, v, "flash_attn")
+
+
+def test_unknown_backend_raises():
+    q, k, v = _qkv(S=16)
+    with pytest.raises(ValueError, match="model.attn"):
+        attention(q, k, v, "nope")
+
+
+def test_model_flex_equals_sdpa_same_weights():
+    args = debug_args(n_layers=2)
+    sdpa_model = build(args)
+    flex_model = build(dataclasses.replace(args, attn="flex"))
+    flex_model.load_state_dict(sdpa_model.state_dict())
+    tokens = torch.randint(0, VOCAB, (2, 64), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ref = sdpa_model(tokens)
+        out = flex_model(tokens)
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
+
+
+def test_model_block_causal_equals_separate_documents():
+    args = debug_args(n_layers=2, attn="flex", attn_mask="block_causal")
+    model = build(args)
+    tokens = torch.randint(0, VOCAB, (1, 48), generator=torch.Generator().manual_seed(3))
+    doc = torch.zeros(1, 48, dtype=torch.long)
+    doc[0, 30:] = 1
+    with torch.no_grad():
+        packed = model(tokens, doc_ids=doc)
+        first = model(tokens[:, :30], doc_ids=doc[:, :30])
+        second = model(tokens[:, 30:], doc_ids=doc[:, 30:])
+    # RoPE is relative, so the second document at offset 30 matches it run alone from position 0.
+    torch.testing.assert_close(packed, torch.cat([first, second], dim=1), rtol=0, atol=1e-4)
+    # Training path on CPU (grad enabled) gives the same logits.
+    train_logits = model(tokens, doc_ids=doc)
+    torch.testing.assert_close(train_logits.detach(), packed, rtol=0, atol=1e-5)
+    train_logits.sum().backward()
+    # A causal model ignores doc_ids.
+    causal = build(dataclasses.replace(args, attn_mask="causal"))
+    with torch.no_grad():
+        torch.testing.assert_close(causal(tokens, doc_ids=doc), causal(tokens), rtol=0, atol=0)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# RoPE
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def test_rope_scaling_matches_transformers():
+    pytest.importorskip("transformers")
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    args = llama3_flavors["8B"]
+    config = LlamaConfig(
+        hidden_size=args.dim,
+        num_attention_heads=args.n_heads,
+        num_key_value_heads=args.n_kv_heads,
+        max_position_embeddings=args.max_seq_len,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": args.rope_theta,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    )
+    hf_inv_freq, attention_factor = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
+    assert attention_factor == 1.0
+    ours = precompute_rope_inv_freq(args.head_dim, args.rope_theta, rope_scaling=True)
+    assert ours.shape == hf_inv_freq.shape == (64,)
+    torch.testing.assert_close(ours, hf_inv_freq, rtol=0, atol=1e-6)
+    unscaled = precompute_rope_inv_freq(args.head_dim, args.rope_theta, rope_scaling=False)
+    assert not torch.allclose(ours, unscaled)  # scaling changes the low frequencies
+    torch.testing.assert_close(ours[:10], unscaled[:10], rtol=0, atol=0)  # and keeps the high ones
+    # The model's freqs_cis uses those frequencies: angle(position p) = p * inv_freq.
+    model_args = dataclasses.replace(args, n_layers=1, dim=256, n_heads=2, n_kv_heads=2, max_seq_len=16, vocab_size=8)
+    with torch.device("meta"):
+        m = Transformer(model_args)
+    m.to_empty(device="cpu")
+    m.init_weights()
+    torch.testing.assert_close(m.freqs_cis[5], torch.polar(torch.ones(64), 5 * ours))
+
+
+def test_rope_is_interleaved_meta_layout():
+    # Meta's layout rotates the pairs (x[2i], x[2i+1]); check one pair by hand.
+    from models.llama3.model import apply_rotary_emb, precompute_freqs_cis
+
+    fc = precompute_freqs_cis(4, 3, theta=10000.0)
+    x = torch.zeros(1, 3, 1, 4)
+    x[..., 0] = 1.0  # first pair = (1, 0)
+    q, _ = apply_rotary_emb(x, x, fc)
+    angle = 2 * 1.0  # position 2, inv_freq[0] = 1
+    expected = torch.tensor([torch.cos(torch.tensor(angle)), torch.sin(torch.tensor(angle))])
+    torch.testing.assert_close(q[0, 2, 0, :2], expected)
+    assert q[0, 2, 0, 2:].abs().max() == 0
