@@ -1,0 +1,287 @@
+"""From ``cfg.data`` to the documents of one data-parallel rank, as a Hugging Face dataset.
+
+Three kinds of source, all read through ``datasets.load_dataset`` so that they share one code path:
+
+- ``data.path`` (wins when set): a local file or folder. The format comes from the extension: ``.json``
+  and ``.jsonl`` (JSON Lines, or a JSON array) -> the ``json`` builder; ``.parquet`` -> ``parquet``;
+  ``.txt`` -> ``text``; ``.gz``/``.bz2``/``.xz`` compressed json/jsonl/txt work too. A folder is
+  searched recursively (hidden entries skipped); the first supported file in sorted order fixes the
+  format and every file of that format is read, in sorted order.
+  **Text files: one document per paragraph** (``sample_by="paragraph"``: documents are separated by a
+  blank line; single line breaks stay inside a document). One document per line would cut prose into
+  sentences, and one per file would leave a single big file as one document that cannot be split
+  across data-parallel ranks.
+- ``data.dataset`` naming a built-in dataset (``tessera_docs``, the gzip JSON Lines file shipped in
+  ``engine/data/assets``), read with the ``json`` builder like any local file.
+- any other ``data.dataset``: a Hugging Face Hub dataset, ``load_dataset(name, data.dataset_config or
+  None, split=data.split, streaming=data.streaming)``.
+
+Local files and the built-in dataset form a single ``train`` split (``data.split`` may slice it, e.g.
+``train[:90%]``, when not streaming). The dataset is then split across data-parallel ranks with
+``datasets.distributed.split_dataset_by_node``: a map-style dataset gets a contiguous chunk per rank; a
+streaming one gets whole files per rank when the number of files is a multiple of the number of ranks,
+else every world_size-th document.
+
+``check_data_config(cfg)`` runs every check that needs no data loaded (files exist, extension known,
+split name, the text column of the first record, tokenizer file); ``build_dataset`` loads.
+"""
+
+from __future__ import annotations
+
+import bz2
+import gzip
+import json
+import lzma
+import os
+from dataclasses import dataclass, field
+
+from engine.config import Config, ConfigError
+
+ASSETS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets")
+BUILTIN_DATASETS = {"tessera_docs": os.path.join(ASSETS_DIR, "tessera_docs.jsonl.gz")}
+
+FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text"}
+COMPRESSIONS = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}
+COMPRESSIBLE = ("json", "text")
+
+
+@dataclass
+class DataSource:
+    """Where the documents come from, resolved from the config without reading any data."""
+
+    kind: str  # "local", "builtin" or "hub"
+    field: str  # the config field that chose it: "data.path" or "data.dataset"
+    name: str  # the path, built-in name or hub name as given
+    builder: str = ""  # local/builtin: "json", "parquet" or "text"
+    files: list[str] = field(default_factory=list)  # local/builtin: absolute paths, sorted
+
+    def describe(self) -> str:
+        if self.kind == "hub":
+            return f"Hugging Face dataset '{self.name}'"
+        if self.kind == "builtin":
+            return f"built-in dataset '{self.name}'"
+        return f"'{self.name}' ({len(self.files)} {self.builder} file{'s' if len(self.files) != 1 else ''})"
+
+
+def file_format(path: str) -> str | None:
+    """The ``datasets`` builder for a file name, or None if unsupported."""
+    lower = path.lower()
+    compressed = False
+    for ext in COMPRESSIONS:
+        if lower.endswith(ext):
+            lower, compressed = lower[: -len(ext)], True
+            break
+    builder = FORMATS.get(os.path.splitext(lower)[1])
+    if builder is None or (compressed and builder not in COMPRESSIBLE):
+        return None
+    return builder
+
+
+def _supported_list() -> str:
+    return "json, jsonl, parquet or txt (json, jsonl and txt also .gz, .bz2 or .xz compressed)"
+
+
+def _folder_files(folder: str) -> tuple[str, list[str]]:
+    found = []
+    for dirpath, dirnames, filenames in os.walk(folder):
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        for name in filenames:
+            if not name.startswith("."):
+                found.append(os.path.join(dirpath, name))
+    found.sort(key=lambda p: os.path.relpath(p, folder))
+    for path in found:
+        builder = file_format(path)
+        if builder is not None:
+            return builder, [p for p in found if file_format(p) == builder]
+    raise ConfigError(f"data.path: folder '{folder}' holds no {_supported_list()} files")
+
+
+def resolve_source(cfg: Config) -> DataSource:
+    """Resolve data.path / data.dataset to a DataSource; cheap, raises ConfigError."""
+    d = cfg.data
+    if d.path:
+        path = os.path.abspath(os.path.expanduser(d.path))
+        if not os.path.exists(path):
+            raise ConfigError(f"data.path: '{d.path}' not found; give a {_supported_list()} file or a folder of them")
+        if os.path.isdir(path):
+            builder, files = _folder_files(path)
+        else:
+            builder = file_format(path)
+            if builder is None:
+                raise ConfigError(f"data.path: '{d.path}' has an unsupported extension; give a {_supported_list()} file")
+            files = [path]
+        return DataSource("local", "data.path", d.path, builder, files)
+    if not d.dataset:
+        raise ConfigError("data.dataset: empty; name a built-in dataset (tessera_docs), a Hugging Face dataset, or set data.path")
+    if d.dataset in BUILTIN_DATASETS:
+        path = BUILTIN_DATASETS[d.dataset]
+        if not os.path.isfile(path):
+            raise ConfigError(f"data.dataset: the built-in dataset file '{path}' is missing; reinstall Tessera")
+        return DataSource("builtin", "data.dataset", d.dataset, "json", [path])
+    if file_format(d.dataset) is not None or os.path.exists(d.dataset):
+        raise ConfigError(f"data.dataset: '{d.dataset}' looks like a local file; set data.path for local data")
+    return DataSource("hub", "data.dataset", d.dataset)
+
+
+def _check_split(cfg: Config, source: DataSource) -> None:
+    split = cfg.data.split.strip()
+    if not split:
+        raise ConfigError("data.split: must not be empty")
+    if source.kind == "hub":
+        return
+    if split.split("[")[0].strip() != "train":
+        raise ConfigError(
+            f"data.split: {source.describe()} has a single 'train' split (nothing is held out yet), got '{split}'"
+        )
+    if "[" in split and cfg.data.streaming:
+        raise ConfigError(f"data.split: slicing ('{split}') needs data.streaming = false")
+
+
+def _open_text(path: str):
+    lower = path.lower()
+    for ext, opener in COMPRESSIONS.items():
+        if lower.endswith(ext):
+            return opener(path, "rt", encoding="utf-8")
+    return open(path, encoding="utf-8")
+
+
+def _first_record_columns(source: DataSource) -> list[str] | None:
+    """Column names from the first record of the first file, when that is cheap; None if unknown."""
+    if source.builder == "text":
+        return ["text"]
+    path = source.files[0]
+    if source.builder == "parquet":
+        import pyarrow.parquet as pq
+
+        try:
+            return list(pq.read_schema(path).names)
+        except Exception as e:
+            raise ConfigError(f"{source.field}: '{path}' is not a readable parquet file ({' '.join(str(e).split())})") from None
+    try:
+        with _open_text(path) as f:
+            for _ in range(1000):  # skip leading blank lines, but never scan a whole file
+                line = f.readline(1 << 20)
+                if not line:
+                    return None
+                if line.strip():
+                    break
+            else:
+                return None
+    except (OSError, UnicodeDecodeError, EOFError, lzma.LZMAError) as e:
+        raise ConfigError(f"{source.field}: cannot read '{path}' ({e})") from None
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return None  # a pretty-printed JSON document: the json builder will tell
+    return list(record) if isinstance(record, dict) else None
+
+
+def _missing_field_error(text_field: str, columns, source: DataSource) -> ConfigError:
+    found = ", ".join(repr(c) for c in columns) if columns else "none"
+    return ConfigError(f"data.text_field: '{text_field}' is not a column of {source.describe()}; columns found: {found}")
+
+
+def check_dataset_config(cfg: Config) -> DataSource:
+    """The data checks that need no data loaded (no tokenizer check); returns the resolved source."""
+    if not cfg.data.text_field:
+        raise ConfigError("data.text_field: must not be empty")
+    source = resolve_source(cfg)
+    _check_split(cfg, source)
+    if source.kind != "hub":
+        if len(source.files) == 1 and os.path.getsize(source.files[0]) == 0:
+            raise ConfigError(f"{source.field}: '{source.files[0]}' is empty")
+        columns = _first_record_columns(source)
+        if columns is not None and cfg.data.text_field not in columns:
+            raise _missing_field_error(cfg.data.text_field, columns, source)
+    return source
+
+
+def check_data_config(cfg: Config) -> DataSource:
+    """Every data and tokenizer check that needs no data loaded (files exist, extension known, split name,
+    the text column of the first record, tokenizer file); raises ConfigError naming the field. Cheap:
+    the entry point calls it before building anything."""
+    from engine.data.tokenizer import check_tokenizer_config
+
+    source = check_dataset_config(cfg)
+    check_tokenizer_config(cfg)
+    return source
+
+
+def _one_line(e: BaseException, limit: int = 300) -> str:
+    text = " ".join(str(e).split()) or "no details"
+    if len(text) > limit:
+        text = text[: limit - 3] + "..."
+    return f"{type(e).__name__}: {text}"
+
+
+def load_full_dataset(cfg: Config, source: DataSource | None = None):
+    """The whole dataset (every rank's documents): a ``datasets.Dataset`` or ``IterableDataset``."""
+    import datasets
+
+    source = source or check_dataset_config(cfg)
+    d = cfg.data
+    try:
+        if source.kind == "hub":
+            return datasets.load_dataset(d.dataset, d.dataset_config or None, split=d.split, streaming=d.streaming)
+        kwargs = {"sample_by": "paragraph"} if source.builder == "text" else {}
+        return datasets.load_dataset(
+            source.builder, data_files=source.files, split=d.split, streaming=d.streaming, **kwargs
+        )
+    except ConfigError:
+        raise
+    except Exception as e:
+        what = f"'{d.dataset}'" + (f" (config '{d.dataset_config}')" if d.dataset_config else "")
+        if source.kind != "hub":
+            what = source.describe()
+        raise ConfigError(f"{source.field}: cannot load {what}: {_one_line(e)}") from None
+
+
+def build_dataset(cfg: Config, dp_rank: int = 0, dp_world_size: int = 1):
+    """This rank's share of the dataset, with the text column and non-emptiness checked.
+
+    Returns a ``datasets.Dataset`` (data.streaming = false) or ``datasets.IterableDataset``.
+    """
+    import datasets
+    from datasets.distributed import split_dataset_by_node
+
+    if not 0 <= dp_rank < dp_world_size:
+        raise ValueError(f"dp_rank {dp_rank} is not in [0, {dp_world_size})")
+    source = check_dataset_config(cfg)
+    full = load_full_dataset(cfg, source)
+    text_field = cfg.data.text_field
+    columns = full.column_names
+    if columns is not None and text_field not in columns:
+        raise _missing_field_error(text_field, columns, source)
+    if isinstance(full, datasets.Dataset) and len(full) == 0:
+        raise ConfigError(f"{source.field}: {source.describe()} has no documents")
+    if isinstance(full, datasets.Dataset) and len(full) < dp_world_size:
+        raise ConfigError(
+            f"{source.field}: {source.describe()} has {len(full)} documents, too few for "
+            f"{dp_world_size} data-parallel ranks (rank {dp_rank} would get none)"
+        )
+    ds = split_dataset_by_node(full, rank=dp_rank, world_size=dp_world_size) if dp_world_size > 1 else full
+    if isinstance(ds, datasets.Dataset):
+        return ds
+    # Streaming: look at this rank's first document (a fresh iteration; it does not move the dataset).
+    try:
+        first = next(iter(ds), None)
+    except ConfigError:
+        raise
+    except Exception as e:
+        raise ConfigError(f"{source.field}: cannot read {source.describe()}: {_one_line(e)}") from None
+    if first is None:
+        extra = "" if dp_world_size == 1 else f" for data-parallel rank {dp_rank} of {dp_world_size}"
+        raise ConfigError(f"{source.field}: {source.describe()} has no documents{extra}")
+    if text_field not in first:
+        raise _missing_field_error(text_field, list(first), source)
+    return ds
+
+
+def document_text(example: dict, text_field: str, source_field: str = "data.text_field") -> str | None:
+    """The text of one record; None for a null or empty text (such records are skipped)."""
+    text = example.get(text_field) if isinstance(example, dict) else None
+    if text is None or text == "":
+        return None
+    if not isinstance(text, str):
+        raise ConfigError(f"{source_field}: column '{text_field}' holds {type(text).__name__} values, not text")
+    return text

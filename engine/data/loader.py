@@ -1,0 +1,261 @@
+"""Packing documents into fixed-length samples, and a data loader that resumes exactly.
+
+Each document becomes ``[BOS] + tokens + [EOS]``; the documents are laid end to end and cut into
+samples of ``seq_len + 1`` tokens with no padding (the tokens left over stay for the next sample):
+``input_ids = sample[:-1]``, ``labels = sample[1:]``, and ``doc_ids[i]`` is the index, counted from 0
+within the sample, of the document that input token ``i`` belongs to (a block-causal mask lets token
+``i`` see token ``j`` when ``doc_ids[i] == doc_ids[j]``).
+
+The dataset is read over and over (epochs) so training never runs out of data. A map-style dataset
+(``data.streaming = false``) is read in a fresh order each epoch, a permutation seeded by
+``(debug.seed, epoch)``; a streaming dataset is read in its own order (``IterableDataset.set_epoch``
+lets ``datasets`` reorder whole files between epochs, the same way on every rank).
+
+Resume. ``DataLoader.state_dict()`` is plain JSON data. It does not hold the token buffer: it records
+where the next sample starts, as (the document it starts in, the token offset in it). The document is
+identified by the epoch and its index in this rank's epoch order (map-style), or by the streaming
+dataset's own ``IterableDataset.state_dict()`` taken just before that document was read; on resume the
+document is read and tokenized again and its first ``offset`` tokens are skipped. So the state stays
+small whatever the document sizes, and it records how many documents this rank has finished, in this
+epoch and in all.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+
+from engine.config import Config, ConfigError
+from engine.data.datasets import build_dataset, document_text, resolve_source
+
+STATE_VERSION = 1
+READ_AHEAD = 64  # records read and tokenized together
+
+
+class _Doc:
+    """A document being packed: its tokens and where it sits in the data order."""
+
+    __slots__ = ("tokens", "epoch", "index", "ds_state", "ds_state_after")
+
+    def __init__(self, tokens, epoch, index, ds_state, ds_state_after):
+        self.tokens = tokens  # list[int]: BOS + text tokens + EOS
+        self.epoch = epoch
+        self.index = index  # position of its record in this rank's epoch order
+        self.ds_state = ds_state  # streaming: the dataset's state before this record (None: epoch start)
+        self.ds_state_after = ds_state_after  # streaming: the dataset's state after it
+
+
+class DataLoader:
+    """Packed batches ``{"input_ids", "labels", "doc_ids"}``, LongTensor[B, S] on the CPU, forever.
+
+    B = training.local_batch_size, S = training.seq_len. Iterating yields batches until the process
+    stops; ``state_dict``/``load_state_dict`` save and restore the position after the last batch.
+    """
+
+    def __init__(self, cfg: Config, tokenizer, dp_rank: int, dp_world_size: int):
+        import datasets
+
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        self.dp_rank = int(dp_rank)
+        self.dp_world_size = int(dp_world_size)
+        self.seq_len = cfg.training.seq_len
+        self.batch_size = cfg.training.local_batch_size
+        self.seed = cfg.debug.seed
+        self.text_field = cfg.data.text_field
+        self.source = resolve_source(cfg)
+        self.dataset = build_dataset(cfg, self.dp_rank, self.dp_world_size)
+        self.streaming = not isinstance(self.dataset, datasets.Dataset)
+        if not self.streaming:
+            self.dataset = self.dataset.select_columns([self.text_field])
+        self._order_cache: tuple[int, np.ndarray] | None = None
+        self.batches_produced = 0
+        self._set_position(epoch=0, index=0, ds_state=None, offset=0, docs_consumed=0)
+
+    # ------------------------------------------------------------------------------------------------
+    # Position
+    # ------------------------------------------------------------------------------------------------
+
+    def _set_position(self, epoch: int, index: int, ds_state, offset: int, docs_consumed: int) -> None:
+        """Make the next sample start at token ``offset`` of document ``index`` of ``epoch``."""
+        self._epoch = epoch
+        self._index = index
+        self._ds_state = ds_state
+        self._offset = offset
+        self._docs_consumed = docs_consumed
+        self._doc: _Doc | None = None  # the current document, once read
+        self._docs: Iterator[_Doc] | None = None  # started lazily, from the position above
+
+    def _order(self, epoch: int) -> np.ndarray:
+        """Map-style: this rank's document order in ``epoch``."""
+        if self._order_cache is None or self._order_cache[0] != epoch:
+            rng = np.random.default_rng([self.seed, epoch])
+            self._order_cache = (epoch, rng.permutation(len(self.dataset)))
+        return self._order_cache[1]
+
+    def _records(self, epoch: int, index: int, ds_state) -> Iterator[tuple[int, object, object, dict]]:
+        """(index, state before, state after, record) for the records of ``epoch`` from ``index`` on."""
+        if self.streaming:
+            ds = self.dataset
+            ds.set_epoch(epoch)
+            # Always (re)set the starting state: None starts the epoch at its beginning, even when an earlier
+            # state of the same epoch was loaded into this dataset object.
+            ds.load_state_dict(copy.deepcopy(ds_state) if ds_state is not None else None)
+            before = ds_state
+            for record in ds:
+                after = ds.state_dict()
+                yield index, before, after, record
+                index += 1
+                before = after
+        else:
+            order = self._order(epoch)
+            for i in range(index, len(order)):
+                yield i, None, None, self.dataset[int(order[i])]
+
+    def _document_stream(self, epoch: int, index: int, ds_state) -> Iterator[_Doc]:
+        """Documents from (epoch, index[, ds_state]) on, forever; records with a null/empty text are skipped.
+
+        Records are read ahead in groups of READ_AHEAD and tokenized together (in parallel); every
+        document keeps its own position, so reading ahead does not change what a state_dict records.
+        """
+        while True:
+            whole_epoch = index == 0 and ds_state is None
+            yielded = 0
+            pending: list[tuple[str, int, object, object]] = []
+            records = self._records(epoch, index, ds_state)
+            while True:
+                record = next(records, None)
+                if record is not None:
+                    i, before, after, example = record
+                    text = document_text(example, self.text_field)
+                    if text is not None:
+                        pending.append((text, i, before, after))
+                if pending and (record is None or len(pending) >= READ_AHEAD):
+                    token_lists = self.tokenizer.encode_batch([p[0] for p in pending])
+                    for tokens, (_, i, before, after) in zip(token_lists, pending):
+                        yielded += 1
+                        yield _Doc(tokens, epoch, i, before, after)
+                    pending = []
+                if record is None:
+                    break
+            if whole_epoch and not yielded:
+                raise ConfigError(
+                    f"{self.source.field}: {self.source.describe()} has no non-empty '{self.text_field}' "
+                    f"documents for data-parallel rank {self.dp_rank} of {self.dp_world_size}"
+                )
+            epoch, index, ds_state = epoch + 1, 0, None
+
+    def _current_doc(self) -> _Doc:
+        if self._doc is None:
+            if self._docs is None:
+                self._docs = self._document_stream(self._epoch, self._index, self._ds_state)
+            self._doc = next(self._docs)
+            self._epoch, self._index, self._ds_state = self._doc.epoch, self._doc.index, self._doc.ds_state
+        return self._doc
+
+    def _advance_doc(self) -> None:
+        """The current document is used up: move the position to the one after it."""
+        doc = self._doc
+        self._docs_consumed += 1
+        self._doc = None
+        self._offset = 0
+        self._index = doc.index + 1
+        self._ds_state = doc.ds_state_after
+        # (epoch stays; the stream moves to the next epoch itself and the next _current_doc records it)
+
+    # ------------------------------------------------------------------------------------------------
+    # Packing
+    # ------------------------------------------------------------------------------------------------
+
+    def _next_sample(self) -> tuple[list[int], list[int]]:
+        """seq_len + 1 tokens and the document index (within the sample) of each."""
+        need = self.seq_len + 1
+        tokens: list[int] = []
+        doc_ids: list[int] = []
+        k = 0
+        while need:
+            doc = self._current_doc()
+            take = min(need, len(doc.tokens) - self._offset)
+            tokens.extend(doc.tokens[self._offset : self._offset + take])
+            doc_ids.extend([k] * take)
+            self._offset += take
+            need -= take
+            if self._offset == len(doc.tokens):
+                self._advance_doc()
+                k += 1
+        return tokens, doc_ids
+
+    def __iter__(self) -> DataLoader:
+        return self
+
+    def __next__(self) -> dict[str, torch.Tensor]:
+        samples = [self._next_sample() for _ in range(self.batch_size)]
+        tokens = torch.tensor([s[0] for s in samples], dtype=torch.long)
+        doc_ids = torch.tensor([s[1][:-1] for s in samples], dtype=torch.long)
+        self.batches_produced += 1
+        return {"input_ids": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous(), "doc_ids": doc_ids}
+
+    # ------------------------------------------------------------------------------------------------
+    # State
+    # ------------------------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """The position after the last batch, as JSON-serializable data (ints, strings, lists, dicts)."""
+        doc = self._doc
+        return {
+            "version": STATE_VERSION,
+            "dp_rank": self.dp_rank,
+            "dp_world_size": self.dp_world_size,
+            "streaming": self.streaming,
+            "source": f"{self.source.kind}:{self.source.name}",
+            "seed": self.seed,
+            # The next sample starts at token `token_offset` of document `docs_in_epoch` of `epoch`
+            # (this rank's order); `dataset_state` (streaming) is the dataset's state just before it.
+            "epoch": doc.epoch if doc is not None else self._epoch,
+            "docs_in_epoch": doc.index if doc is not None else self._index,
+            "token_offset": self._offset,
+            "dataset_state": copy.deepcopy(doc.ds_state if doc is not None else self._ds_state),
+            "docs_consumed": self._docs_consumed,  # documents this rank has finished, all epochs (skipped
+            # null/empty records not counted; docs_in_epoch counts every record)
+            "batches": self.batches_produced,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
+            raise ValueError(f"data loader state: unknown format (version {state.get('version') if isinstance(state, dict) else None})")
+        if state["dp_rank"] != self.dp_rank or state["dp_world_size"] != self.dp_world_size:
+            raise ValueError(
+                f"data loader state: saved by data-parallel rank {state['dp_rank']} of {state['dp_world_size']}, "
+                f"loaded by rank {self.dp_rank} of {self.dp_world_size}; resuming with another data-parallel "
+                "degree is not supported yet"
+            )
+        if bool(state["streaming"]) != self.streaming:
+            raise ValueError(
+                f"data loader state: saved with data.streaming = {str(state['streaming']).lower()}, "
+                f"resumed with {str(self.streaming).lower()}; use the same setting to resume"
+            )
+        if not self.streaming and state["docs_in_epoch"] > len(self.dataset):
+            raise ValueError(
+                f"data loader state: position {state['docs_in_epoch']} is past this rank's "
+                f"{len(self.dataset)} documents; was the dataset changed?"
+            )
+        self.batches_produced = int(state.get("batches", 0))
+        self._set_position(
+            epoch=int(state["epoch"]),
+            index=int(state["docs_in_epoch"]),
+            ds_state=copy.deepcopy(state["dataset_state"]),
+            offset=int(state["token_offset"]),
+            docs_consumed=int(state["docs_consumed"]),
+        )
+        if self.seed != state.get("seed", self.seed) and not self.streaming:
+            # The order of an epoch depends on the seed; keep the saved one so that the resumed run continues
+            # the interrupted epoch exactly.
+            self.seed = int(state["seed"])
+            self._order_cache = None
+
+
+def build_dataloader(cfg: Config, tokenizer, dp_rank: int = 0, dp_world_size: int = 1) -> DataLoader:
+    return DataLoader(cfg, tokenizer, dp_rank, dp_world_size)

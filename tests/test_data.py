@@ -1,0 +1,456 @@
+"""Data: tokenizers, datasets (built-in and local files), packing, rank sharding, exact resume, errors."""
+
+import collections
+import gzip
+import json
+import os
+
+import pytest
+import torch
+
+from engine.config import Config, ConfigError
+from engine.data import DataLoader, Tokenizer, build_dataloader, build_dataset, build_tokenizer, check_data_config
+from engine.data.datasets import BUILTIN_DATASETS
+from engine.data.tokenizer import BUILTIN_TOKENIZER
+
+ASSETS = os.path.dirname(BUILTIN_TOKENIZER)
+
+
+@pytest.fixture(autouse=True)
+def _isolated_hf(tmp_path_factory, monkeypatch):
+    """Keep datasets' Arrow cache out of the user's home and never touch the network."""
+    import datasets
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path_factory.getbasetemp() / "hf_cache")
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_tokenizer(Config())
+
+
+def make_cfg(path="", seq_len=16, batch=2, streaming=True, text_field="text", **data):
+    cfg = Config()
+    cfg.data.path = str(path)
+    cfg.data.streaming = streaming
+    cfg.data.text_field = text_field
+    for key, value in data.items():
+        setattr(cfg.data, key, value)
+    cfg.training.seq_len = seq_len
+    cfg.training.local_batch_size = batch
+    return cfg
+
+
+def docs_of(n, words=5):
+    """n distinct short documents of different lengths."""
+    return [" ".join(f"doc{i} says word{j} to the reader." for j in range(1 + (i * 7) % words)) for i in range(n)]
+
+
+def write_jsonl(path, docs, field="text"):
+    with open(path, "w") as f:
+        for d in docs:
+            f.write(json.dumps({field: d, "id": len(d)}) + "\n")
+    return str(path)
+
+
+def write_parquet(path, docs, field="text"):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({field: docs, "n": list(range(len(docs)))}), str(path))
+    return str(path)
+
+
+def take(loader, n):
+    return [next(loader) for _ in range(n)]
+
+
+def flat_tokens(batches):
+    """The token stream the batches cover: each sample's inputs plus its last label."""
+    out = []
+    for b in batches:
+        for inp, lab in zip(b["input_ids"], b["labels"]):
+            out.extend(inp.tolist() + [lab[-1].item()])
+    return out
+
+
+def assert_same(batches_a, batches_b):
+    assert len(batches_a) == len(batches_b)
+    for a, b in zip(batches_a, batches_b):
+        assert a.keys() == b.keys()
+        for key in a:
+            assert torch.equal(a[key], b[key]), key
+
+
+def split_docs(tokens, tok):
+    """Cut a token stream at BOS into documents (BOS ... EOS), checking the framing."""
+    docs, cur = [], None
+    for t in tokens:
+        if t == tok.bos_id:
+            assert cur is None or cur[-1] == tok.eos_id
+            if cur is not None:
+                docs.append(cur)
+            cur = [t]
+        else:
+            cur.append(t)
+    return docs, cur
+
+
+# ------------------------------------------------------------------------------------------------------
+# Tokenizer
+# ------------------------------------------------------------------------------------------------------
+
+
+def test_builtin_tokenizer_round_trip_and_specials(tok):
+    assert tok.vocab_size == 4096  # specials included: the BPE was trained to 4096 entries in all
+    assert tok.bos_id == tok._tok.token_to_id("<|begin_of_text|>")
+    assert tok.eos_id == tok._tok.token_to_id("<|end_of_text|>")
+    assert tok.bos_id != tok.eos_id and max(tok.bos_id, tok.eos_id) < tok.vocab_size
+    for text in ["Return the number of items in a container.", "  tabs\tand\nnewlines  ", "héllo wörld, 日本語 ✓", ""]:
+        ids = tok.encode(text)
+        assert ids[0] == tok.bos_id and ids[-1] == tok.eos_id
+        assert tok.bos_id not in ids[1:-1] and tok.eos_id not in ids[1:-1]
+        assert tok.decode(ids[1:-1]) == text
+        assert tok.encode(text, bos=False, eos=False) == ids[1:-1]
+        assert tok.decode(ids) == "<|begin_of_text|>" + text + "<|end_of_text|>"
+        assert tok.decode(torch.tensor(ids), skip_special_tokens=True) == text
+    assert len(tok.encode("the the the the", bos=False, eos=False)) <= 4
+    assert tok.encode_batch(["a b", "c"]) == [tok.encode("a b"), tok.encode("c")]
+
+
+def _variant(tmp_path, name, replace=None, post_bos=None, config=None):
+    """A copy of the built-in tokenizer with its specials renamed, a BOS post-processor, a config."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers.processors import TemplateProcessing
+
+    folder = tmp_path / name
+    folder.mkdir()
+    with open(BUILTIN_TOKENIZER) as f:
+        text = f.read()
+    for old, new in (replace or {}).items():
+        text = text.replace(json.dumps(old), json.dumps(new))
+    path = folder / "tokenizer.json"
+    path.write_text(text)
+    if post_bos:
+        t = HFTokenizer.from_file(str(path))
+        t.post_processor = TemplateProcessing(single=f"{post_bos} $A", special_tokens=[(post_bos, t.token_to_id(post_bos))])
+        t.save(str(path))
+    if config is not None:
+        (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return str(path)
+
+
+def test_llama3_style_tokenizer_gets_one_bos(tmp_path):
+    # Llama 3 names, and a post-processor that adds BOS by itself: Tessera must not add a second one.
+    path = _variant(tmp_path, "llama3", post_bos="<|begin_of_text|>")
+    t = Tokenizer(path)
+    assert (t.bos_token, t.eos_token) == ("<|begin_of_text|>", "<|end_of_text|>")
+    ids = t.encode("hello world")
+    assert ids.count(t.bos_id) == 1 and ids[0] == t.bos_id and ids[-1] == t.eos_id
+
+
+def test_special_tokens_from_config_and_known_names(tmp_path):
+    # tokenizer_config.json wins, in both its string and {"content": ...} forms.
+    path = _variant(tmp_path, "cfg", replace={"<|pad|>": "<|eot_id|>"},
+                    config={"bos_token": {"content": "<|begin_of_text|>", "lstrip": False}, "eos_token": "<|eot_id|>"})
+    t = Tokenizer(path)
+    assert t.eos_token == "<|eot_id|>" and t.encode("x")[-1] == t._tok.token_to_id("<|eot_id|>")
+    # Llama 2 style names.
+    t = Tokenizer(_variant(tmp_path, "llama2", replace={"<|begin_of_text|>": "<s>", "<|end_of_text|>": "</s>"}))
+    assert (t.bos_token, t.eos_token) == ("<s>", "</s>")
+    # GPT-2 style: one token for both.
+    t = Tokenizer(_variant(tmp_path, "gpt2", replace={"<|end_of_text|>": "<|endoftext|>", "<|begin_of_text|>": "<|unused|>"}))
+    assert t.bos_id == t.eos_id == t._tok.token_to_id("<|endoftext|>")
+    # Nothing known: an error naming the field.
+    path = _variant(tmp_path, "none", replace={"<|begin_of_text|>": "<A>", "<|end_of_text|>": "<B>"})
+    with pytest.raises(ConfigError, match=r"^data\.tokenizer: no BOS or EOS token"):
+        Tokenizer(path)
+
+
+def test_build_tokenizer_sources_and_errors(tmp_path):
+    cfg = Config()
+    assert build_tokenizer(cfg).path == BUILTIN_TOKENIZER
+    cfg.model.hf_assets_path = os.path.dirname(_variant(tmp_path, "hf"))
+    assert build_tokenizer(cfg).path == os.path.join(cfg.model.hf_assets_path, "tokenizer.json")
+    cfg.data.tokenizer = BUILTIN_TOKENIZER  # data.tokenizer wins over model.hf_assets_path
+    assert build_tokenizer(cfg).path == BUILTIN_TOKENIZER
+
+    cfg = Config()
+    cfg.data.tokenizer = str(tmp_path / "nope" / "tokenizer.json")
+    with pytest.raises(ConfigError, match=r"^data\.tokenizer: .*not found"):
+        build_tokenizer(cfg)
+    cfg = Config()
+    cfg.model.hf_assets_path = str(tmp_path)  # a folder without tokenizer.json
+    with pytest.raises(ConfigError, match=r"^model\.hf_assets_path: .*not found"):
+        build_tokenizer(cfg)
+    bad = tmp_path / "corrupt.json"
+    bad.write_text('{"version": "1.0", "model": ')
+    cfg = Config()
+    cfg.data.tokenizer = str(bad)
+    with pytest.raises(ConfigError, match=r"^data\.tokenizer: .*not a valid"):
+        build_tokenizer(cfg)
+
+
+# ------------------------------------------------------------------------------------------------------
+# Packing
+# ------------------------------------------------------------------------------------------------------
+
+
+def test_packing_streaming_is_the_exact_document_stream(tmp_path, tok):
+    docs = docs_of(7)
+    path = write_jsonl(tmp_path / "d.jsonl", docs)
+    cfg = make_cfg(path, seq_len=16, batch=3, streaming=True)
+    loader = build_dataloader(cfg, tok, 0, 1)
+    assert isinstance(loader, DataLoader) and iter(loader) is loader
+    batches = take(loader, 12)
+    for b in batches:
+        for key in ("input_ids", "labels", "doc_ids"):
+            assert b[key].shape == (3, 16) and b[key].dtype == torch.long and b[key].device.type == "cpu"
+        assert torch.equal(b["labels"][:, :-1], b["input_ids"][:, 1:])
+        for inp, ids in zip(b["input_ids"], b["doc_ids"]):
+            assert ids[0] == 0
+            for i in range(1, len(inp)):
+                assert ids[i] == ids[i - 1] + int(inp[i] == tok.bos_id)
+    # Streaming reads the one file in order, epoch after epoch: the samples are the stream, cut.
+    epoch = [t for d in docs for t in tok.encode(d)]
+    stream = flat_tokens(batches)
+    expected = (epoch * (len(stream) // len(epoch) + 1))[: len(stream)]
+    assert len(stream) > 2 * len(epoch)  # crosses two epoch boundaries
+    assert stream == expected
+    assert loader.state_dict()["epoch"] >= 2
+
+
+def test_packing_map_style_covers_each_epoch_once(tmp_path, tok):
+    docs = docs_of(9)
+    path = write_jsonl(tmp_path / "d.jsonl", docs)
+    cfg = make_cfg(path, seq_len=32, batch=2, streaming=False)
+    loader = build_dataloader(cfg, tok, 0, 1)
+    epoch_len = sum(len(tok.encode(d)) for d in docs)
+    stream = flat_tokens(take(loader, -(-3 * epoch_len // (2 * 33))))
+    got, _ = split_docs(stream, tok)
+    texts = [tok.decode(d[1:-1]) for d in got]
+    assert collections.Counter(texts[:9]) == collections.Counter(docs)  # epoch 0: each document once
+    assert collections.Counter(texts[9:18]) == collections.Counter(docs)  # epoch 1 too
+    assert texts[:9] != texts[9:18]  # ... in a fresh seeded order
+
+
+# ------------------------------------------------------------------------------------------------------
+# Resume
+# ------------------------------------------------------------------------------------------------------
+
+
+def _resume_case(cfg, tok, ks, n_after, rank=0, world=1):
+    """Resume after k batches for each k; returns the uninterrupted batches and the epoch of each state."""
+    full = take(build_dataloader(cfg, tok, rank, world), max(ks) + n_after)
+    epochs = []
+    for k in ks:
+        loader = build_dataloader(cfg, tok, rank, world)
+        take(loader, k)
+        state = json.loads(json.dumps(loader.state_dict()))  # checkpoints hold plain JSON data only
+        epochs.append(state["epoch"])
+        fresh = build_dataloader(cfg, tok, rank, world)
+        fresh.load_state_dict(state)
+        assert_same(take(fresh, n_after), full[k : k + n_after])
+    return full, epochs
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
+@pytest.mark.parametrize("streaming", [True, False], ids=["streaming", "map"])
+def test_resume_local_is_exact_across_epochs(tmp_path, tok, fmt, streaming):
+    docs = docs_of(6)
+    path = (write_jsonl if fmt == "jsonl" else write_parquet)(tmp_path / f"d.{fmt}", docs)
+    cfg = make_cfg(path, seq_len=16, batch=2, streaming=streaming)
+    epoch_tokens = sum(len(tok.encode(d)) for d in docs)
+    batches_per_epoch = epoch_tokens / (2 * 17)
+    assert batches_per_epoch > 2
+    # k = 0, inside epoch 0, right around the first epoch boundary, and in epoch 2.
+    ks = [0, 1, int(batches_per_epoch), int(batches_per_epoch) + 1, int(3 * batches_per_epoch)]
+    _, epochs = _resume_case(cfg, tok, ks, n_after=5)
+    assert epochs[:3] == [0, 0, 0] and epochs[3] == 1 and epochs[4] >= 2  # the 5 batches after ks[2] cross into epoch 1
+
+
+@pytest.mark.parametrize("streaming", [True, False], ids=["streaming", "map"])
+def test_resume_when_a_sample_ends_exactly_at_the_end_of_an_epoch(tmp_path, tok, streaming):
+    doc = "A single document that is one whole sample."
+    path = write_jsonl(tmp_path / "one.jsonl", [doc])
+    cfg = make_cfg(path, seq_len=len(tok.encode(doc)) - 1, batch=1, streaming=streaming)
+    full, epochs = _resume_case(cfg, tok, ks=[1, 2, 3], n_after=2)
+    assert epochs == [0, 1, 2]  # each state points just past the last (only) document of its epoch
+    assert all(torch.equal(b["input_ids"], full[0]["input_ids"]) for b in full)
+
+
+def test_resume_multi_file_folder_two_ranks(tmp_path, tok):
+    folder = tmp_path / "shards"
+    folder.mkdir()
+    all_docs = docs_of(16)
+    for i in range(4):  # 4 files, 2 ranks: datasets assigns whole files to ranks
+        write_jsonl(folder / f"part-{i:02d}.jsonl", all_docs[4 * i : 4 * i + 4])
+    (folder / "notes.md").write_text("not data")
+    cfg = make_cfg(folder, seq_len=16, batch=2, streaming=True)
+    for rank in (0, 1):
+        _, epochs = _resume_case(cfg, tok, ks=[2, 7, 11], n_after=4, rank=rank, world=2)
+        assert epochs[0] == 0 and epochs[-1] >= 1
+
+
+def test_load_state_into_a_used_loader(tmp_path, tok):
+    path = write_jsonl(tmp_path / "d.jsonl", docs_of(6))
+    cfg = make_cfg(path, seq_len=16, batch=2, streaming=True)
+    loader = build_dataloader(cfg, tok, 0, 1)
+    start = loader.state_dict()
+    first = take(loader, 3)
+    middle = loader.state_dict()
+    after = take(loader, 6)
+    loader.load_state_dict(middle)
+    assert_same(take(loader, 6), after)
+    loader.load_state_dict(start)  # back to the very beginning, after a same-epoch state was loaded
+    assert_same(take(loader, 3), first)
+
+
+@pytest.mark.parametrize("streaming", [True, False], ids=["streaming", "map"])
+def test_resume_builtin_corpus(tok, streaming):
+    cfg = make_cfg("", seq_len=64, batch=2, streaming=streaming)
+    assert cfg.data.dataset == "tessera_docs"
+    full, _ = _resume_case(cfg, tok, ks=[3, 10], n_after=3)
+    text = tok.decode(full[0]["input_ids"][0])
+    assert text.startswith("<|begin_of_text|>")
+
+
+def test_state_dict_layout_and_rank_mismatch(tmp_path, tok):
+    path = write_jsonl(tmp_path / "d.jsonl", docs_of(8))
+    cfg = make_cfg(path, seq_len=16, batch=2, streaming=True)
+    loader = build_dataloader(cfg, tok, 1, 2)
+    take(loader, 3)
+    state = loader.state_dict()
+    assert json.loads(json.dumps(state)) == state
+    assert state["dp_rank"] == 1 and state["dp_world_size"] == 2 and state["docs_consumed"] > 0
+    other = build_dataloader(cfg, tok, 0, 2)
+    with pytest.raises(ValueError, match="rank 1 of 2"):
+        other.load_state_dict(state)
+    with pytest.raises(ValueError, match="streaming"):
+        build_dataloader(make_cfg(path, seq_len=16, batch=2, streaming=False), tok, 1, 2).load_state_dict(state)
+
+
+# ------------------------------------------------------------------------------------------------------
+# Rank sharding
+# ------------------------------------------------------------------------------------------------------
+
+
+def _texts(ds):
+    return [ex["text"] for ex in ds]
+
+
+@pytest.mark.parametrize("layout", ["one-file", "four-files"])
+@pytest.mark.parametrize("streaming", [True, False], ids=["streaming", "map"])
+def test_two_ranks_see_disjoint_documents_covering_all(tmp_path, streaming, layout):
+    docs = docs_of(40)
+    if layout == "one-file":
+        path = write_jsonl(tmp_path / "d.jsonl", docs)
+    else:
+        path = tmp_path / "parts"
+        path.mkdir()
+        for i in range(4):
+            write_jsonl(path / f"{i}.jsonl", docs[10 * i : 10 * i + 10])
+    cfg = make_cfg(path, streaming=streaming)
+    seen = [_texts(build_dataset(cfg, rank, 2)) for rank in (0, 1)]
+    assert seen[0] and seen[1]
+    assert not set(seen[0]) & set(seen[1])
+    assert sorted(seen[0] + seen[1]) == sorted(docs)
+
+
+def test_two_rank_loaders_differ(tmp_path, tok):
+    path = write_jsonl(tmp_path / "d.jsonl", docs_of(20))
+    cfg = make_cfg(path, seq_len=16, batch=2, streaming=True)
+    a = next(build_dataloader(cfg, tok, 0, 2))
+    b = next(build_dataloader(cfg, tok, 1, 2))
+    assert not torch.equal(a["input_ids"], b["input_ids"])
+
+
+# ------------------------------------------------------------------------------------------------------
+# Other sources and bad inputs
+# ------------------------------------------------------------------------------------------------------
+
+
+def test_txt_files_are_split_into_paragraph_documents(tmp_path, tok):
+    path = tmp_path / "book.txt"
+    path.write_text("First paragraph,\nstill the first.\n\nSecond paragraph.\n\n\nThird one.\n")
+    texts = [t.strip() for t in _texts(build_dataset(make_cfg(path)))]
+    assert texts == ["First paragraph,\nstill the first.", "Second paragraph.", "Third one."]
+    # A gzip'd jsonl works as well (the built-in dataset is one).
+    gz = tmp_path / "d.jsonl.gz"
+    with gzip.open(gz, "wt") as f:
+        f.write(json.dumps({"text": "zipped document"}) + "\n")
+    assert _texts(build_dataset(make_cfg(gz, streaming=False))) == ["zipped document"]
+
+
+def test_bad_data_inputs_name_the_field(tmp_path, tok):
+    def fails(cfg, field, pattern=""):
+        with pytest.raises(ConfigError, match=rf"^{field.replace('.', '[.]')}: .*{pattern}") as info:
+            check_data_config(cfg)
+            build_dataloader(cfg, tok, 0, 1)
+        assert "\n" not in str(info.value)
+        return str(info.value)
+
+    fails(make_cfg(tmp_path / "missing.jsonl"), "data.path", "not found")
+    csv = tmp_path / "d.csv"
+    csv.write_text("text\nhello\n")
+    fails(make_cfg(csv), "data.path", "unsupported extension")
+    empty_dir = tmp_path / "empty"
+    empty_dir.mkdir()
+    fails(make_cfg(empty_dir), "data.path", "no json")
+
+    jsonl = write_jsonl(tmp_path / "d.jsonl", docs_of(3), field="body")
+    msg = fails(make_cfg(jsonl), "data.text_field", "'body'")
+    assert "'id'" in msg  # lists the columns found
+    parquet = write_parquet(tmp_path / "d.parquet", docs_of(3), field="body")
+    fails(make_cfg(parquet, streaming=False), "data.text_field", "'body'")
+    fails(make_cfg(write_jsonl(tmp_path / "ok.jsonl", docs_of(3)), split="validation"), "data.split", "train")
+    fails(make_cfg("", tokenizer=str(tmp_path / "no_tokenizer.json")), "data.tokenizer", "not found")
+
+    blank = tmp_path / "blank.jsonl"
+    blank.write_text("")
+    fails(make_cfg(blank), "data.path", "empty")
+    nulls = tmp_path / "nulls.jsonl"
+    nulls.write_text('{"text": null}\n{"text": ""}\n')
+    for streaming in (True, False):
+        cfg = make_cfg(nulls, streaming=streaming)
+        with pytest.raises(ConfigError, match=r"^data\.path: .*no non-empty"):
+            next(build_dataloader(cfg, tok, 0, 1))
+    one = write_jsonl(tmp_path / "one.jsonl", docs_of(1))
+    with pytest.raises(ConfigError, match=r"^data\.path: .*rank 1"):
+        build_dataset(make_cfg(one, streaming=False), 1, 2)
+
+
+def test_unreachable_hub_dataset_is_one_line(tok):
+    cfg = make_cfg("", dataset="no-such-user/no-such-dataset")  # HF_HUB_OFFLINE is on in these tests
+    check_data_config(cfg)  # nothing cheap to check
+    with pytest.raises(ConfigError, match=r"^data\.dataset: cannot load 'no-such-user/no-such-dataset'") as info:
+        build_dataloader(cfg, tok, 0, 1)
+    assert "\n" not in str(info.value)
+    with pytest.raises(ConfigError, match=r"^data\.dataset: .*data\.path"):
+        check_data_config(make_cfg("", dataset="my_docs.jsonl"))
+
+
+# ------------------------------------------------------------------------------------------------------
+# The built-in corpus
+# ------------------------------------------------------------------------------------------------------
+
+
+def test_builtin_corpus_is_english_prose(tok):
+    path = BUILTIN_DATASETS["tessera_docs"]
+    assert os.path.getsize(path) <= 4 * 2**20
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        texts = [json.loads(line)["text"] for line in f]
+    assert sum(len(t.encode("utf-8")) for t in texts) >= 3_000_000
+    assert len(texts) == len(set(texts)) and min(len(t) for t in texts) >= 200
+    counts = collections.Counter()
+    for ids in tok.encode_batch(texts[:400], bos=False, eos=False):
+        counts.update(ids)
+    top = {tok.decode([i]).strip().lower() for i, _ in counts.most_common(15)}
+    assert {"the", "of", "to"} <= top, top
+    with open(os.path.join(ASSETS, "SOURCE.md")) as f:
+        source = f.read()
+    assert "PSF" in source and "Python Software Foundation" in source and "CPython 3." in source
+    with open(os.path.join(ASSETS, "tokenizer_config.json")) as f:
+        config = json.load(f)
+    assert (config["bos_token"], config["eos_token"]) == ("<|begin_of_text|>", "<|end_of_text|>")
