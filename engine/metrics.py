@@ -1,0 +1,361 @@
+"""Training metrics: throughput, TFLOP/s, MFU and peak memory, written to the console, a JSONL file,
+tensorboard and Weights & Biases.
+
+The trainer calls ``MetricsLogger.log`` every ``metrics.log_freq`` steps with the global token count and the
+wall time since the previous call; the logger derives the rates, prints one line on rank 0, appends one JSON
+object to ``<dump_folder>/metrics.jsonl`` and forwards the numbers to the enabled sinks.
+
+Definitions (per logging window):
+
+* ``tps``         tokens processed by all ranks / elapsed seconds
+* ``tps_per_gpu`` ``tps / world_size``
+* ``tflops``      achieved model TFLOP/s of one device: ``num_flops_per_token * tps_per_gpu / 1e12``
+* ``mfu``         ``100 * tflops * 1e12 / peak_flops`` (percent), ``None`` where the peak is unknown
+* ``memory_gib``  CUDA: peak active bytes since the previous log; CPU: peak RSS of the process (lifetime)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+import time
+from typing import Any, Optional
+
+import torch
+
+GIB = 1024**3
+
+# --------------------------------------------------------------------------------------------------------
+# Peak FLOP/s
+# --------------------------------------------------------------------------------------------------------
+
+# Dense (no sparsity) tensor-core peak FLOP/s per device: (bf16, fp8). fp8 None = no fp8 tensor cores.
+# Matched against torch.cuda.get_device_name() upper-cased, first match wins (specific names first).
+_PEAK_FLOPS: list[tuple[tuple[str, ...], float, Optional[float]]] = [
+    (("H100", "NVL"), 835e12, 1671e12),
+    (("H100", "PCIE"), 756e12, 1513e12),
+    (("H100",), 989e12, 1979e12),  # SXM5 / HBM3 (e.g. "NVIDIA H100 80GB HBM3")
+    (("H200",), 989e12, 1979e12),  # also GH200
+    (("A100",), 312e12, None),
+    (("L40S",), 362e12, 733e12),
+    (("B200",), 2250e12, 4500e12),
+]
+
+
+def peak_flops_for_name(name: str, fp8: bool = False) -> Optional[float]:
+    """Peak dense FLOP/s for a CUDA device name, or None when the name is not in the table.
+
+    With ``fp8=True`` the fp8 peak is returned; a device without fp8 tensor cores (A100) gives its bf16 peak,
+    since fp8 matmuls cannot run there natively.
+    """
+    upper = name.upper()
+    for keys, bf16, f8 in _PEAK_FLOPS:
+        if all(k in upper for k in keys):
+            return f8 if (fp8 and f8 is not None) else bf16
+    return None
+
+
+def peak_flops_per_device(device: torch.device, fp8: bool = False, override: float = -1) -> Optional[float]:
+    """Peak FLOP/s of one device for MFU.
+
+    ``override > 0`` wins on any device (metrics.peak_flops). Otherwise CUDA devices are looked up in the
+    table by name; CPU, other device types and unknown GPUs give None (MFU is then reported as n/a).
+    """
+    if override is not None and override > 0:
+        return float(override)
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    return peak_flops_for_name(torch.cuda.get_device_name(device), fp8=fp8)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Memory
+# --------------------------------------------------------------------------------------------------------
+
+
+def _cpu_total_bytes() -> Optional[int]:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _peak_rss_bytes() -> int:
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss if sys.platform == "darwin" else rss * 1024  # bytes on macOS, KiB on Linux
+
+
+def device_memory(device: torch.device) -> dict:
+    """Peak memory of this process on ``device``.
+
+    Returns ``memory_gib`` and ``memory_pct`` (CUDA: peak active bytes since the last reset; CPU: peak RSS of
+    the process), ``memory_reserved_gib`` and ``memory_reserved_pct`` (CUDA: peak reserved by the caching
+    allocator; None on CPU) and ``total_gib`` (the device's memory, or the machine's RAM on CPU).
+    Percentages are of ``total_gib``.
+    """
+    device = torch.device(device)
+    if device.type == "cuda":
+        stats = torch.cuda.memory_stats(device)
+        active = stats.get("active_bytes.all.peak", torch.cuda.max_memory_allocated(device))
+        reserved = stats.get("reserved_bytes.all.peak", torch.cuda.max_memory_reserved(device))
+        total = torch.cuda.get_device_properties(device).total_memory
+        return {
+            "memory_gib": active / GIB,
+            "memory_pct": 100.0 * active / total,
+            "memory_reserved_gib": reserved / GIB,
+            "memory_reserved_pct": 100.0 * reserved / total,
+            "total_gib": total / GIB,
+        }
+    rss = _peak_rss_bytes()
+    total = _cpu_total_bytes()
+    return {
+        "memory_gib": rss / GIB,
+        "memory_pct": 100.0 * rss / total if total else None,
+        "memory_reserved_gib": None,
+        "memory_reserved_pct": None,
+        "total_gib": total / GIB if total else None,
+    }
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    """Start a new peak-memory window. CUDA: resets the allocator's peak stats. CPU: no-op (the peak RSS
+    from getrusage cannot be reset, so it stays the process's lifetime peak)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Logger
+# --------------------------------------------------------------------------------------------------------
+
+
+def _to_builtin(value: Any) -> Any:
+    """Make tensors and numpy scalars JSON/tensorboard friendly."""
+    if isinstance(value, torch.Tensor):
+        return value.item() if value.numel() == 1 else value.tolist()
+    if hasattr(value, "item") and callable(value.item) and not isinstance(value, (str, bytes)):
+        try:
+            return value.item()
+        except (TypeError, ValueError):
+            return value
+    return value
+
+
+def _json_default(value: Any) -> Any:
+    converted = _to_builtin(value)
+    if converted is value:
+        return str(value)
+    return converted
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _fmt(value: Optional[float], spec: str, suffix: str = "") -> str:
+    if value is None:
+        return "n/a"
+    return f"{value:{spec}}{suffix}"
+
+
+class MetricsLogger:
+    """Console + JSONL + tensorboard + wandb metrics for one rank.
+
+    Rank 0 prints and writes ``<dump_folder>/metrics.jsonl``, ``<dump_folder>/tb`` (tensorboard) and the wandb
+    run (``<dump_folder>/wandb``). With ``metrics.save_for_all_ranks`` every rank N also writes
+    ``metrics_rank<N>.jsonl`` (rank 0 included, next to metrics.jsonl) and ranks > 0 write tensorboard events
+    to ``<dump_folder>/tb/rank_<N>``; wandb stays on rank 0 (one run per job). Other ranks create no files.
+    """
+
+    def __init__(
+        self,
+        cfg,
+        rank: int,
+        world_size: int,
+        num_flops_per_token: int,
+        device: torch.device,
+        fp8: bool = False,
+    ):
+        self.cfg = cfg
+        self.rank = rank
+        self.world_size = max(1, int(world_size))
+        self.num_flops_per_token = num_flops_per_token
+        self.device = torch.device(device)
+        self.peak_flops = peak_flops_per_device(self.device, fp8=fp8, override=cfg.metrics.peak_flops)
+        self.dump_folder = cfg.job.dump_folder
+        self.step_width = max(1, len(str(getattr(getattr(cfg, "training", None), "steps", 1))))
+
+        m = cfg.metrics
+        self.is_main = rank == 0
+        self.writes_files = self.is_main or m.save_for_all_ranks
+        self._files: list = []
+        self.jsonl_paths: list[str] = []
+        self._tb = None
+        self._wandb_run = None
+        self._closed = False
+
+        if not self.writes_files:
+            return
+        os.makedirs(self.dump_folder, exist_ok=True)
+        names = []
+        if self.is_main:
+            names.append("metrics.jsonl")
+        if m.save_for_all_ranks:
+            names.append(f"metrics_rank{rank}.jsonl")
+        self.jsonl_paths = [os.path.join(self.dump_folder, n) for n in names]
+        # Append mode: a resumed run continues the same file.
+        self._files = [open(p, "a", encoding="utf-8") for p in self.jsonl_paths]
+
+        if m.enable_tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as e:  # pragma: no cover - depends on the environment
+                raise RuntimeError(
+                    f"metrics.enable_tensorboard: tensorboard is not importable ({e}); pip install tensorboard"
+                ) from e
+            tb_dir = os.path.join(self.dump_folder, "tb")
+            if not self.is_main:
+                tb_dir = os.path.join(tb_dir, f"rank_{rank}")
+            self._tb = SummaryWriter(log_dir=tb_dir)
+
+        if m.enable_wandb and self.is_main and m.wandb_mode != "disabled":
+            try:
+                import wandb
+            except ImportError as e:  # pragma: no cover - depends on the environment
+                raise RuntimeError(f"metrics.enable_wandb: wandb is not importable ({e}); pip install wandb") from e
+            try:
+                self._wandb_run = wandb.init(
+                    project=m.wandb_project,
+                    dir=self.dump_folder,  # wandb writes under <dump_folder>/wandb
+                    mode=m.wandb_mode,
+                    config=cfg.to_dict(),
+                )
+            except Exception as e:
+                raise RuntimeError(
+                    f"metrics.enable_wandb: wandb.init failed ({e}); run `wandb login`, or set "
+                    f"--metrics.wandb_mode offline"
+                ) from e
+
+    # ----------------------------------------------------------------------------------------------------
+
+    def log(
+        self,
+        step: int,
+        loss: float,
+        grad_norm: float,
+        lr: float,
+        tokens: int,
+        elapsed: float,
+        data_wait: float,
+        extra: Optional[dict] = None,
+    ) -> dict:
+        """Compute the window's rates, emit them to every enabled sink and return the logged record.
+
+        ``tokens``: tokens processed by all ranks since the previous call; ``elapsed``: wall seconds since the
+        previous call; ``data_wait``: seconds of ``elapsed`` spent waiting for data. Rates are None when
+        ``elapsed <= 0``. Resets the CUDA peak-memory window afterwards.
+        """
+        loss = float(_to_builtin(loss))
+        grad_norm = float(_to_builtin(grad_norm))
+        lr = float(_to_builtin(lr))
+        tokens = int(_to_builtin(tokens))
+        elapsed = float(elapsed)
+        data_wait = float(data_wait)
+
+        if elapsed > 0:
+            tps = tokens / elapsed
+            tps_per_gpu = tps / self.world_size
+            tflops = self.num_flops_per_token * tps_per_gpu / 1e12
+            mfu = 100.0 * tflops * 1e12 / self.peak_flops if self.peak_flops else None
+            data_wait_pct = 100.0 * data_wait / elapsed
+        else:
+            tps = tps_per_gpu = tflops = mfu = data_wait_pct = None
+
+        mem = device_memory(self.device)
+        reset_peak_memory(self.device)
+
+        record: dict[str, Any] = {
+            "step": int(step),
+            "loss": loss,
+            "grad_norm": grad_norm,
+            "lr": lr,
+            "tokens": tokens,
+            "tps": tps,
+            "tps_per_gpu": tps_per_gpu,
+            "tflops": tflops,
+            "mfu": mfu,
+            "memory_gib": mem["memory_gib"],
+            "memory_pct": mem["memory_pct"],
+            "memory_reserved_gib": mem["memory_reserved_gib"],
+            "memory_reserved_pct": mem["memory_reserved_pct"],
+            "data_wait_s": data_wait,
+            "data_wait_pct": data_wait_pct,
+            "elapsed_s": elapsed,
+            "time": time.time(),
+        }
+        if extra:
+            record.update({str(k): _to_builtin(v) for k, v in extra.items()})
+
+        if self.is_main:
+            print(self.format_line(record), flush=True)
+        if self._files:
+            line = json.dumps(record, default=_json_default) + "\n"
+            for f in self._files:
+                f.write(line)
+                f.flush()
+        scalars = {k: v for k, v in record.items() if k not in ("step", "time") and _is_number(v)}
+        if self._tb is not None:
+            for k, v in scalars.items():
+                self._tb.add_scalar(k, v, global_step=record["step"])
+        if self._wandb_run is not None:
+            self._wandb_run.log(scalars, step=record["step"])
+        return record
+
+    def format_line(self, r: dict) -> str:
+        """The one-line, colour-free console summary of a record."""
+        mem = f"{r['memory_gib']:.2f}GiB" if r.get("memory_gib") is not None else "n/a"
+        if r.get("memory_pct") is not None:
+            mem += f" ({r['memory_pct']:.1f}%)"
+        tps = r.get("tps")
+        tps_gpu = r.get("tps_per_gpu")
+        parts = [
+            f"step: {r['step']:>{self.step_width}d}",
+            f"loss: {r['loss']:7.4f}",
+            f"grad_norm: {r['grad_norm']:6.2f}",
+            f"lr: {r['lr']:.1e}",
+            f"tps: {_fmt(None if tps is None else round(tps), ',d'):>9}",
+            f"tps/gpu: {_fmt(None if tps_gpu is None else round(tps_gpu), ',d'):>9}",
+            f"tflops: {_fmt(r.get('tflops'), '.2f'):>7}",
+            f"mfu: {_fmt(r.get('mfu'), '.1f', '%'):>5}",
+            f"memory: {mem}",
+            f"data_wait: {_fmt(r.get('data_wait_pct'), '.1f', '%')}",
+        ]
+        return "  ".join(parts)
+
+    # ----------------------------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Flush and close every sink (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        for f in self._files:
+            f.close()
+        self._files = []
+        if self._tb is not None:
+            self._tb.flush()
+            self._tb.close()
+            self._tb = None
+        if self._wandb_run is not None:
+            self._wandb_run.finish()
+            self._wandb_run = None
+
+    def __enter__(self) -> "MetricsLogger":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,141 @@
+"""Plot a run's metrics.jsonl to PNG files.
+
+    python -m engine.plot RUN_DIR_OR_JSONL [--out DIR]
+
+Writes ``loss.png`` (loss, grad norm and learning rate vs step) and ``throughput.png`` (tokens/s per GPU,
+MFU when known, peak memory vs step) and prints their paths. Uses matplotlib's Agg canvas directly, so no
+display and no global backend change are needed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from typing import Optional
+
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+
+class MetricsFileError(ValueError):
+    """The metrics file is missing, empty or not valid JSONL; the message names the file (and line)."""
+
+
+def read_metrics(jsonl_path: str) -> list[dict]:
+    """Read a metrics JSONL file: one record per step (the last one wins where a resumed run repeated a
+    step), sorted by step. Raises MetricsFileError for a missing, empty or corrupt file."""
+    if not os.path.isfile(jsonl_path):
+        raise MetricsFileError(f"{jsonl_path}: file not found")
+    by_step: dict[int, dict] = {}
+    with open(jsonl_path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise MetricsFileError(f"{jsonl_path}:{lineno}: not valid JSON ({e.msg})") from None
+            if not isinstance(rec, dict):
+                raise MetricsFileError(f"{jsonl_path}:{lineno}: expected a JSON object, got {type(rec).__name__}")
+            step = rec.get("step")
+            if not isinstance(step, int) or isinstance(step, bool):
+                raise MetricsFileError(f"{jsonl_path}:{lineno}: record has no integer 'step'")
+            by_step[step] = rec
+    if not by_step:
+        raise MetricsFileError(f"{jsonl_path}: no metrics records (empty file)")
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def _series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
+    """Steps and values of ``key`` where it is a number (None / missing skipped)."""
+    xs, ys = [], []
+    for r in records:
+        v = r.get(key)
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            xs.append(r["step"])
+            ys.append(float(v))
+    return xs, ys
+
+
+def _panel(ax, records: list[dict], keys: list[tuple[str, str]], ylabel: str, logy: bool = False) -> bool:
+    drawn = False
+    for key, label in keys:
+        xs, ys = _series(records, key)
+        if xs:
+            ax.plot(xs, ys, marker="." if len(xs) < 50 else None, label=label)
+            drawn = True
+    if not drawn:
+        ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes)
+    elif logy and all(y > 0 for k, _ in keys for y in _series(records, k)[1] if math.isfinite(y)):
+        ax.set_yscale("log")
+    ax.set_ylabel(ylabel)
+    ax.grid(True, alpha=0.3)
+    if drawn and len(keys) > 1:
+        ax.legend(loc="best", fontsize="small")
+    return drawn
+
+
+def _has(records: list[dict], key: str) -> bool:
+    return bool(_series(records, key)[0])
+
+
+def _save(fig: Figure, path: str) -> str:
+    FigureCanvasAgg(fig)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    return path
+
+
+def plot_metrics(jsonl_path: str, out_dir: str) -> list[str]:
+    """Draw loss.png and throughput.png from ``jsonl_path`` into ``out_dir``; return the PNG paths."""
+    records = read_metrics(jsonl_path)
+    os.makedirs(out_dir, exist_ok=True)
+    title = os.path.basename(os.path.dirname(os.path.abspath(jsonl_path))) or jsonl_path
+    paths = []
+
+    fig = Figure(figsize=(8, 9))
+    axes = fig.subplots(3, 1, sharex=True)
+    _panel(axes[0], records, [("loss", "loss")], "loss")
+    _panel(axes[1], records, [("grad_norm", "grad norm")], "grad norm", logy=True)
+    _panel(axes[2], records, [("lr", "lr")], "learning rate")
+    axes[-1].set_xlabel("step")
+    fig.suptitle(f"{title}: loss")
+    paths.append(_save(fig, os.path.join(out_dir, "loss.png")))
+
+    panels = [("tps", [("tps_per_gpu", "tokens/s per GPU")], "tokens/s per GPU")]
+    if _has(records, "mfu"):
+        panels.append(("mfu", [("mfu", "MFU %")], "MFU (%)"))
+    panels.append(("mem", [("memory_gib", "peak active / RSS"), ("memory_reserved_gib", "peak reserved")], "memory (GiB)"))
+    fig = Figure(figsize=(8, 3 * len(panels)))
+    axes = fig.subplots(len(panels), 1, sharex=True, squeeze=False)[:, 0]
+    for ax, (_, keys, ylabel) in zip(axes, panels):
+        _panel(ax, records, keys, ylabel)
+    axes[-1].set_xlabel("step")
+    fig.suptitle(f"{title}: throughput")
+    paths.append(_save(fig, os.path.join(out_dir, "throughput.png")))
+    return paths
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m engine.plot", description="Plot a Tessera run's metrics.jsonl.")
+    parser.add_argument("path", metavar="RUN_DIR_OR_JSONL", help="a run folder (its metrics.jsonl) or a .jsonl file")
+    parser.add_argument("--out", default=None, help="output folder (default: the folder of the jsonl)")
+    args = parser.parse_args(argv)
+
+    jsonl = os.path.join(args.path, "metrics.jsonl") if os.path.isdir(args.path) else args.path
+    out = args.out if args.out is not None else (os.path.dirname(os.path.abspath(jsonl)))
+    try:
+        paths = plot_metrics(jsonl, out)
+    except MetricsFileError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for p in paths:
+        print(p)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

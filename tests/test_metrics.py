@@ -1,0 +1,266 @@
+"""Tests for engine.metrics (MetricsLogger, peak FLOP/s, memory) and engine.plot."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+from engine.config import Config
+from engine.metrics import MetricsLogger, device_memory, peak_flops_for_name, peak_flops_per_device, reset_peak_memory
+from engine.plot import main as plot_main
+from engine.plot import plot_metrics
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CPU = torch.device("cpu")
+
+
+def make_cfg(tmp_path, **metrics) -> Config:
+    cfg = Config()
+    cfg.job.dump_folder = str(tmp_path / "run")
+    for k, v in metrics.items():
+        setattr(cfg.metrics, k, v)
+    return cfg
+
+
+# ------------------------------------------------------------------------------------------------ peak flops
+
+
+def test_peak_flops_cpu_is_none_and_override_wins():
+    assert peak_flops_per_device(CPU) is None
+    assert peak_flops_per_device(CPU, fp8=True) is None
+    assert peak_flops_per_device(CPU, override=-1) is None
+    assert peak_flops_per_device(CPU, override=123e12) == 123e12
+    assert peak_flops_per_device(torch.device("meta"), override=5e12) == 5e12
+
+
+@pytest.mark.parametrize(
+    "name,bf16,fp8",
+    [
+        ("NVIDIA H100 80GB HBM3", 989e12, 1979e12),
+        ("NVIDIA H100 PCIe", 756e12, 1513e12),
+        ("NVIDIA H100 NVL", 835e12, 1671e12),
+        ("NVIDIA H200", 989e12, 1979e12),
+        ("NVIDIA A100-SXM4-80GB", 312e12, 312e12),  # no fp8: bf16 peak
+        ("NVIDIA L40S", 362e12, 733e12),
+        ("NVIDIA B200", 2250e12, 4500e12),
+    ],
+)
+def test_peak_flops_table(name, bf16, fp8):
+    assert peak_flops_for_name(name) == bf16
+    assert peak_flops_for_name(name, fp8=True) == fp8
+
+
+@pytest.mark.parametrize("name", ["NVIDIA GeForce RTX 3090", "NVIDIA A10", "NVIDIA L40", "Tesla V100-SXM2-16GB"])
+def test_peak_flops_unknown_device(name):
+    assert peak_flops_for_name(name) is None
+
+
+def test_device_memory_cpu():
+    mem = device_memory(CPU)
+    assert mem["memory_gib"] > 0.01  # a Python process with torch imported has > 10 MiB resident
+    assert mem["memory_reserved_gib"] is None
+    assert 0 < mem["memory_pct"] < 100
+    reset_peak_memory(CPU)  # no-op, must not raise
+
+
+# ------------------------------------------------------------------------------------------------ logger
+
+
+def test_log_numbers_and_jsonl(tmp_path, capsys):
+    cfg = make_cfg(tmp_path, peak_flops=100e12)
+    logger = MetricsLogger(cfg, rank=0, world_size=4, num_flops_per_token=6_000_000, device=CPU)
+    # 80,000 global tokens in 2 s -> 40,000 tok/s, 10,000 per GPU; 6e6 * 1e4 = 6e10 FLOP/s = 0.06 TFLOP/s;
+    # MFU = 6e10 / 1e14 = 0.06 %
+    rec = logger.log(
+        step=10, loss=7.5, grad_norm=torch.tensor(1.25), lr=8e-4, tokens=80_000, elapsed=2.0, data_wait=0.5,
+        extra={"loss_scale": 1.0, "note": "x"},
+    )
+    logger.close()
+    assert rec["tps"] == pytest.approx(40_000)
+    assert rec["tps_per_gpu"] == pytest.approx(10_000)
+    assert rec["tflops"] == pytest.approx(0.06)
+    assert rec["mfu"] == pytest.approx(0.06)
+    assert rec["data_wait_pct"] == pytest.approx(25.0)
+    assert rec["grad_norm"] == 1.25 and isinstance(rec["grad_norm"], float)
+    assert rec["memory_gib"] > 0 and rec["memory_reserved_gib"] is None
+
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 1
+    line = out[0]
+    for piece in ["step:", "loss:  7.5000", "tps:    40,000", "tps/gpu:    10,000", "tflops:    0.06", "mfu:  0.1%", "data_wait: 25.0%", "GiB"]:
+        assert piece in line, (piece, line)
+    assert "\x1b" not in line
+
+    path = tmp_path / "run" / "metrics.jsonl"
+    lines = path.read_text().splitlines()
+    assert len(lines) == 1
+    data = json.loads(lines[0])
+    for key in ["step", "loss", "grad_norm", "lr", "tps", "tps_per_gpu", "tflops", "mfu", "memory_gib",
+                "memory_reserved_gib", "data_wait_s", "elapsed_s", "time"]:
+        assert key in data, key
+    assert data["step"] == 10 and data["loss"] == 7.5 and data["lr"] == 8e-4
+    assert data["tps"] == pytest.approx(40_000) and data["mfu"] == pytest.approx(0.06)
+    assert data["data_wait_s"] == 0.5 and data["elapsed_s"] == 2.0
+    assert data["loss_scale"] == 1.0 and data["note"] == "x"
+    assert abs(data["time"] - time.time()) < 60
+
+    # a resumed run appends to the same file
+    logger = MetricsLogger(cfg, rank=0, world_size=4, num_flops_per_token=6_000_000, device=CPU)
+    logger.log(step=20, loss=7.0, grad_norm=1.0, lr=8e-4, tokens=80_000, elapsed=2.0, data_wait=0.0)
+    logger.close()
+    steps = [json.loads(l)["step"] for l in path.read_text().splitlines()]
+    assert steps == [10, 20]
+
+
+def test_mfu_unknown_on_cpu(tmp_path, capsys):
+    cfg = make_cfg(tmp_path)  # peak_flops = -1 -> table -> None on CPU
+    with MetricsLogger(cfg, rank=0, world_size=1, num_flops_per_token=1000, device=CPU) as logger:
+        rec = logger.log(step=1, loss=1.0, grad_norm=0.5, lr=1e-3, tokens=5000, elapsed=0.5, data_wait=0.0)
+    assert rec["mfu"] is None
+    assert rec["tps"] == pytest.approx(10_000) and rec["tps_per_gpu"] == pytest.approx(10_000)
+    assert rec["tflops"] == pytest.approx(1e7 / 1e12)
+    assert "mfu:   n/a" in capsys.readouterr().out
+    data = json.loads((tmp_path / "run" / "metrics.jsonl").read_text())
+    assert data["mfu"] is None
+
+
+def test_non_zero_rank_writes_nothing(tmp_path, capsys):
+    cfg = make_cfg(tmp_path, enable_tensorboard=True, enable_wandb=True, wandb_mode="offline")
+    logger = MetricsLogger(cfg, rank=1, world_size=2, num_flops_per_token=10, device=CPU)
+    rec = logger.log(step=1, loss=1.0, grad_norm=1.0, lr=1e-3, tokens=100, elapsed=1.0, data_wait=0.0)
+    logger.close()
+    assert rec["tps_per_gpu"] == pytest.approx(50)  # still computed and returned
+    assert not os.path.exists(tmp_path / "run")
+    assert capsys.readouterr().out == ""
+
+
+def test_save_for_all_ranks(tmp_path, capsys):
+    cfg = make_cfg(tmp_path, save_for_all_ranks=True)
+    for rank in (0, 1):
+        with MetricsLogger(cfg, rank=rank, world_size=2, num_flops_per_token=10, device=CPU) as logger:
+            logger.log(step=1, loss=1.0 + rank, grad_norm=1.0, lr=1e-3, tokens=100, elapsed=1.0, data_wait=0.0)
+    run = tmp_path / "run"
+    assert sorted(os.listdir(run)) == ["metrics.jsonl", "metrics_rank0.jsonl", "metrics_rank1.jsonl"]
+    assert json.loads((run / "metrics_rank1.jsonl").read_text())["loss"] == 2.0
+    assert len(capsys.readouterr().out.strip().splitlines()) == 1  # only rank 0 prints
+
+
+def test_tensorboard_event_file(tmp_path, capsys):
+    cfg = make_cfg(tmp_path, enable_tensorboard=True, peak_flops=1e12)
+    with MetricsLogger(cfg, rank=0, world_size=1, num_flops_per_token=100, device=CPU) as logger:
+        for step in (1, 2):
+            logger.log(step=step, loss=3.0 / step, grad_norm=1.0, lr=1e-3, tokens=1000, elapsed=1.0, data_wait=0.1)
+    events = glob.glob(str(tmp_path / "run" / "tb" / "events.out.tfevents.*"))
+    assert len(events) == 1 and os.path.getsize(events[0]) > 0
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tmp_path / "run" / "tb"))
+    acc.Reload()
+    tags = acc.Tags()["scalars"]
+    for tag in ("loss", "grad_norm", "lr", "tps", "tps_per_gpu", "tflops", "mfu", "memory_gib"):
+        assert tag in tags, tag
+    assert [(e.step, pytest.approx(e.value)) for e in acc.Scalars("loss")] == [(1, 3.0), (2, 1.5)]
+
+
+def test_wandb_offline(tmp_path, monkeypatch):
+    """Offline wandb works with no login and an unreachable server, and finishes quickly. Run in a child
+    process so wandb's service and console hooks never touch the test process, and a hang hits the timeout."""
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_BASE_URL", "http://127.0.0.1:9")  # nothing listens: any network use would fail
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb_config"))
+    monkeypatch.setenv("WANDB_CACHE_DIR", str(tmp_path / "wandb_cache"))
+    monkeypatch.setenv("WANDB_DATA_DIR", str(tmp_path / "wandb_data"))
+    dump = tmp_path / "run"
+    script = textwrap.dedent(
+        f"""
+        import torch
+        from engine.config import Config
+        from engine.metrics import MetricsLogger
+        cfg = Config()
+        cfg.job.dump_folder = {str(dump)!r}
+        cfg.metrics.enable_wandb = True
+        cfg.metrics.wandb_mode = "offline"
+        cfg.metrics.wandb_project = "tessera-test"
+        logger = MetricsLogger(cfg, rank=0, world_size=1, num_flops_per_token=100, device=torch.device("cpu"))
+        for step in (1, 2):
+            logger.log(step=step, loss=1.0 / step, grad_norm=1.0, lr=1e-3, tokens=100, elapsed=1.0, data_wait=0.0)
+        logger.close()
+        """
+    )
+    t0 = time.time()
+    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=60)
+    wall = time.time() - t0
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert wall < 30, f"wandb offline took {wall:.1f}s"
+    runs = glob.glob(str(dump / "wandb" / "offline-run-*"))
+    assert len(runs) == 1, os.listdir(dump)
+    assert glob.glob(os.path.join(runs[0], "run-*.wandb"))
+    assert len((dump / "metrics.jsonl").read_text().splitlines()) == 2
+
+
+# ------------------------------------------------------------------------------------------------ plot
+
+
+def write_synthetic(path, n=20, with_mfu=True):
+    with open(path, "w") as f:
+        for i in range(1, n + 1):
+            rec = {"step": i * 10, "loss": 8.0 / i, "grad_norm": 1.0 + 0.1 * i, "lr": 1e-3 * min(1, i / 5),
+                   "tps": 4000.0 + i, "tps_per_gpu": 1000.0 + i, "tflops": 1.0, "mfu": 30.0 + i if with_mfu else None,
+                   "memory_gib": 2.0, "memory_reserved_gib": 3.0, "data_wait_s": 0.0, "elapsed_s": 1.0, "time": 0.0}
+            f.write(json.dumps(rec) + "\n")
+
+
+def test_plot_writes_pngs(tmp_path):
+    jsonl = tmp_path / "metrics.jsonl"
+    write_synthetic(jsonl)
+    paths = plot_metrics(str(jsonl), str(tmp_path / "plots"))
+    assert [os.path.basename(p) for p in paths] == ["loss.png", "throughput.png"]
+    for p in paths:
+        with open(p, "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+        assert os.path.getsize(p) > 1000
+
+
+def test_plot_cli_run_dir_default_out(tmp_path, capsys):
+    write_synthetic(tmp_path / "metrics.jsonl", with_mfu=False)
+    assert plot_main([str(tmp_path)]) == 0
+    printed = capsys.readouterr().out.split()
+    assert printed == [str(tmp_path / "loss.png"), str(tmp_path / "throughput.png")]
+    assert all(os.path.getsize(p) > 0 for p in printed)
+
+
+def test_plot_cli_errors(tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "loss": \n')
+    assert plot_main([str(bad)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and f"{bad}:2" in err and "\n" not in err
+
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    assert plot_main([str(empty)]) == 2
+    assert capsys.readouterr().err.startswith(f"error: {empty}")
+
+    assert plot_main([str(tmp_path / "missing.jsonl")]) == 2
+    assert "not found" in capsys.readouterr().err
+    assert not glob.glob(str(tmp_path / "*.png"))
+
+
+def test_plot_module_entry_point(tmp_path):
+    bad = tmp_path / "metrics.jsonl"
+    bad.write_text("not json\n")
+    proc = subprocess.run([sys.executable, "-m", "engine.plot", str(tmp_path)], cwd=REPO, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == f"error: {bad}:1: not valid JSON (Expecting value)"
