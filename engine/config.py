@@ -137,7 +137,8 @@ class LRScheduler:
 @dataclass
 class Metrics:
     log_freq: int = 10
-    """Log metrics every this many steps (the first and last steps are always logged)."""
+    """Log metrics every this many steps (the first and last steps are always logged); the logged loss is
+    the mean over the steps since the previous log."""
     enable_tensorboard: bool = False
     """Write tensorboard event files to <dump_folder>/tb."""
     enable_wandb: bool = False

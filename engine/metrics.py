@@ -255,7 +255,8 @@ class MetricsLogger:
     ) -> dict:
         """Compute the window's rates, emit them to every enabled sink and return the logged record.
 
-        ``tokens``: tokens processed by all ranks since the previous call; ``elapsed``: wall seconds since the
+        ``loss``: the mean training loss over the steps since the previous call; ``grad_norm``: the last
+        step's total gradient norm; ``tokens``: tokens processed by all ranks since the previous call; ``elapsed``: wall seconds since the
         previous call; ``data_wait``: seconds of ``elapsed`` spent waiting for data. Rates are None when
         ``elapsed <= 0``. Resets the CUDA peak-memory window afterwards.
         """

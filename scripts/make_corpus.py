@@ -15,7 +15,7 @@ Test code (``test``/``tests``/``idle_test`` packages, ``test_*.py``), ``site-pac
 ``_test*``/``xx*`` extension modules and the modules that the Python licence lists as carrying their own
 licence terms (``LICENSED_ELSEWHERE``) are excluded. A text of at least ``MIN_CHARS`` characters is a
 document of its own when it looks like English prose (few non-ASCII characters, mostly letters, common
-English function words, not mostly code lines or doctests, no licence header) and is not a duplicate
+English function words, not mostly capitals, code lines or doctests, no licence header) and is not a duplicate
 (after normalizing whitespace and case) of an earlier one. Shorter prose texts (``MIN_NOTE_CHARS`` and
 up) of one module are joined, in source order, into one "notes" document for that module. The documents
 are sorted by source, then shuffled with a fixed seed so that a streaming reader sees a mix of topics,
@@ -97,6 +97,8 @@ def prose_reason(text: str, min_chars: int = MIN_CHARS, min_words: int = 30) -> 
     letters = sum(1 for c in visible if c.isalpha())
     if letters < 0.62 * len(visible):
         return "symbols"
+    if sum(1 for c in visible if c.isupper()) > 0.3 * letters:
+        return "uppercase"  # character-name tables of the codecs, constant lists
     words = _WORD.findall(text.lower())
     if len(words) < min_words or sum(1 for w in words if w in STOPWORDS) < 0.10 * len(words):
         return "not-english"
@@ -374,7 +376,7 @@ Left out: test code (`test`, `tests`, `idle_test` packages and `test_*.py`), `si
 `_test*`/`xx*` extension modules, and the modules that Python's licence documentation lists under
 their own terms ({elsewhere}). A text of at least {min_chars} characters is a document of its own when
 it looks like English prose (few non-ASCII characters, mostly letters, common English function words,
-not mostly code or doctest lines, no licence header) and is not a duplicate of an earlier one; shorter
+not mostly capitals, code or doctest lines, no licence header) and is not a duplicate of an earlier one; shorter
 prose texts (from {min_note_chars} characters) of one module are joined, in source order and separated
 by blank lines, into one "notes" document for that module. The documents are shuffled with a fixed seed.
 One JSON object `{{"text": ...}}` per line, gzip-compressed.

@@ -1,0 +1,55 @@
+"""Summarize a run's metrics.jsonl: median tps, TFLOP/s, MFU and the peak memory after warm-up.
+
+    python bench/summarize.py RUN_DIR_OR_JSONL [--skip N]   # N warm-up steps left out (default 5)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+
+
+def summarize(path: str, skip: int = 5) -> dict:
+    if os.path.isdir(path):
+        path = os.path.join(path, "metrics.jsonl")
+    with open(path) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    steady = [r for r in rows if r["step"] > skip and r.get("tps") is not None]
+    if not steady:
+        raise SystemExit(f"error: {path}: no logged steps after the first {skip}")
+
+    def median(key):
+        values = [r[key] for r in steady if r.get(key) is not None]
+        return statistics.median(values) if values else None
+
+    return {
+        "steps": f"{steady[0]['step']}-{steady[-1]['step']}",
+        "tps_per_gpu": median("tps_per_gpu"),
+        "tflops": median("tflops"),
+        "mfu": median("mfu"),
+        "peak_memory_gib": max(r["memory_gib"] for r in steady),
+        "peak_reserved_gib": max((r.get("memory_reserved_gib") or 0) for r in steady),
+        "last_loss": steady[-1]["loss"],
+    }
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("path")
+    p.add_argument("--skip", type=int, default=5)
+    args = p.parse_args(argv)
+    s = summarize(args.path, args.skip)
+    fmt = lambda v, f: "n/a" if v is None else format(v, f)  # noqa: E731
+    print(
+        f"{args.path}: steps {s['steps']}  median tps/gpu {fmt(s['tps_per_gpu'], ',.0f')}  "
+        f"TFLOP/s {fmt(s['tflops'], '.1f')}  MFU {fmt(s['mfu'], '.1f')}%  peak memory "
+        f"{s['peak_memory_gib']:.1f} GiB (reserved {s['peak_reserved_gib']:.1f})  last loss {s['last_loss']:.3f}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,65 @@
+"""Entry point: ``python -m engine.train [--config FILE] [--section.key value ...]`` (run_train.sh wraps it).
+
+Every user error (config, data, tokenizer, layout) is found before any model memory is allocated or any
+file is written, and ends the process with one ``error:`` line on stderr and exit status 2. User errors are
+ValueErrors (ConfigError among them) whose message names the field; during set-up they are reported that way,
+while errors inside the training loop keep their traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from engine.config import ConfigError, help_text, parse_args, validate
+
+
+def check(argv: list[str] | None = None):
+    """Parse and validate the configuration for this world; raises ConfigError."""
+    from engine.data.datasets import check_data_config
+    from engine.distributed import world_size_from_env
+
+    cfg = parse_args(argv)
+    world_size = world_size_from_env()
+    if world_size > 1:
+        raise ConfigError(
+            f"NGPU: {world_size} processes, but multi-process training needs the device mesh, which this "
+            "version does not have yet; run with NGPU=1"
+        )
+    validate(cfg, world_size)
+    check_data_config(cfg)
+    return cfg
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--help" in argv or "-h" in argv:
+        print(help_text())
+        return 0
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        cfg = check(argv)
+        if os.environ.get("TESSERA_CHECK_ONLY") == "1":
+            return 0
+        from engine.distributed import destroy_distributed, init_distributed
+        from engine.trainer import Trainer
+
+        world = init_distributed()
+        try:
+            trainer = Trainer(cfg, world)  # raises ValueError for user errors, before writing anything
+        except BaseException:
+            destroy_distributed()
+            raise
+    except ValueError as e:  # user errors (ConfigError is one) name their field
+        if rank == 0:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
+    try:
+        trainer.train()
+    finally:
+        destroy_distributed()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

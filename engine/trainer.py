@@ -1,0 +1,180 @@
+"""The training loop: tokenizer and data, model (meta -> device), optimizer, then steps with metrics.
+
+Loss convention: every microbatch contributes the SUM of its token cross-entropies divided by the number of
+target tokens in the whole optimizer step (all microbatches, all data-parallel ranks), so gradient
+accumulation and data parallelism give exactly the gradient of the mean loss over the global batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+
+import torch
+import torch.nn.functional as F
+
+from engine.config import Config, dump, grad_accumulation_steps, to_toml
+from engine.data.loader import build_dataloader
+from engine.data.tokenizer import build_tokenizer
+from engine.distributed import World, set_determinism
+from engine.metrics import MetricsLogger
+from engine.optim import build_lr_scheduler, build_optimizer
+from models import get_model_spec
+
+IGNORE_INDEX = -100
+
+
+def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Sum of the token cross-entropies, computed in float32."""
+    return F.cross_entropy(
+        logits.flatten(0, 1).float(), labels.flatten(0, 1), reduction="sum", ignore_index=IGNORE_INDEX
+    )
+
+
+def _set_aside_old_metrics(folder: str) -> None:
+    """A fresh run starts a fresh metrics.jsonl; an earlier run's file is kept as metrics.<n>.jsonl."""
+    path = os.path.join(folder, "metrics.jsonl")
+    if not os.path.exists(path):
+        return
+    n = 1
+    while os.path.exists(os.path.join(folder, f"metrics.{n}.jsonl")):
+        n += 1
+    os.replace(path, os.path.join(folder, f"metrics.{n}.jsonl"))
+
+
+class Trainer:
+    def __init__(self, cfg: Config, world: World):
+        self.cfg = cfg
+        self.world = world
+        self.device = world.device
+        set_determinism(cfg.debug.seed, cfg.debug.deterministic)
+
+        # Data-parallel layout: every rank is a data-parallel rank until the mesh adds other dimensions.
+        self.dp_rank, self.dp_size = world.rank, world.world_size
+        self.grad_accum = grad_accumulation_steps(cfg, self.dp_size)
+
+        # Tokenizer and data (cheap to build; their errors are user errors).
+        self.tokenizer = build_tokenizer(cfg)
+        self.dataloader = build_dataloader(cfg, self.tokenizer, self.dp_rank, self.dp_size)
+
+        # Model on the meta device: shapes and FLOPs without memory.
+        spec = get_model_spec(cfg.model.name)
+        self.model_args = spec.flavors[cfg.model.flavor].update_from_config(
+            cfg.model, self.tokenizer.vocab_size, cfg.training.seq_len
+        )
+        with torch.device("meta"):
+            model = spec.model_cls(self.model_args)
+        self.num_flops_per_token = spec.flops_per_token(self.model_args, cfg.training.seq_len)
+        self.num_params = sum(p.numel() for p in model.parameters())
+
+        # Every check has passed: from here on the run writes to its dump folder.
+        if world.is_main:
+            dump(cfg, cfg.job.dump_folder)
+            if cfg.job.print_config:
+                print(to_toml(cfg), flush=True)
+
+        # Materialize and initialize.
+        model.to_empty(device=self.device)
+        torch.manual_seed(cfg.debug.seed)
+        with torch.no_grad():
+            model.init_weights(buffer_device=None)
+        model.train()
+        self.model = model
+
+        self.optimizer = build_optimizer(model, cfg.optimizer, self.device)
+        self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.training.steps)
+        if world.is_main:
+            _set_aside_old_metrics(cfg.job.dump_folder)
+        self.metrics = MetricsLogger(cfg, world.rank, world.world_size, self.num_flops_per_token, self.device)
+        self.step = 0
+
+        use_bf16 = self.device.type == "cuda" and cfg.training.mixed_precision_param == "bfloat16"
+        self.autocast = (
+            (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if use_bf16 else contextlib.nullcontext
+        )
+        self.doc_masking = cfg.model.attn_mask == "block_causal"
+        if world.is_main:
+            print(
+                f"model {cfg.model.name}/{cfg.model.flavor}: {self.num_params:,} parameters, "
+                f"{self.num_flops_per_token / 1e9:.3f} GFLOP per token; device {self.device}; "
+                f"grad accumulation {self.grad_accum}",
+                flush=True,
+            )
+
+    # ----------------------------------------------------------------------------------------------------
+    def _to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        non_blocking = self.device.type == "cuda"
+        return {k: v.to(self.device, non_blocking=non_blocking) for k, v in batch.items()}
+
+    def train_step(self, microbatches: list[dict[str, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One optimizer step over ``microbatches``; returns (mean loss, grad norm) as device tensors."""
+        num_targets = sum(int((mb["labels"] != IGNORE_INDEX).sum()) for mb in microbatches)
+        assert num_targets > 0, "a step without target tokens"
+        total_loss = torch.zeros((), device=self.device)
+        for mb in microbatches:
+            mb = self._to_device(mb)
+            with self.autocast():
+                logits = self.model(mb["input_ids"], doc_ids=mb["doc_ids"] if self.doc_masking else None)
+            loss = cross_entropy_sum(logits, mb["labels"]) / num_targets
+            del logits
+            loss.backward()
+            total_loss += loss.detach()
+        grad_norm = torch.nn.utils.clip_grad_norm_(
+            self.model.parameters(), self.cfg.training.max_norm, foreach=True
+        )
+        self.optimizer.step()
+        self.lr_scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return total_loss, grad_norm
+
+    def _should_log(self, step: int) -> bool:
+        return step == 1 or step % self.cfg.metrics.log_freq == 0 or step == self.cfg.training.steps
+
+    def train(self) -> list[dict]:
+        """Run to training.steps; returns the logged metrics (rank 0's view)."""
+        cfg = self.cfg
+        tokens_per_step = cfg.training.local_batch_size * cfg.training.seq_len * self.grad_accum * self.dp_size
+        data_iter = iter(self.dataloader)
+        logged = []
+        # A logged loss is the mean over the steps since the previous log (as Megatron-LM logs it): one
+        # step's loss swings with the content of its batch; the window mean shows the trend.
+        window_start = time.perf_counter()
+        window_tokens, window_data_wait, window_steps = 0, 0.0, 0
+        window_loss = torch.zeros((), device=self.device)
+        while self.step < cfg.training.steps:
+            self.step += 1
+            t0 = time.perf_counter()
+            microbatches = [next(data_iter) for _ in range(self.grad_accum)]
+            window_data_wait += time.perf_counter() - t0
+
+            lr = self.lr_scheduler.get_last_lr()[0]
+            loss, grad_norm = self.train_step(microbatches)
+            window_tokens += tokens_per_step
+            window_loss += loss
+            window_steps += 1
+
+            if self._should_log(self.step):
+                # The one host sync per log.
+                loss_value, grad_norm_value = (window_loss / window_steps).item(), grad_norm.item()
+                elapsed = time.perf_counter() - window_start
+                logged.append(
+                    self.metrics.log(
+                        self.step, loss_value, grad_norm_value, lr, window_tokens, elapsed, window_data_wait
+                    )
+                )
+                window_start = time.perf_counter()
+                window_tokens, window_data_wait, window_steps = 0, 0.0, 0
+                window_loss.zero_()
+        self.metrics.close()
+        if self.world.is_main:
+            self._plot()
+        return logged
+
+    def _plot(self) -> None:
+        from engine.plot import plot_metrics
+
+        jsonl = os.path.join(self.cfg.job.dump_folder, "metrics.jsonl")
+        if os.path.exists(jsonl):
+            paths = plot_metrics(jsonl, self.cfg.job.dump_folder)
+            print(f"plots: {', '.join(paths)}", flush=True)

@@ -1,0 +1,45 @@
+"""Optimizer parameter groups and the warmup-stable-decay schedule."""
+
+import math
+
+import pytest
+import torch
+
+from engine.config import LRScheduler, Optimizer
+from engine.optim import build_lr_scheduler, build_optimizer, lr_factor
+
+
+def test_no_decay_on_norms_and_biases():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4, bias=True), torch.nn.LayerNorm(4))
+    opt = build_optimizer(model, Optimizer(weight_decay=0.1), torch.device("cpu"))
+    decay = [g for g in opt.param_groups if g["weight_decay"] > 0]
+    no_decay = [g for g in opt.param_groups if g["weight_decay"] == 0]
+    assert [p.shape for p in decay[0]["params"]] == [torch.Size([4, 4])]
+    assert sorted(p.numel() for p in no_decay[0]["params"]) == [4, 4, 4]
+    assert isinstance(opt, torch.optim.AdamW)
+
+
+def test_warmup_stable_decay_shapes():
+    cfg = LRScheduler(warmup_steps=10, decay_ratio=0.2, decay_type="linear", min_lr_factor=0.0)
+    f = [lr_factor(s, 100, cfg) for s in range(1, 101)]
+    assert f[0] == pytest.approx(0.1) and f[9] == pytest.approx(1.0)  # warmup reaches the peak at step 10
+    assert all(x == 1.0 for x in f[10:80])  # stable until the last 20 steps
+    assert f[80] == pytest.approx(1 - 1 / 20) and f[99] == pytest.approx(0.0)
+    cos = LRScheduler(warmup_steps=0, decay_ratio=-1, decay_type="cosine", min_lr_factor=0.1)
+    assert lr_factor(50, 100, cos) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
+    assert lr_factor(100, 100, cos) == pytest.approx(0.1)
+    sq = LRScheduler(warmup_steps=0, decay_ratio=1.0, decay_type="sqrt", min_lr_factor=0.0)
+    assert lr_factor(25, 100, sq) == pytest.approx(1 - math.sqrt(0.25))
+
+
+def test_scheduler_drives_the_optimizer():
+    p = torch.nn.Parameter(torch.zeros(2, 2))
+    opt = torch.optim.AdamW([p], lr=1.0)
+    sched = build_lr_scheduler(opt, LRScheduler(warmup_steps=4, decay_type="linear"), total_steps=8)
+    seen = []
+    for _ in range(8):
+        seen.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert seen[:4] == pytest.approx([0.25, 0.5, 0.75, 1.0])
+    assert seen[4:] == pytest.approx([0.75, 0.5, 0.25, 0.0])
