@@ -104,6 +104,41 @@ class Training:
 
 
 @dataclass
+class Parallelism:
+    dp_replicate: int = 1
+    """Data-parallel replicas: DDP when dp_shard is 1, HSDP (replicas of FSDP groups) when dp_shard > 1."""
+    dp_shard: int = -1
+    """FSDP2 sharding degree; -1 takes the ranks left over once the other degrees are set."""
+    tp: int = 1
+    """Tensor-parallel degree (with sequence parallel norms); must divide n_heads and n_kv_heads."""
+    fsdp_reshard_after_forward: str = "default"
+    """FSDP: free gathered parameters after forward: default (yes, except for the root module, whose
+    parameters the backward needs first), always, or never (faster, more memory)."""
+    fsdp_cpu_offload: bool = False
+    """FSDP: keep sharded parameters, gradients and optimizer state in CPU memory (CUDA only)."""
+    disable_loss_parallel: bool = False
+    """With tp > 1, gather the full vocabulary logits before the loss instead of computing the
+    cross-entropy on vocabulary shards."""
+    enable_async_tp: bool = False
+    """Overlap TP communication with matmuls (CUDA, tp > 1 and compile.enable only)."""
+
+
+@dataclass
+class ActivationCheckpoint:
+    mode: str = "none"
+    """none, full (recompute every block in backward) or selective (see selective_option)."""
+    selective_option: str = "op"
+    """For mode = selective: "op" keeps the outputs of matmuls and attention and recomputes the rest;
+    an integer N checkpoints every N-th block fully."""
+
+
+@dataclass
+class Compile:
+    enable: bool = False
+    """torch.compile each transformer block (fullgraph) and the loss."""
+
+
+@dataclass
 class Optimizer:
     name: str = "AdamW"
     """Optimizer: AdamW or Adam."""
@@ -167,6 +202,9 @@ class Config:
     model: Model = field(default_factory=Model)
     data: Data = field(default_factory=Data)
     training: Training = field(default_factory=Training)
+    parallelism: Parallelism = field(default_factory=Parallelism)
+    activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
+    compile: Compile = field(default_factory=Compile)
     optimizer: Optimizer = field(default_factory=Optimizer)
     lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
     metrics: Metrics = field(default_factory=Metrics)
@@ -441,7 +479,8 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     _positive("training.steps", t.steps)
     _positive("training.seq_len", t.seq_len)
     _positive("training.local_batch_size", t.local_batch_size)
-    dp = world_size  # every rank is data-parallel until the mesh adds other dimensions
+    dims = validate_parallelism(cfg, world_size, spec)
+    dp = dims.dp
     if t.global_batch_size != -1:
         _positive("training.global_batch_size", t.global_batch_size)
         if t.global_batch_size % (t.local_batch_size * dp):
@@ -485,6 +524,54 @@ def validate(cfg: Config, world_size: int = 1) -> None:
         _positive("metrics.peak_flops", cfg.metrics.peak_flops)
     if cfg.debug.seed < 0:
         raise ConfigError(f"debug.seed: must be >= 0, got {cfg.debug.seed}")
+
+
+def validate_parallelism(cfg: Config, world_size: int, spec):
+    """The parallel layout: degrees, their product, and the model shapes they must divide."""
+    from parallelize.mesh import ParallelDims
+
+    p = cfg.parallelism
+    _choice("parallelism.fsdp_reshard_after_forward", p.fsdp_reshard_after_forward, ["default", "always", "never"])
+    dims = ParallelDims.from_config(p, world_size)
+    args = spec.flavors[cfg.model.flavor]
+    if dims.tp > 1:
+        for name, heads in (("n_heads", args.n_heads), ("n_kv_heads", args.n_kv_heads)):
+            if heads % dims.tp:
+                raise ConfigError(
+                    f"parallelism.tp: {dims.tp} does not divide the {cfg.model.flavor} flavor's {name} = {heads}; "
+                    f"tensor parallelism gives each rank whole heads (KV heads are not replicated), so pick a tp "
+                    f"that divides {args.n_kv_heads}"
+                )
+        if cfg.training.seq_len % dims.tp:
+            raise ConfigError(
+                f"training.seq_len: {cfg.training.seq_len} is not divisible by parallelism.tp = {dims.tp} "
+                f"(sequence parallelism splits the sequence over the tp ranks)"
+            )
+    if p.enable_async_tp:
+        import torch
+
+        if dims.tp == 1 or not cfg.compile.enable or not torch.cuda.is_available():
+            raise ConfigError(
+                "parallelism.enable_async_tp: needs parallelism.tp > 1, compile.enable and CUDA GPUs"
+            )
+    if p.fsdp_cpu_offload:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError("parallelism.fsdp_cpu_offload: offloading to CPU memory needs CUDA GPUs")
+    ac = cfg.activation_checkpoint
+    _choice("activation_checkpoint.mode", ac.mode, ["none", "full", "selective"])
+    if ac.mode == "selective" and ac.selective_option != "op":
+        try:
+            every = int(ac.selective_option)
+        except ValueError:
+            every = 0
+        if every <= 0:
+            raise ConfigError(
+                f"activation_checkpoint.selective_option: {ac.selective_option!r} is neither \"op\" nor a "
+                f"positive integer N (checkpoint every N-th block)"
+            )
+    return dims
 
 
 def grad_accumulation_steps(cfg: Config, dp: int) -> int:

@@ -2,7 +2,7 @@
 
 AdamW with decoupled weight decay on matrices only (norm weights and biases, the 1-D parameters, never
 decay), the fused kernel on CUDA, and a warmup-stable-decay (WSD) schedule with linear, cosine or sqrt
-decay. Gradient clipping lives in the trainer, which knows the mesh.
+decay. Gradient clipping over DTensor gradients on any mesh.
 """
 
 from __future__ import annotations
@@ -78,3 +78,33 @@ def lr_factor(step: int, total_steps: int, cfg: LRSchedulerConfig) -> float:
 def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg: LRSchedulerConfig, total_steps: int) -> LambdaLR:
     # LambdaLR evaluates the lambda at 0 on construction: that lr is the one the first update uses.
     return LambdaLR(optimizer, lambda i: lr_factor(i + 1, total_steps, cfg))
+
+
+def clip_grad_norm_(parameters, max_norm: float, pp_group=None) -> torch.Tensor:
+    """Clip the gradients to a total L2 norm of ``max_norm``; returns the total norm before clipping.
+
+    Gradients may be DTensors sharded or replicated over any mesh dimensions (FSDP, TP, ...), on several
+    meshes at once: each mesh's norm is computed with DTensor semantics (sharded contributions summed,
+    replicated ones counted once) and made whole, then the meshes are combined. With pipeline stages
+    (``pp_group``) every stage holds different parameters, so their squared norms are summed over it.
+    """
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    params = [p for p in parameters if p.grad is not None]
+    by_mesh: dict = {}
+    for p in params:
+        key = p.grad.device_mesh if isinstance(p.grad, DTensor) else None
+        by_mesh.setdefault(key, []).append(p.grad)
+    squares = []
+    for grads in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        squares.append(norm.float() ** 2)
+    total_sq = torch.stack(squares).sum() if squares else torch.zeros(())
+    if pp_group is not None:
+        dist.all_reduce(total_sq, group=pp_group)
+    total = total_sq.sqrt()
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
+    return total

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import sys
 
-from engine.config import ConfigError, help_text, parse_args, validate
+from engine.config import help_text, parse_args, validate
 
 
 def check(argv: list[str] | None = None):
@@ -20,13 +20,7 @@ def check(argv: list[str] | None = None):
     from engine.distributed import world_size_from_env
 
     cfg = parse_args(argv)
-    world_size = world_size_from_env()
-    if world_size > 1:
-        raise ConfigError(
-            f"NGPU: {world_size} processes, but multi-process training needs the device mesh, which this "
-            "version does not have yet; run with NGPU=1"
-        )
-    validate(cfg, world_size)
+    validate(cfg, world_size_from_env())
     check_data_config(cfg)
     return cfg
 

@@ -14,13 +14,20 @@ import time
 import torch
 import torch.nn.functional as F
 
+import torch.distributed as dist
+
 from engine.config import Config, dump, grad_accumulation_steps, to_toml
 from engine.data.loader import build_dataloader
 from engine.data.tokenizer import build_tokenizer
 from engine.distributed import World, set_determinism
 from engine.metrics import MetricsLogger
-from engine.optim import build_lr_scheduler, build_optimizer
+from engine.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
 from models import get_model_spec
+from parallelize.compile import compile_loss
+from parallelize.data import gradient_divide_factor
+from parallelize.init import materialize
+from parallelize.mesh import ParallelDims
+from parallelize.tensor import loss_context, to_local_scalar
 
 IGNORE_INDEX = -100
 
@@ -50,9 +57,13 @@ class Trainer:
         self.device = world.device
         set_determinism(cfg.debug.seed, cfg.debug.deterministic)
 
-        # Data-parallel layout: every rank is a data-parallel rank until the mesh adds other dimensions.
-        self.dp_rank, self.dp_size = world.rank, world.world_size
+        # The mesh: which ranks share data, shards and tokens.
+        self.dims = ParallelDims.from_config(cfg.parallelism, world.world_size)
+        if self.dims.distributed:
+            self.dims.build_mesh(self.device.type)
+        self.dp_rank, self.dp_size = self.dims.coordinate("dp")
         self.grad_accum = grad_accumulation_steps(cfg, self.dp_size)
+        self.loss_group = self.dims.group("dp_cp")  # ranks holding different tokens
 
         # Tokenizer and data (cheap to build; their errors are user errors).
         self.tokenizer = build_tokenizer(cfg)
@@ -74,13 +85,22 @@ class Trainer:
             if cfg.job.print_config:
                 print(to_toml(cfg), flush=True)
 
-        # Materialize and initialize.
+        # The parallel plan, still on the meta device; then materialize and initialize. Every layout gets
+        # the weights a single process would draw (parallelize/init.py).
+        spec.parallelize_fn(model, self.dims, cfg, self.device.type)
         model.to_empty(device=self.device)
         torch.manual_seed(cfg.debug.seed)
         with torch.no_grad():
-            model.init_weights(buffer_device=None)
+            model.init_weights(buffer_device=None, materialize=materialize)
         model.train()
         self.model = model
+        self.loss_parallel = self.dims.tp_enabled and not cfg.parallelism.disable_loss_parallel
+        # The loss is divided by the global token count, so data-parallel gradients must be summed; FSDP2
+        # averages them (a sum with a pre-multiplier, which gloo lacks), so backward runs on the loss times
+        # the divisor.
+        self.data_parallel = self.dims.fsdp_enabled or self.dims.dp_replicate_enabled
+        self.backward_scale = gradient_divide_factor(self.dims.mesh("fsdp")) if self.data_parallel else 1
+        self.loss_fn = compile_loss(cross_entropy_sum) if cfg.compile.enable else cross_entropy_sum
 
         self.optimizer = build_optimizer(model, cfg.optimizer, self.device)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.training.steps)
@@ -89,7 +109,10 @@ class Trainer:
         self.metrics = MetricsLogger(cfg, world.rank, world.world_size, self.num_flops_per_token, self.device)
         self.step = 0
 
-        use_bf16 = self.device.type == "cuda" and cfg.training.mixed_precision_param == "bfloat16"
+        # bf16 autocast on CUDA unless FSDP2's mixed precision casts the parameters already.
+        use_bf16 = (
+            self.device.type == "cuda" and cfg.training.mixed_precision_param == "bfloat16" and not self.data_parallel
+        )
         self.autocast = (
             (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if use_bf16 else contextlib.nullcontext
         )
@@ -98,7 +121,7 @@ class Trainer:
             print(
                 f"model {cfg.model.name}/{cfg.model.flavor}: {self.num_params:,} parameters, "
                 f"{self.num_flops_per_token / 1e9:.3f} GFLOP per token; device {self.device}; "
-                f"grad accumulation {self.grad_accum}",
+                f"grad accumulation {self.grad_accum}; layout {self.dims.describe()}",
                 flush=True,
             )
 
@@ -107,26 +130,41 @@ class Trainer:
         non_blocking = self.device.type == "cuda"
         return {k: v.to(self.device, non_blocking=non_blocking) for k, v in batch.items()}
 
-    def train_step(self, microbatches: list[dict[str, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """One optimizer step over ``microbatches``; returns (mean loss, grad norm) as device tensors."""
-        num_targets = sum(int((mb["labels"] != IGNORE_INDEX).sum()) for mb in microbatches)
+    def _global_num_targets(self, microbatches: list[dict[str, torch.Tensor]]) -> int:
+        """Target tokens of the whole optimizer step: every microbatch on every rank holding other tokens."""
+        local = sum(int((mb["labels"] != IGNORE_INDEX).sum()) for mb in microbatches)
+        if self.loss_group is None:
+            return local
+        count = torch.tensor(local, dtype=torch.int64, device=self.device)
+        dist.all_reduce(count, group=self.loss_group)
+        return int(count)
+
+    def forward_backward(self, microbatches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+        """Gradients of the step's mean loss; returns this rank's share of that loss (a device scalar)."""
+        num_targets = self._global_num_targets(microbatches)
         assert num_targets > 0, "a step without target tokens"
         total_loss = torch.zeros((), device=self.device)
         for mb in microbatches:
             mb = self._to_device(mb)
             with self.autocast():
                 logits = self.model(mb["input_ids"], doc_ids=mb["doc_ids"] if self.doc_masking else None)
-            loss = cross_entropy_sum(logits, mb["labels"]) / num_targets
-            del logits
-            loss.backward()
-            total_loss += loss.detach()
-        grad_norm = torch.nn.utils.clip_grad_norm_(
-            self.model.parameters(), self.cfg.training.max_norm, foreach=True
-        )
+            with loss_context(self.loss_parallel):
+                loss = self.loss_fn(logits, mb["labels"]) / num_targets
+                del logits
+                (loss * self.backward_scale if self.backward_scale != 1 else loss).backward()
+            total_loss += to_local_scalar(loss.detach())
+        return total_loss
+
+    def train_step(self, microbatches: list[dict[str, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One optimizer step over ``microbatches``; returns (mean loss, grad norm) as device tensors."""
+        loss = self.forward_backward(microbatches)
+        grad_norm = clip_grad_norm_(self.model.parameters(), self.cfg.training.max_norm)
         self.optimizer.step()
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return total_loss, grad_norm
+        if self.loss_group is not None:
+            dist.all_reduce(loss, group=self.loss_group)  # the shares add up to the global mean
+        return loss, grad_norm
 
     def _should_log(self, step: int) -> bool:
         return step == 1 or step % self.cfg.metrics.log_freq == 0 or step == self.cfg.training.steps

@@ -28,7 +28,8 @@ class ModelSpec:
     flops_per_token: Callable[[Any, int], int]
     """``flops_per_token(args, seq_len) -> int``: training FLOPs (forward + backward) per token, for MFU."""
     parallelize_fn: Optional[Callable] = None
-    """Applies tensor/data/context parallelism, activation checkpointing and compile to a model (later)."""
+    """``parallelize_fn(model, dims, cfg, device_type)``: applies the family's whole plan (TP, AC, compile,
+    FSDP2/HSDP/DDP) to a model on the meta device, in place, for the ``ParallelDims`` ``dims``."""
     pipeline_fn: Optional[Callable] = None
     """Splits a model into pipeline stages (later)."""
     state_dict_adapter: Optional[type] = None

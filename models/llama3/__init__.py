@@ -2,6 +2,7 @@
 
 from models import ModelSpec, register_model_spec
 from models.llama3.flavors import llama3_flavors
+from models.llama3.parallelize import parallelize_llama
 from models.llama3.model import Transformer, TransformerModelArgs, count_params, flops_per_token, num_params
 
 __all__ = ["Transformer", "TransformerModelArgs", "llama3_flavors", "flops_per_token", "num_params", "count_params"]
@@ -13,5 +14,6 @@ register_model_spec(
         args_cls=TransformerModelArgs,
         flavors=llama3_flavors,
         flops_per_token=flops_per_token,
+        parallelize_fn=parallelize_llama,
     )
 )

@@ -17,10 +17,11 @@ stages); ``forward`` and ``init_weights`` handle that.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -199,6 +200,7 @@ class Attention(nn.Module):
         self, x: Tensor, freqs_cis: Tensor, doc_ids: Optional[Tensor] = None, block_mask: Any = None
     ) -> Tensor:
         bs, seqlen, _ = x.shape
+        freqs_cis = freqs_cis[:seqlen]  # the whole table comes in: under sequence parallelism only here is x whole
         # -1 heads rather than n_heads: under tensor parallelism each rank holds a slice of the heads.
         xq = self.wq(x).view(bs, seqlen, -1, self.head_dim)
         xk = self.wk(x).view(bs, seqlen, -1, self.head_dim)
@@ -268,6 +270,15 @@ class TransformerBlock(nn.Module):
         return h + self.feed_forward(self.ffn_norm(h))
 
 
+def _no_materialize(module: Any) -> contextlib.AbstractContextManager:
+    return contextlib.nullcontext()
+
+
+def _unwrap(block: nn.Module) -> nn.Module:
+    """The block inside an activation-checkpoint wrapper (or the block itself)."""
+    return getattr(block, "_checkpoint_wrapped_module", block)
+
+
 class Transformer(nn.Module):
     """Llama 3 decoder: ``tok_embeddings -> layers["0".."n-1"] -> norm -> output`` (logits, no loss)."""
 
@@ -289,25 +300,33 @@ class Transformer(nn.Module):
         a = self.args
         return precompute_freqs_cis(a.head_dim, a.max_seq_len, a.rope_theta, a.rope_scaling)
 
-    def init_weights(self, buffer_device: Optional[torch.device] = None) -> None:
+    def init_weights(
+        self, buffer_device: Optional[torch.device] = None, materialize: Callable[[Any], Any] = _no_materialize
+    ) -> None:
         """Initialize every parameter and recompute ``freqs_cis`` on ``buffer_device`` (default: where it is).
 
         Embedding ~ N(0, 0.02); wq/wk/wv/w1 ~ truncN(0, 0.02); wo/w2/w3 ~ truncN(0, 0.02 / sqrt(2 (layer_id + 1)));
-        output ~ truncN(0, dim^-0.5) cut at 3 std; norms = 1.
+        output ~ truncN(0, dim^-0.5) cut at 3 std; norms = 1. Each unit (embedding, block, norm, output) is
+        initialized inside ``materialize(unit)``: parallelize.init.materialize gives a parallelized model the
+        weights of a single-process one.
         """
         buffer_device = buffer_device if buffer_device is not None else self.freqs_cis.device
         with torch.device(buffer_device):
             self.freqs_cis = self._precompute_freqs_cis()
         if self.tok_embeddings is not None:
-            nn.init.normal_(self.tok_embeddings.weight, mean=0.0, std=0.02)
+            with materialize(self.tok_embeddings):
+                nn.init.normal_(self.tok_embeddings.weight, mean=0.0, std=0.02)
         for layer in self.layers.values():
             if layer is not None:
-                layer.init_weights()
+                with materialize(layer):
+                    _unwrap(layer).init_weights()
         if self.norm is not None:
-            self.norm.reset_parameters()
+            with materialize(self.norm):
+                self.norm.reset_parameters()
         if self.output is not None:
             std = self.args.dim**-0.5
-            nn.init.trunc_normal_(self.output.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
+            with materialize(self.output):
+                nn.init.trunc_normal_(self.output.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
 
     def forward(self, tokens: Tensor, doc_ids: Optional[Tensor] = None) -> Tensor:
         """``tokens [B, S]`` (or the hidden state ``[B, S, dim]`` when ``tok_embeddings`` is None) -> logits
@@ -316,11 +335,11 @@ class Transformer(nn.Module):
         ``doc_ids [B, S]`` gives each token's document; it is used when ``attn_mask = block_causal`` (and required
         then) and ignored for ``causal``.
         """
-        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        seqlen = h.shape[1]
+        seqlen = tokens.shape[1]  # before the embedding: under sequence parallelism h holds a slice
         if seqlen > self.freqs_cis.shape[0]:
             raise ValueError(f"sequence length {seqlen} exceeds max_seq_len {self.freqs_cis.shape[0]}")
-        freqs_cis = self.freqs_cis[:seqlen]
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        freqs_cis = self.freqs_cis
 
         if self.args.attn_mask == "block_causal":
             if doc_ids is None:

@@ -1,0 +1,91 @@
+"""Llama 3's whole parallel plan, applied to a model on the meta device, in this order:
+TP (with sequence and loss parallel) -> activation checkpointing -> compile -> FSDP2/HSDP/DDP.
+
+Tensor parallel layout (Megatron-style, with sequence parallelism):
+- tok_embeddings: vocabulary-parallel (rowwise on the vocabulary), output sharded on the sequence;
+- each block: norms sequence-parallel; the attention and MLP inputs are all-gathered over the sequence;
+  wq/wk/wv and w1/w3 colwise (each rank holds whole heads), wo and w2 rowwise with a reduce-scatter back
+  to sequence shards;
+- norm sequence-parallel; output colwise, its logits left sharded on the vocabulary for loss parallel (or
+  gathered when loss parallel is off).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+)
+
+from parallelize.checkpointing import apply_ac
+from parallelize.compile import apply_compile
+from parallelize.data import apply_fsdp, mixed_precision_policy
+from parallelize.mesh import ParallelDims
+from parallelize.tensor import apply_tp, enable_async_tp
+
+
+def tp_plan_root(loss_parallel: bool) -> dict:
+    return {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+        "output": ColwiseParallel(
+            input_layouts=Shard(1),
+            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            use_local_output=not loss_parallel,
+        ),
+    }
+
+
+def tp_plan_block() -> dict:
+    return {
+        "attention_norm": SequenceParallel(),
+        "attention": PrepareModuleInput(
+            input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)
+        ),
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+        "ffn_norm": SequenceParallel(),
+        "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+        "feed_forward.w3": ColwiseParallel(),
+    }
+
+
+def parallelize_llama(model: nn.Module, dims: ParallelDims, cfg: Any, device_type: str) -> nn.Module:
+    """Apply the plan for ``dims`` and ``cfg`` to ``model`` (on the meta device) in place; returns it."""
+    p = cfg.parallelism
+    if dims.tp_enabled:
+        tp_mesh = dims.mesh("tp")
+        root_plan = {k: v for k, v in tp_plan_root(not p.disable_loss_parallel).items() if getattr(model, k) is not None}
+        apply_tp(model, tp_mesh, root_plan)
+        for block in model.layers.values():
+            apply_tp(block, tp_mesh, tp_plan_block())
+        if p.enable_async_tp:
+            enable_async_tp(tp_mesh)
+
+    ac = cfg.activation_checkpoint
+    if ac.mode != "none":
+        apply_ac(model.layers, ac.mode, ac.selective_option)
+
+    if cfg.compile.enable:
+        apply_compile(model.layers)
+
+    if dims.fsdp_enabled or dims.dp_replicate_enabled:
+        apply_fsdp(
+            model,
+            list(model.layers.values()),
+            dims.mesh("fsdp"),
+            mixed_precision_policy(cfg.training.mixed_precision_param, cfg.training.mixed_precision_reduce, device_type),
+            reshard_after_forward=p.fsdp_reshard_after_forward,
+            cpu_offload=p.fsdp_cpu_offload,
+        )
+    return model

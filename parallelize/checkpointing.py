@@ -1,0 +1,59 @@
+"""Activation checkpointing: none, full, every N-th block, or per-op selective.
+
+Blocks are wrapped with torch's ``checkpoint_wrapper`` (non-reentrant), whose state-dict hooks keep the
+parameter names unchanged, so checkpoints do not depend on the AC setting. Per-op selective AC saves the
+outputs of the matmuls, of attention and of the tensor-parallel reduce-scatters (expensive to recompute)
+and recomputes everything else (norms, activations, RoPE, elementwise ops) in backward.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+
+def _save_list() -> set:
+    ops = {
+        torch.ops.aten.mm.default,
+        torch.ops.aten.addmm.default,
+        torch.ops.aten.bmm.default,
+        torch.ops.aten._scaled_dot_product_flash_attention.default,
+        torch.ops.aten._scaled_dot_product_efficient_attention.default,
+        torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+        torch.ops._c10d_functional.reduce_scatter_tensor.default,
+    }
+    return ops
+
+
+def _policy(save_ops, ctx, op, *args, **kwargs):
+    return CheckpointPolicy.MUST_SAVE if op in save_ops else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _op_context():
+    return create_selective_checkpoint_contexts(partial(_policy, _save_list()))
+
+
+def wrap_block(block: nn.Module, mode: str, selective_option: str, index: int) -> nn.Module:
+    """The block, wrapped as ``mode`` asks (unchanged when this block is not checkpointed)."""
+    if mode == "none":
+        return block
+    if mode == "full":
+        return checkpoint_wrapper(block, preserve_rng_state=False)
+    assert mode == "selective", mode
+    if selective_option == "op":
+        return checkpoint_wrapper(block, context_fn=_op_context, preserve_rng_state=False)
+    every = int(selective_option)
+    if index % every == 0:
+        return checkpoint_wrapper(block, preserve_rng_state=False)
+    return block
+
+
+def apply_ac(blocks: nn.ModuleDict, mode: str, selective_option: str) -> None:
+    """Wrap the blocks of ``blocks`` in place."""
+    for i, (name, block) in enumerate(list(blocks.items())):
+        blocks[name] = wrap_block(block, mode, selective_option, i)

@@ -1,0 +1,61 @@
+"""Data parallelism with FSDP2: FSDP (sharded), HSDP (replicated groups of shards) and DDP.
+
+One mechanism serves all three: ``fully_shard`` over the ``fsdp`` view of the mesh, which is 1-D
+(dp_shard) for FSDP and 2-D (dp_replicate, dp_shard) for HSDP. DDP is the 2-D case with a shard degree of
+1: parameters stay whole on every rank and gradients are all-reduced over dp_replicate, and, because it
+is built on DTensor like the rest, it composes with tensor parallelism (torch's DDP and its composable
+``replicate`` do not).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def mixed_precision_policy(param_dtype: str, reduce_dtype: str, device_type: str) -> MixedPrecisionPolicy:
+    """bf16 compute with fp32 gradient reduction on CUDA (as configured); fp32 throughout on CPU."""
+    if device_type != "cuda":
+        return MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy(param_dtype=DTYPES[param_dtype], reduce_dtype=DTYPES[reduce_dtype])
+
+
+def apply_fsdp(
+    model: nn.Module,
+    blocks: list[nn.Module],
+    mesh,
+    mp_policy: MixedPrecisionPolicy,
+    reshard_after_forward: str = "default",
+    cpu_offload: bool = False,
+) -> None:
+    """``fully_shard`` each block, then the root (which takes the parameters no block holds).
+
+    FSDP2 averages gradients over the mesh (it divides their sum by the mesh size); the caller scales
+    its loss accordingly (``gradient_divide_factor``).
+
+    ``reshard_after_forward``: "always" frees every block's gathered parameters after its forward;
+    "never" keeps them until backward (no second all-gather, more memory); "default" frees all but the
+    last block's, whose parameters backward needs first.
+    """
+    offload: OffloadPolicy = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
+    for i, block in enumerate(blocks):
+        if reshard_after_forward == "default":
+            reshard = i < len(blocks) - 1
+        else:
+            reshard = reshard_after_forward == "always"
+        fully_shard(block, mesh=mesh, mp_policy=mp_policy, offload_policy=offload, reshard_after_forward=reshard)
+    fully_shard(
+        model,
+        mesh=mesh,
+        mp_policy=mp_policy,
+        offload_policy=offload,
+        reshard_after_forward=reshard_after_forward == "always",
+    )
+
+
+def gradient_divide_factor(mesh) -> int:
+    """What FSDP2 divides the summed gradients by: the number of ranks in its mesh."""
+    return mesh.size()

@@ -1,0 +1,144 @@
+"""The parallel layout: degrees of each dimension and one DeviceMesh with named views.
+
+The ranks form a 5-D grid ``pp x dp_replicate x dp_shard x cp x tp`` (tp innermost, so tensor-parallel
+peers are neighbours on a node). Every dimension is in the mesh, size 1 included: a size-1 dimension adds
+no communication, and every view then exists whatever the layout, so code asks for the view it needs
+instead of testing which dimensions are on. Views, beside the five dimensions:
+
+- ``dp``          = dp_replicate x dp_shard: ranks that read different samples (the data loader's shard).
+- ``dp_shard_cp`` = dp_shard x cp: the ranks FSDP2 shards parameters over (CP ranks hold different tokens
+  of the same samples, so they can share the shards).
+- ``dp_cp``       = dp_replicate x dp_shard x cp: ranks holding different tokens; the loss, the token
+  count and the gradient all-reduce run over it.
+
+``DeviceMesh._flatten`` is a private API (the only way torch offers to build these views); this module is
+the one place that calls it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+DIM_NAMES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+FLAT_VIEWS = {
+    "dp": ("dp_replicate", "dp_shard"),
+    "dp_shard_cp": ("dp_shard", "cp"),
+    "dp_cp": ("dp_replicate", "dp_shard", "cp"),
+}
+
+
+def _config_error(message: str) -> Exception:
+    from engine.config import ConfigError
+
+    return ConfigError(message)
+
+
+@dataclass
+class ParallelDims:
+    """Degrees of the parallel dimensions (all resolved, >= 1) and, once built, the mesh."""
+
+    dp_replicate: int
+    dp_shard: int
+    cp: int
+    tp: int
+    pp: int
+    world_size: int
+    _meshes: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    @classmethod
+    def from_config(cls, p: Any, world_size: int) -> "ParallelDims":
+        """Resolve ``parallelism`` for ``world_size`` ranks; raises ConfigError naming the field."""
+        degrees = {name: int(getattr(p, name, 1)) for name in ("dp_replicate", "dp_shard", "cp", "tp", "pp")}
+        for name, value in degrees.items():
+            if value < 1 and not (name == "dp_shard" and value == -1):
+                allowed = ">= 1, or -1 for the ranks left over" if name == "dp_shard" else ">= 1"
+                raise _config_error(f"parallelism.{name}: must be {allowed}, got {value}")
+        others = math.prod(v for k, v in degrees.items() if k != "dp_shard")
+        if degrees["dp_shard"] == -1:
+            if world_size % others:
+                raise _config_error(
+                    f"parallelism.dp_shard: -1 takes the ranks left over, but the other degrees "
+                    f"({_describe(degrees, skip='dp_shard')} = {others}) do not divide the world size {world_size}"
+                )
+            degrees["dp_shard"] = world_size // others
+        product = math.prod(degrees.values())
+        if product != world_size:
+            raise _config_error(
+                f"parallelism: the degrees multiply to {product} ({_describe(degrees)}) but the world has "
+                f"{world_size} ranks (NGPU x nodes); make the product equal the world size, or set "
+                f"parallelism.dp_shard = -1"
+            )
+        return cls(world_size=world_size, **degrees)
+
+    # -- which techniques are on ---------------------------------------------------------------------------
+    @property
+    def dp(self) -> int:
+        """Data-parallel degree: ranks that read different samples."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def fsdp_enabled(self) -> bool:
+        return self.dp_shard * self.cp > 1
+
+    @property
+    def dp_replicate_enabled(self) -> bool:
+        return self.dp_replicate > 1
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tp > 1
+
+    @property
+    def cp_enabled(self) -> bool:
+        return self.cp > 1
+
+    @property
+    def pp_enabled(self) -> bool:
+        return self.pp > 1
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    # -- the mesh ----------------------------------------------------------------------------------------
+    def build_mesh(self, device_type: str):
+        """Build the 5-D mesh and its flattened views (needs an initialized process group of world_size)."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        assert self.distributed, "a world of one rank has no mesh"
+        shape = tuple(getattr(self, name) for name in DIM_NAMES)
+        root = init_device_mesh(device_type, shape, mesh_dim_names=DIM_NAMES)
+        self._meshes = {"root": root, **{name: root[name] for name in DIM_NAMES}}
+        for view, dims in FLAT_VIEWS.items():
+            self._meshes[view] = root[dims]._flatten(view)
+        # FSDP2's mesh: 1-D for FSDP, 2-D (replicate, shard) for HSDP and DDP.
+        if self.cp == 1:
+            self._meshes["fsdp"] = root["dp_replicate", "dp_shard"] if self.dp_replicate > 1 else root["dp_shard"]
+        else:
+            raise NotImplementedError("context parallelism is not part of the mesh yet")
+        return root
+
+    def mesh(self, name: str):
+        """The named view: one of pp, dp_replicate, dp_shard, cp, tp, dp, dp_shard_cp, dp_cp, fsdp, root."""
+        assert self._meshes, "build_mesh() first"
+        return self._meshes[name]
+
+    def coordinate(self, view: str) -> tuple[int, int]:
+        """(this rank's index, size) along a 1-D view; (0, 1) in a world of one."""
+        if not self._meshes:
+            return 0, 1
+        mesh = self._meshes[view]
+        return mesh.get_local_rank(), mesh.size()
+
+    def group(self, view: str) -> Optional[Any]:
+        """The process group of a 1-D view; None in a world of one."""
+        return self._meshes[view].get_group() if self._meshes else None
+
+    def describe(self) -> str:
+        return _describe({name: getattr(self, name) for name in DIM_NAMES})
+
+
+def _describe(degrees: dict[str, int], skip: str = "") -> str:
+    return " x ".join(f"{k} {v}" for k, v in degrees.items() if k != skip)

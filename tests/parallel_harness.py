@@ -1,0 +1,118 @@
+"""A multi-rank harness: run N training steps of the debug model under several layouts and compare each with a
+single-process reference.
+
+Processes are spawned once per world size (gloo, CPU) and run every layout of that size in turn, on the same
+process group. Every run sees the same global batches: the reference reads them whole; a parallel run's
+data-parallel rank ``r`` takes its rows (and, with gradient accumulation, its microbatches) of the same batch,
+so the losses must agree to rounding. Results (per-step loss and gradient norm, the first step's full
+gradients) are written by rank 0 to ``<out>/<layout name>.pt``.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+
+import torch
+import torch.multiprocessing as mp
+
+BASE = [
+    "--config", "train_configs/debug_model.toml",
+    "--training.seq_len", "64",
+    "--lr_scheduler.warmup_steps", "1",
+    "--optimizer.lr", "5e-4",
+    "--metrics.log_freq", "1",
+    "--debug.deterministic",
+]
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def global_batches(global_batch: int, steps: int) -> list[dict[str, torch.Tensor]]:
+    """``steps`` global batches of real text from the built-in corpus, read by one single-rank loader."""
+    from engine.config import parse_args
+    from engine.data.loader import build_dataloader
+    from engine.data.tokenizer import build_tokenizer
+
+    cfg = parse_args([*BASE, "--training.local_batch_size", str(global_batch)])
+    it = iter(build_dataloader(cfg, build_tokenizer(cfg), 0, 1))
+    return [next(it) for _ in range(steps)]
+
+
+def _strip(name: str) -> str:
+    return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
+
+
+def run_layout(args: list[str], world_size: int, rank: int, batches, dump: str) -> dict | None:
+    """Train ``len(batches)`` steps with ``args`` in this process (one rank of ``world_size``)."""
+    from torch.distributed.tensor import DTensor
+
+    from engine.config import parse_args, validate
+    from engine.distributed import World
+    from engine.trainer import Trainer
+
+    cfg = parse_args([*BASE, *args, "--training.steps", str(len(batches)), "--job.dump_folder", dump])
+    validate(cfg, world_size)
+    trainer = Trainer(cfg, World(rank=rank, local_rank=rank, world_size=world_size, device=torch.device("cpu")))
+    dp_rank, dp = trainer.dp_rank, trainer.dp_size
+    accum = trainer.grad_accum
+    local = cfg.training.local_batch_size
+    losses, norms, grads = [], [], {}
+    for step, batch in enumerate(batches):
+        rows = batch["input_ids"].shape[0]
+        assert rows == local * dp * accum, (rows, local, dp, accum)
+        # Microbatch k of dp rank r: rows [(k * dp + r) * local, ... + local).
+        micro = [
+            {key: v[(k * dp + dp_rank) * local:(k * dp + dp_rank + 1) * local] for key, v in batch.items()}
+            for k in range(accum)
+        ]
+        if step == 0:
+            loss = trainer.forward_backward(micro)
+            for name, p in trainer.model.named_parameters():
+                g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+                grads[_strip(name)] = g.detach().clone()
+            trainer.optimizer.zero_grad(set_to_none=True)
+        loss, norm = trainer.train_step(micro)
+        losses.append(float(loss))
+        norms.append(float(norm))
+    trainer.metrics.close()
+    return {"losses": losses, "grad_norms": norms, "grads": grads} if rank == 0 else None
+
+
+def _worker(rank: int, world_size: int, port: int, layouts: dict[str, list[str]], batches_by_name, out: str):
+    import torch.distributed as dist
+
+    os.chdir(ROOT)
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        for name, args in layouts.items():
+            try:
+                result = run_layout(args, world_size, rank, batches_by_name[name], os.path.join(out, name))
+            except Exception:
+                result = {"error": traceback.format_exc()}
+                if rank == 0:
+                    torch.save(result, os.path.join(out, f"{name}.pt"))
+                raise
+            if rank == 0:
+                torch.save(result, os.path.join(out, f"{name}.pt"))
+            dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def run_world(world_size: int, layouts: dict[str, list[str]], batches_by_name: dict, out: str) -> dict[str, dict]:
+    """Run every layout on ``world_size`` spawned gloo ranks; returns rank 0's results by layout name."""
+    os.makedirs(out, exist_ok=True)
+    mp.start_processes(
+        _worker, args=(world_size, _free_port(), layouts, batches_by_name, out), nprocs=world_size,
+        join=True, start_method="spawn",
+    )
+    return {name: torch.load(os.path.join(out, f"{name}.pt")) for name in layouts}
