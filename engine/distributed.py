@@ -46,6 +46,8 @@ def init_distributed() -> World:
     else:
         device = torch.device("cpu")
         backend = "gloo"
+    # TESSERA_BACKEND=gloo lets several ranks share one GPU (NCCL refuses that): a check of CUDA code paths.
+    backend = os.environ.get("TESSERA_BACKEND", backend)
     if world_size > 1 and not dist.is_initialized():
         dist.init_process_group(backend=backend, device_id=device if backend == "nccl" else None)
     return World(rank=rank, local_rank=local_rank, world_size=world_size, device=device)

@@ -3,6 +3,8 @@
 Every layout trains the debug model 5 steps on the same global batches (8 samples of 64 tokens) from the
 same initial weights (parallelize/init.py makes initialization layout-independent) and must reproduce the
 single-process losses and gradient norms to a relative 1e-5, and its first-step gradients to rounding.
+Activation checkpointing (full, per-op, every N-th block), gradient accumulation and torch.compile are
+checked the same way.
 """
 
 import pytest
@@ -24,6 +26,8 @@ LAYOUTS = {
         "ddp2": _layout(4, "--parallelism.dp_replicate", "2", "--parallelism.dp_shard", "1"),
         "tp2": _layout(8, "--parallelism.tp", "2"),
         "tp2_no_loss_parallel": _layout(8, "--parallelism.tp", "2", "--parallelism.disable_loss_parallel"),
+        "fsdp2_compile_ac_op": _layout(4, "--parallelism.dp_shard", "2", "--compile.enable",
+                                       "--activation_checkpoint.mode", "selective"),
     },
     4: {
         "fsdp4": _layout(2, "--parallelism.dp_shard", "4"),
@@ -82,6 +86,10 @@ def test_single_process_ac_matches_reference(batches, reference, tmp_path):
     for mode in (["full"], ["selective"], ["selective", "--activation_checkpoint.selective_option", "3"]):
         result = run_layout(_layout(GLOBAL, "--activation_checkpoint.mode", *mode), 1, 0, batches, str(tmp_path))
         _check(result, reference)
+
+
+def test_single_process_compile_matches_reference(batches, reference, tmp_path):
+    _check(run_layout(_layout(GLOBAL, "--compile.enable"), 1, 0, batches, str(tmp_path)), reference)
 
 
 def test_parallel_layouts_match_single_process(world_results, reference):

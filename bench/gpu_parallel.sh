@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# The mesh issue's GPU checks, in one device call on the H100 machine (issue 3, acceptance 4):
+#  1. one rank, 8B layer shapes with 8 layers (8B_L8), seq 8192, batch 1: eager bf16; compile; compile +
+#     per-op selective AC; compile + full AC: median tps, TFLOP/s, MFU and peak memory after 5 warm-up steps.
+#  2. CUDA paths of FSDP and TP: 2 processes sharing the GPU over gloo (NCCL refuses two ranks on one GPU),
+#     debug model in fp32, FSDP 2 and TP 2, loss curves printed beside the single-rank CUDA run's (TP 2 reads
+#     the same batches and must match it; FSDP 2's ranks read their own shards of the data).
+#
+#   device run (carry .whl):  bash bench/gpu_parallel.sh
+set -uo pipefail
+cd "$(dirname "$0")/.."
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD" PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/tessera_bench}
+mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
+
+run() {  # LABEL ARGS...
+  local label=$1; shift
+  python3 -m engine.train --config train_configs/debug_model.toml --job.dump_folder "$OUT/$label" \
+    --training.steps 20 --metrics.log_freq 1 --lr_scheduler.warmup_steps 2 --optimizer.lr 3e-4 "$@" \
+    > "$OUT/$label.log" 2>&1
+  local rc=$?
+  tail -n 3 "$OUT/$label.log"
+  [ $rc = 0 ] && python3 bench/summarize.py "$OUT/$label" --skip 5 || echo "$label: exit $rc"
+}
+
+L8=(--model.flavor 8B_L8 --training.seq_len 8192 --training.local_batch_size 1)
+run 8b_l8_eager "${L8[@]}"
+run 8b_l8_compile "${L8[@]}" --compile.enable
+run 8b_l8_compile_ac_op "${L8[@]}" --compile.enable --activation_checkpoint.mode selective
+run 8b_l8_compile_ac_full "${L8[@]}" --compile.enable --activation_checkpoint.mode full
+
+# CUDA paths of FSDP2 and TP: gloo over CUDA tensors, two ranks on one GPU.
+SMALL=(--training.steps 8 --training.seq_len 256 --training.local_batch_size 4 --metrics.log_freq 1
+       --lr_scheduler.warmup_steps 2 --debug.deterministic --training.mixed_precision_param float32)
+python3 -m engine.train --config train_configs/debug_model.toml --job.dump_folder "$OUT/one" "${SMALL[@]}" \
+  --training.global_batch_size 8 > "$OUT/one.log" 2>&1 || tail -n 20 "$OUT/one.log"
+for layout in "--parallelism.dp_shard 2" "--parallelism.tp 2 --training.global_batch_size 8"; do
+  name=$(echo "$layout" | tr -d ' -' | tr '.' '_')
+  TESSERA_BACKEND=gloo python3 -m torch.distributed.run --nproc_per_node 2 --local-ranks-filter 0 -m engine.train \
+    --config train_configs/debug_model.toml --job.dump_folder "$OUT/$name" "${SMALL[@]}" $layout \
+    > "$OUT/$name.log" 2>&1 || tail -n 30 "$OUT/$name.log"
+  python3 - "$OUT/one" "$OUT/$name" <<'PY'
+import json, sys
+a, b = ([json.loads(l)["loss"] for l in open(f"{d}/metrics.jsonl")] for d in sys.argv[1:3])
+print(sys.argv[2].split("/")[-1], "losses", [round(x, 5) for x in b], "one rank", [round(x, 5) for x in a])
+print("  max relative difference", max(abs(x - y) / abs(x) for x, y in zip(a, b)))
+PY
+done

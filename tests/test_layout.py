@@ -1,0 +1,102 @@
+"""The parallel layout from the command line: impossible layouts are refused up front, a possible one trains."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from engine import train
+from engine.config import parse_args
+from parallelize.mesh import ParallelDims
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+BAD_LAYOUTS = [
+    (3, ["--parallelism.tp", "3"], "parallelism.tp"),  # 8 KV heads
+    (16, ["--parallelism.tp", "16"], "parallelism.tp"),  # more TP ranks than KV heads
+    (4, ["--parallelism.dp_shard", "2"], "parallelism"),  # product 2, world 4
+    (4, ["--parallelism.dp_shard", "0"], "parallelism.dp_shard"),
+    (4, ["--parallelism.tp", "0"], "parallelism.tp"),
+    (4, ["--parallelism.dp_replicate", "3"], "parallelism.dp_shard"),  # leaves no whole dp_shard
+    (2, ["--training.global_batch_size", "6", "--training.local_batch_size", "4"], "training.global_batch_size"),
+    (4, ["--parallelism.tp", "2", "--training.seq_len", "255"], "training.seq_len"),
+    (2, ["--activation_checkpoint.mode", "some"], "activation_checkpoint.mode"),
+    (2, ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_option", "0"],
+     "activation_checkpoint.selective_option"),
+    (2, ["--parallelism.tp", "2", "--parallelism.enable_async_tp"], "parallelism.enable_async_tp"),
+    (2, ["--parallelism.fsdp_reshard_after_forward", "sometimes"], "parallelism.fsdp_reshard_after_forward"),
+]
+
+
+@pytest.mark.parametrize("world, argv, field", BAD_LAYOUTS, ids=[" ".join(b[1]) for b in BAD_LAYOUTS])
+def test_impossible_layout_is_one_error_line(world, argv, field, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    dump = tmp_path / "run"
+    rc = train.main(["--job.dump_folder", str(dump), *argv])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2
+    assert len(err) == 1 and err[0].startswith("error: ") and field in err[0], err
+    assert not dump.exists()
+
+
+def test_dp_shard_takes_the_ranks_left_over():
+    cfg = parse_args(["--parallelism.dp_replicate", "2", "--parallelism.tp", "2"])
+    dims = ParallelDims.from_config(cfg.parallelism, 16)
+    assert (dims.dp_replicate, dims.dp_shard, dims.tp, dims.dp) == (2, 4, 2, 8)
+    assert dims.fsdp_enabled and dims.tp_enabled and not dims.cp_enabled
+
+
+def test_mesh_views_on_fake_world():
+    """The named views of an 8,192-rank mesh, built in one process on the fake backend."""
+    code = """
+import torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+from engine.config import parse_args
+from parallelize.mesh import ParallelDims
+dist.init_process_group("fake", store=FakeStore(), rank=5, world_size=8192)
+cfg = parse_args(["--parallelism.dp_replicate", "4", "--parallelism.tp", "8"])
+dims = ParallelDims.from_config(cfg.parallelism, 8192)
+dims.build_mesh("cpu")
+sizes = {v: dims.mesh(v).size() for v in ("dp", "dp_shard_cp", "dp_cp", "tp", "dp_replicate", "dp_shard")}
+print(sizes, dims.coordinate("tp"), dims.coordinate("dp"), dims.mesh("fsdp").ndim)
+"""
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == (
+        "{'dp': 1024, 'dp_shard_cp': 256, 'dp_cp': 1024, 'tp': 8, 'dp_replicate': 4, 'dp_shard': 256} "
+        "(5, 8) (0, 1024) 2"
+    )
+
+
+def _env(ngpu: int) -> dict:
+    env = {**os.environ, "PYTHON": sys.executable, "NGPU": str(ngpu)}
+    env.pop("WORLD_SIZE", None)
+    return env
+
+
+def test_run_train_sh_refuses_impossible_layout(tmp_path):
+    dump = tmp_path / "run"
+    proc = subprocess.run(["./run_train.sh", "--parallelism.tp", "3", "--job.dump_folder", str(dump)],
+                          cwd=ROOT, capture_output=True, text=True, env=_env(3))
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: parallelism.tp: 3 does not divide"), proc.stderr
+    assert not dump.exists()
+
+
+def test_run_train_sh_fsdp2_tp2_on_four_cpu_ranks(tmp_path):
+    dump = tmp_path / "run"
+    proc = subprocess.run(
+        ["./run_train.sh", "--parallelism.dp_shard", "2", "--parallelism.tp", "2", "--training.steps", "6",
+         "--training.seq_len", "64", "--lr_scheduler.warmup_steps", "2", "--metrics.log_freq", "1",
+         "--job.dump_folder", str(dump)],
+        cwd=ROOT, capture_output=True, text=True, env=_env(4),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "dp_shard 2 x cp 1 x tp 2" in proc.stdout
+    with open(dump / "metrics.jsonl") as f:
+        rows = [json.loads(line) for line in f]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    assert rows[-1]["loss"] < rows[0]["loss"]
