@@ -43,7 +43,10 @@ def test_registry():
     assert spec.model_cls is Transformer and spec.args_cls is TransformerModelArgs
     assert {"debugmodel", "8B", "8B_L8", "8B_L2", "70B", "405B"} <= set(spec.flavors)
     assert spec.flops_per_token is flops_per_token
-    assert spec.parallelize_fn is None and spec.pipeline_fn is None and spec.state_dict_adapter is None
+    from models.llama3.parallelize import parallelize_llama
+
+    assert spec.parallelize_fn is parallelize_llama
+    assert spec.pipeline_fn is None and spec.state_dict_adapter is None
     with pytest.raises(ValueError, match="model.name.*llama3"):
         get_model_spec("no_such_model")
     assert models.get_model_spec is get_model_spec
