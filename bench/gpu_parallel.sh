@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The mesh issue's GPU checks, in one device call on the H100 machine (issue 3, acceptance 4):
 #  1. one rank, 8B layer shapes with 8 layers (8B_L8), seq 8192, batch 1: eager bf16; compile; compile +
-#     per-op selective AC; compile + full AC: median tps, TFLOP/s, MFU and peak memory after 5 warm-up steps.
+#     per-op selective AC; compile + full AC; FSDP2 on the one rank + compile + per-op AC (the acceptance
+#     item): median tps, TFLOP/s, MFU and peak memory after 5 warm-up steps.
 #  2. CUDA paths of FSDP and TP: 2 processes sharing the GPU over gloo (NCCL refuses two ranks on one GPU),
 #     debug model in fp32, FSDP 2 and TP 2, loss curves printed beside the single-rank CUDA run's (TP 2 reads
 #     the same batches and must match it; FSDP 2's ranks read their own shards of the data).
@@ -34,6 +35,8 @@ run 8b_l8_eager "${L8[@]}"
 run 8b_l8_compile "${L8[@]}" --compile.enable
 run 8b_l8_compile_ac_op "${L8[@]}" --compile.enable --activation_checkpoint.mode selective
 run 8b_l8_compile_ac_full "${L8[@]}" --compile.enable --activation_checkpoint.mode full
+run 8b_l8_fsdp_compile_ac_op "${L8[@]}" --parallelism.fsdp_single_rank --compile.enable \
+  --activation_checkpoint.mode selective
 
 # CUDA paths of FSDP2 and TP: gloo over CUDA tensors, two ranks on one GPU.
 SMALL=(--training.steps 8 --training.seq_len 256 --training.local_batch_size 4 --metrics.log_freq 1

@@ -109,11 +109,34 @@ class Parallelism:
     """Data-parallel replicas: DDP when dp_shard is 1, HSDP (replicas of FSDP groups) when dp_shard > 1."""
     dp_shard: int = -1
     """FSDP2 sharding degree; -1 takes the ranks left over once the other degrees are set."""
+    cp: int = 1
+    """Context-parallel degree: each sample's sequence is split over cp ranks (ring attention)."""
     tp: int = 1
     """Tensor-parallel degree (with sequence parallel norms); must divide n_heads and n_kv_heads."""
+    pp: int = 1
+    """Pipeline-parallel degree: the layers are split into stages on pp ranks."""
+    pp_schedule: str = "1F1B"
+    """Pipeline schedule: GPipe, 1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble or
+    DualPipeV."""
+    pp_schedule_csv: str = ""
+    """A CSV file with a custom schedule (torch.distributed.pipelining's format); overrides pp_schedule's
+    actions (pp_schedule still names the stage placement)."""
+    pp_microbatches: int = -1
+    """Microbatches each local batch is split into for the pipeline; -1 = the number of stages."""
+    pp_virtual_stages: int = 2
+    """Stages per pp rank for the looped schedules (Interleaved1F1B, LoopedBFS, InterleavedZeroBubble);
+    the V schedules always use 2, the others 1."""
+    pp_layers_per_stage: list[int] = field(default_factory=list)
+    """Layers of each stage, e.g. 3,4,4,3 (empty: an even split, first and last stages lighter)."""
+    cp_rotate: str = "allgather"
+    """How context parallelism moves keys and values between ranks: allgather, or alltoall (a ring of
+    point-to-point transfers overlapped with compute)."""
     fsdp_reshard_after_forward: str = "default"
     """FSDP: free gathered parameters after forward: default (yes, except for the root module, whose
     parameters the backward needs first), always, or never (faster, more memory)."""
+    fsdp_single_rank: bool = False
+    """On a world of one rank, wrap the model in FSDP2 anyway (a one-rank mesh): its mixed precision (bf16
+    compute from fp32 weights) replaces autocast, exactly as on many ranks."""
     fsdp_cpu_offload: bool = False
     """FSDP: keep sharded parameters, gradients and optimizer state in CPU memory (CUDA only)."""
     disable_loss_parallel: bool = False
@@ -542,11 +565,6 @@ def validate_parallelism(cfg: Config, world_size: int, spec):
                     f"tensor parallelism gives each rank whole heads (KV heads are not replicated), so pick a tp "
                     f"that divides {args.n_kv_heads}"
                 )
-        if cfg.training.seq_len % dims.tp:
-            raise ConfigError(
-                f"training.seq_len: {cfg.training.seq_len} is not divisible by parallelism.tp = {dims.tp} "
-                f"(sequence parallelism splits the sequence over the tp ranks)"
-            )
     if p.enable_async_tp:
         import torch
 
@@ -559,6 +577,23 @@ def validate_parallelism(cfg: Config, world_size: int, spec):
 
         if not torch.cuda.is_available():
             raise ConfigError("parallelism.fsdp_cpu_offload: offloading to CPU memory needs CUDA GPUs")
+    if dims.pp > 1:
+        _validate_pipeline(cfg, dims, args)
+    if dims.cp > 1:
+        _choice("parallelism.cp_rotate", p.cp_rotate, ["allgather", "alltoall"])
+        if cfg.model.attn_mask == "block_causal":
+            raise ConfigError(
+                "model.attn_mask: block_causal document masking is not supported with context parallelism "
+                "(parallelism.cp > 1); use model.attn_mask = causal"
+            )
+        if cfg.model.attn != "sdpa":
+            raise ConfigError("model.attn: context parallelism runs its own ring attention; use model.attn = sdpa")
+    chunks = 2 * dims.cp * dims.tp if dims.cp > 1 else dims.tp
+    if cfg.training.seq_len % chunks:
+        raise ConfigError(
+            f"training.seq_len: {cfg.training.seq_len} is not divisible by 2 x cp x tp = {chunks} (context "
+            f"parallelism cuts each sequence into 2 x cp chunks, sequence parallelism each chunk into tp)"
+        )
     ac = cfg.activation_checkpoint
     _choice("activation_checkpoint.mode", ac.mode, ["none", "full", "selective"])
     if ac.mode == "selective" and ac.selective_option != "op":
@@ -572,6 +607,62 @@ def validate_parallelism(cfg: Config, world_size: int, spec):
                 f"positive integer N (checkpoint every N-th block)"
             )
     return dims
+
+
+def _validate_pipeline(cfg: Config, dims, args) -> None:
+    from parallelize.pipeline import SCHEDULES, num_stages
+
+    p = cfg.parallelism
+    _choice("parallelism.pp_schedule", p.pp_schedule, list(SCHEDULES))
+    if p.pp_schedule_csv and not os.path.isfile(p.pp_schedule_csv):
+        raise ConfigError(f"parallelism.pp_schedule_csv: file '{p.pp_schedule_csv}' not found")
+    _positive("parallelism.pp_virtual_stages", p.pp_virtual_stages)
+    stages = num_stages(dims.pp, p.pp_schedule, p.pp_virtual_stages, p.pp_schedule_csv)
+    if p.pp_layers_per_stage:
+        if len(p.pp_layers_per_stage) != stages or sum(p.pp_layers_per_stage) != args.n_layers:
+            raise ConfigError(
+                f"parallelism.pp_layers_per_stage: {p.pp_layers_per_stage} must list {stages} stages adding up "
+                f"to the {args.n_layers} layers of {cfg.model.flavor}"
+            )
+        if any(n < 0 for n in p.pp_layers_per_stage):
+            raise ConfigError("parallelism.pp_layers_per_stage: layer counts must be >= 0")
+    elif stages > args.n_layers + 2:
+        raise ConfigError(
+            f"parallelism.pp: {stages} pipeline stages ({p.pp_schedule} on pp = {dims.pp}) but {cfg.model.flavor} "
+            f"has only {args.n_layers} layers (plus the embedding and the output, which may be stages of their "
+            f"own); lower parallelism.pp or parallelism.pp_virtual_stages"
+        )
+    micro = p.pp_microbatches if p.pp_microbatches != -1 else stages
+    if micro < 1:
+        raise ConfigError(f"parallelism.pp_microbatches: must be >= 1 or -1, got {p.pp_microbatches}")
+    if micro < dims.pp:
+        raise ConfigError(
+            f"parallelism.pp_microbatches: {micro} microbatches cannot keep {dims.pp} pipeline ranks busy; use at "
+            f"least {dims.pp}"
+        )
+    if p.pp_schedule in ("Interleaved1F1B", "InterleavedZeroBubble", "LoopedBFS") and micro % dims.pp:
+        raise ConfigError(
+            f"parallelism.pp_microbatches: {p.pp_schedule} needs a multiple of pp = {dims.pp}, got {micro}"
+        )
+    if cfg.training.local_batch_size % micro:
+        raise ConfigError(
+            f"training.local_batch_size: {cfg.training.local_batch_size} samples do not split into "
+            f"{micro} pipeline microbatches (parallelism.pp_microbatches)"
+        )
+    if cfg.model.attn_mask == "block_causal":
+        raise ConfigError(
+            "model.attn_mask: block_causal document masking is not supported with pipeline parallelism yet; "
+            "use model.attn_mask = causal"
+        )
+
+
+def pp_microbatches(cfg: Config, dims) -> int:
+    from parallelize.pipeline import num_stages
+
+    p = cfg.parallelism
+    if p.pp_microbatches != -1:
+        return p.pp_microbatches
+    return num_stages(dims.pp, p.pp_schedule, p.pp_virtual_stages, p.pp_schedule_csv)
 
 
 def grad_accumulation_steps(cfg: Config, dp: int) -> int:

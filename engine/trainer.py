@@ -13,16 +13,18 @@ import time
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 import torch.distributed as dist
 
-from engine.config import Config, dump, grad_accumulation_steps, to_toml
+from engine.config import Config, dump, grad_accumulation_steps, pp_microbatches, to_toml
 from engine.data.loader import build_dataloader
 from engine.data.tokenizer import build_tokenizer
 from engine.distributed import World, set_determinism
 from engine.metrics import MetricsLogger
 from engine.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
 from models import get_model_spec
+from parallelize import pipeline
 from parallelize.compile import compile_loss
 from parallelize.data import gradient_divide_factor
 from parallelize.init import materialize
@@ -85,24 +87,30 @@ class Trainer:
             if cfg.job.print_config:
                 print(to_toml(cfg), flush=True)
 
-        # The parallel plan, still on the meta device; then materialize and initialize. Every layout gets
-        # the weights a single process would draw (parallelize/init.py).
-        spec.parallelize_fn(model, self.dims, cfg, self.device.type)
-        model.to_empty(device=self.device)
-        torch.manual_seed(cfg.debug.seed)
-        with torch.no_grad():
-            model.init_weights(buffer_device=None, materialize=materialize)
-        model.train()
-        self.model = model
+        # Pipeline stages (this rank's parts of the model), then each part's parallel plan, still on the meta
+        # device; then materialize and initialize. Every layout gets the weights a single process would draw
+        # (parallelize/init.py; each unit of the model is seeded by its name, whatever stage holds it).
+        parts = self._pipeline_parts(model) if self.dims.pp_enabled else [model]
+        for part in parts:
+            spec.parallelize_fn(part, self.dims, cfg, self.device.type)
+            part.to_empty(device=self.device)
+            with torch.no_grad():
+                part.init_weights(buffer_device=None, materialize=materialize, seed=cfg.debug.seed)
+            part.train()
+        self.model_parts = parts
+        self.model = parts[0] if len(parts) == 1 else nn.ModuleList(parts)
         self.loss_parallel = self.dims.tp_enabled and not cfg.parallelism.disable_loss_parallel
         # The loss is divided by the global token count, so data-parallel gradients must be summed; FSDP2
         # averages them (a sum with a pre-multiplier, which gloo lacks), so backward runs on the loss times
         # the divisor.
-        self.data_parallel = self.dims.fsdp_enabled or self.dims.dp_replicate_enabled
+        self.data_parallel = self.dims.data_parallel
         self.backward_scale = gradient_divide_factor(self.dims.mesh("fsdp")) if self.data_parallel else 1
         self.loss_fn = compile_loss(cross_entropy_sum) if cfg.compile.enable else cross_entropy_sum
+        self._num_targets = 1  # the current step's global target count, for the pipeline's loss function
+        if self.dims.pp_enabled:
+            self.pp_schedule = self._pipeline_schedule()
 
-        self.optimizer = build_optimizer(model, cfg.optimizer, self.device)
+        self.optimizer = build_optimizer(self.model, cfg.optimizer, self.device)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.training.steps)
         if world.is_main:
             _set_aside_old_metrics(cfg.job.dump_folder)
@@ -126,6 +134,29 @@ class Trainer:
             )
 
     # ----------------------------------------------------------------------------------------------------
+    def _pipeline_parts(self, model: nn.Module) -> list[nn.Module]:
+        """This pp rank's stages of ``model`` (meta device)."""
+        p = self.cfg.parallelism
+        pp_rank, pp = self.dims.coordinate("pp")
+        self.pp_stage_count = pipeline.num_stages(pp, p.pp_schedule, p.pp_virtual_stages, p.pp_schedule_csv)
+        self.pp_stage_ids = pipeline.stage_ids(pp_rank, pp, p.pp_schedule, p.pp_virtual_stages, p.pp_schedule_csv)
+        layers = pipeline.split_layers(model.n_layers, self.pp_stage_count, p.pp_layers_per_stage or None)
+        self.pp_has_first = 0 in self.pp_stage_ids
+        self.pp_has_last = self.pp_stage_count - 1 in self.pp_stage_ids
+        return [pipeline.stage_module(model, i, self.pp_stage_count, layers[i]) for i in self.pp_stage_ids]
+
+    def _pipeline_schedule(self):
+        p = self.cfg.parallelism
+
+        def loss_fn(logits, labels):
+            return self.loss_fn(logits, labels) / self._num_targets * self.backward_scale
+
+        stages = pipeline.build_stages(
+            self.model_parts, self.pp_stage_ids, self.pp_stage_count, self.dims.group("pp"), self.device
+        )
+        return pipeline.build_schedule(stages, p.pp_schedule, pp_microbatches(self.cfg, self.dims), loss_fn,
+                                       p.pp_schedule_csv)
+
     def _to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         non_blocking = self.device.type == "cuda"
         return {k: v.to(self.device, non_blocking=non_blocking) for k, v in batch.items()}
@@ -144,6 +175,11 @@ class Trainer:
         num_targets = self._global_num_targets(microbatches)
         assert num_targets > 0, "a step without target tokens"
         total_loss = torch.zeros((), device=self.device)
+        if self.dims.pp_enabled:
+            self._num_targets = num_targets
+            for mb in microbatches:
+                total_loss += self._pipeline_step(self._to_device(mb))
+            return total_loss
         for mb in microbatches:
             mb = self._to_device(mb)
             with self.autocast():
@@ -155,13 +191,27 @@ class Trainer:
             total_loss += to_local_scalar(loss.detach())
         return total_loss
 
+    def _pipeline_step(self, mb: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Forward and backward of one batch through the pipeline; the last stage's share of the loss."""
+        losses: list[torch.Tensor] = []
+        inputs = (mb["input_ids"],) if self.pp_has_first else ()
+        target = mb["labels"] if self.pp_has_last else None
+        with self.autocast(), loss_context(self.loss_parallel):
+            self.pp_schedule.step(*inputs, target=target, losses=losses)
+        if not self.pp_has_last:
+            return torch.zeros((), device=self.device)
+        return sum(to_local_scalar(loss.detach()) for loss in losses) / self.backward_scale
+
     def train_step(self, microbatches: list[dict[str, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step over ``microbatches``; returns (mean loss, grad norm) as device tensors."""
         loss = self.forward_backward(microbatches)
-        grad_norm = clip_grad_norm_(self.model.parameters(), self.cfg.training.max_norm)
+        grad_norm = clip_grad_norm_(self.model.parameters(), self.cfg.training.max_norm, self.dims.group("pp")
+                                    if self.dims.pp_enabled else None)
         self.optimizer.step()
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.dims.pp_enabled:
+            dist.all_reduce(loss, group=self.dims.group("pp"))  # only the last stage holds the loss
         if self.loss_group is not None:
             dist.all_reduce(loss, group=self.loss_group)  # the shares add up to the global mean
         return loss, grad_norm

@@ -18,6 +18,7 @@ the one place that calls it.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -45,6 +46,8 @@ class ParallelDims:
     tp: int
     pp: int
     world_size: int
+    fsdp_single_rank: bool = False
+    """Wrap in FSDP2 on a world of one rank too (parallelism.fsdp_single_rank)."""
     _meshes: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
@@ -70,7 +73,8 @@ class ParallelDims:
                 f"{world_size} ranks (NGPU x nodes); make the product equal the world size, or set "
                 f"parallelism.dp_shard = -1"
             )
-        return cls(world_size=world_size, **degrees)
+        single = bool(getattr(p, "fsdp_single_rank", False)) and world_size == 1
+        return cls(world_size=world_size, fsdp_single_rank=single, **degrees)
 
     # -- which techniques are on ---------------------------------------------------------------------------
     @property
@@ -87,6 +91,11 @@ class ParallelDims:
         return self.dp_replicate > 1
 
     @property
+    def data_parallel(self) -> bool:
+        """Whether the model is wrapped in FSDP2 (FSDP, HSDP or DDP, or FSDP on a single rank)."""
+        return self.fsdp_enabled or self.dp_replicate_enabled or self.fsdp_single_rank
+
+    @property
     def tp_enabled(self) -> bool:
         return self.tp > 1
 
@@ -100,7 +109,8 @@ class ParallelDims:
 
     @property
     def distributed(self) -> bool:
-        return self.world_size > 1
+        """Whether there is a process group and a mesh (more than one rank, or FSDP on a single rank)."""
+        return self.world_size > 1 or self.fsdp_single_rank
 
     # -- the mesh ----------------------------------------------------------------------------------------
     def build_mesh(self, device_type: str):
@@ -108,6 +118,11 @@ class ParallelDims:
         from torch.distributed.device_mesh import init_device_mesh
 
         assert self.distributed, "a world of one rank has no mesh"
+        import torch.distributed as dist
+
+        if not dist.is_initialized():  # fsdp_single_rank: a process group of one, no launcher needed
+            dist.init_process_group("nccl" if device_type == "cuda" else "gloo", store=dist.HashStore(),
+                                    rank=0, world_size=1)
         shape = tuple(getattr(self, name) for name in DIM_NAMES)
         root = init_device_mesh(device_type, shape, mesh_dim_names=DIM_NAMES)
         self._meshes = {"root": root, **{name: root[name] for name in DIM_NAMES}}
@@ -116,8 +131,12 @@ class ParallelDims:
         # FSDP2's mesh: 1-D for FSDP, 2-D (replicate, shard) for HSDP and DDP.
         if self.cp == 1:
             self._meshes["fsdp"] = root["dp_replicate", "dp_shard"] if self.dp_replicate > 1 else root["dp_shard"]
+        elif self.dp_replicate == 1:
+            self._meshes["fsdp"] = self._meshes["dp_shard_cp"]
         else:
-            raise NotImplementedError("context parallelism is not part of the mesh yet")
+            with warnings.catch_warnings():  # slicing a flattened view out of the root: the only way in torch
+                warnings.simplefilter("ignore")
+                self._meshes["fsdp"] = root["dp_replicate", "dp_shard_cp"]
         return root
 
     def mesh(self, name: str):

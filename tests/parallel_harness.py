@@ -74,9 +74,10 @@ def run_layout(args: list[str], world_size: int, rank: int, batches, dump: str) 
         ]
         if step == 0:
             loss = trainer.forward_backward(micro)
-            for name, p in trainer.model.named_parameters():
-                g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
-                grads[_strip(name)] = g.detach().clone()
+            for part in trainer.model_parts:  # with pipeline stages: only this rank's stages
+                for name, p in part.named_parameters():
+                    g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+                    grads[_strip(name)] = g.detach().clone()
             trainer.optimizer.zero_grad(set_to_none=True)
         loss, norm = trainer.train_step(micro)
         losses.append(float(loss))

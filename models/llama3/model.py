@@ -301,31 +301,43 @@ class Transformer(nn.Module):
         return precompute_freqs_cis(a.head_dim, a.max_seq_len, a.rope_theta, a.rope_scaling)
 
     def init_weights(
-        self, buffer_device: Optional[torch.device] = None, materialize: Callable[[Any], Any] = _no_materialize
+        self,
+        buffer_device: Optional[torch.device] = None,
+        materialize: Callable[[Any], Any] = _no_materialize,
+        seed: Optional[int] = None,
     ) -> None:
         """Initialize every parameter and recompute ``freqs_cis`` on ``buffer_device`` (default: where it is).
 
         Embedding ~ N(0, 0.02); wq/wk/wv/w1 ~ truncN(0, 0.02); wo/w2/w3 ~ truncN(0, 0.02 / sqrt(2 (layer_id + 1)));
         output ~ truncN(0, dim^-0.5) cut at 3 std; norms = 1. Each unit (embedding, block, norm, output) is
         initialized inside ``materialize(unit)``: parallelize.init.materialize gives a parallelized model the
-        weights of a single-process one.
+        weights of a single-process one. With ``seed``, each unit draws from its own seed (derived from ``seed``
+        and the unit's place in the model), so a pipeline stage holding some of the units draws the same
+        weights for them as the whole model does.
         """
+        n = self.args.n_layers
+
+        def unit(module: Any, index: int):
+            if seed is not None:
+                torch.manual_seed(seed * 100_003 + index)
+            return materialize(module)
+
         buffer_device = buffer_device if buffer_device is not None else self.freqs_cis.device
         with torch.device(buffer_device):
             self.freqs_cis = self._precompute_freqs_cis()
         if self.tok_embeddings is not None:
-            with materialize(self.tok_embeddings):
+            with unit(self.tok_embeddings, 0):
                 nn.init.normal_(self.tok_embeddings.weight, mean=0.0, std=0.02)
         for layer in self.layers.values():
             if layer is not None:
-                with materialize(layer):
+                with unit(layer, 1 + _unwrap(layer).layer_id):
                     _unwrap(layer).init_weights()
         if self.norm is not None:
-            with materialize(self.norm):
+            with unit(self.norm, n + 1):
                 self.norm.reset_parameters()
         if self.output is not None:
             std = self.args.dim**-0.5
-            with materialize(self.output):
+            with unit(self.output, n + 2):
                 nn.init.trunc_normal_(self.output.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
 
     def forward(self, tokens: Tensor, doc_ids: Optional[Tensor] = None) -> Tensor:

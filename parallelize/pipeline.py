@@ -1,0 +1,115 @@
+"""Pipeline parallelism: split a model into stages by layers and drive them with a pipelining schedule.
+
+The model is split on the meta device: each stage is a copy of the whole model with the layers of other
+stages deleted (and the embedding or the norm/output removed where they belong to another stage), so a
+stage keeps the parameter names of the whole model and checkpoints do not depend on the split.
+
+Stages per rank: one for the single-stage schedules (GPipe, 1F1B); ``virtual_stages`` (default 2) for the
+looped ones. Interleaved1F1B, LoopedBFS and InterleavedZeroBubble place stage ``s`` on pp rank
+``s % pp``; the V-shaped ZBVZeroBubble and DualPipeV place stages ``r`` and ``2 pp - 1 - r`` on rank ``r``.
+A CSV file may give any other schedule, one action list per rank, in torch's CSV format.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Callable
+
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import (
+    PipelineScheduleMulti,
+    PipelineScheduleSingle,
+    Schedule1F1B,
+    ScheduleDualPipeV,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleLoopedBFS,
+    ScheduleZBVZeroBubble,
+)
+
+SCHEDULES = {
+    "GPipe": ScheduleGPipe,
+    "1F1B": Schedule1F1B,
+    "Interleaved1F1B": ScheduleInterleaved1F1B,
+    "LoopedBFS": ScheduleLoopedBFS,
+    "InterleavedZeroBubble": ScheduleInterleavedZeroBubble,
+    "ZBVZeroBubble": ScheduleZBVZeroBubble,
+    "DualPipeV": ScheduleDualPipeV,
+}
+V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
+
+
+def is_multi_stage(schedule: str, csv: str = "") -> bool:
+    return bool(csv) or issubclass(SCHEDULES[schedule], PipelineScheduleMulti)
+
+
+def num_stages(pp: int, schedule: str, virtual_stages: int, csv: str = "") -> int:
+    """Stages in the whole pipeline."""
+    if not is_multi_stage(schedule, csv):
+        return pp
+    return pp * (2 if schedule in V_SCHEDULES else virtual_stages)
+
+
+def stage_ids(pp_rank: int, pp: int, schedule: str, virtual_stages: int, csv: str = "") -> list[int]:
+    """The stages this pp rank runs, in order."""
+    if not is_multi_stage(schedule, csv):
+        return [pp_rank]
+    if schedule in V_SCHEDULES:
+        return [pp_rank, 2 * pp - 1 - pp_rank]
+    return [pp_rank + i * pp for i in range(virtual_stages)]
+
+
+def split_layers(n_layers: int, n_stages: int, layers_per_stage: list[int] | None = None) -> list[range]:
+    """Which layers each stage holds: the given counts, or an even split where the first and last stages
+    take fewer when the layers do not divide (they also hold the embedding and the output)."""
+    if layers_per_stage:
+        assert len(layers_per_stage) == n_stages and sum(layers_per_stage) == n_layers, (layers_per_stage, n_layers)
+        counts = list(layers_per_stage)
+    else:
+        base, extra = divmod(n_layers, n_stages)
+        counts = [base] * n_stages
+        # The extra layers go to the middle stages first.
+        order = list(range(1, n_stages - 1)) + [0, n_stages - 1] if n_stages > 2 else list(range(n_stages))
+        for i in order[:extra]:
+            counts[i] += 1
+    starts = [sum(counts[:i]) for i in range(n_stages)]
+    return [range(s, s + c) for s, c in zip(starts, counts)]
+
+
+def stage_module(model: nn.Module, stage: int, n_stages: int, layers: range) -> nn.Module:
+    """A copy of ``model`` (meta device) holding only what ``stage`` runs."""
+    part = copy.deepcopy(model)
+    if stage != 0:
+        part.tok_embeddings = None
+    if stage != n_stages - 1:
+        part.norm = None
+        part.output = None
+    keep = {str(i) for i in layers}
+    for name in list(part.layers.keys()):
+        if name not in keep:
+            del part.layers[name]
+    return part
+
+
+def build_stages(modules: list[nn.Module], ids: list[int], n_stages: int, pp_group, device) -> list[PipelineStage]:
+    return [PipelineStage(m, stage_index=i, num_stages=n_stages, device=device, group=pp_group)
+            for m, i in zip(modules, ids)]
+
+
+def build_schedule(stages: list[PipelineStage], schedule: str, n_microbatches: int, loss_fn: Callable,
+                   csv: str = ""):
+    """The schedule driving ``stages``. Gradients are not scaled by the microbatch count: the loss is
+    already normalized by the global number of target tokens."""
+    if csv:
+        from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
+
+        runtime = _PipelineScheduleRuntime(stages, n_microbatches, loss_fn=loss_fn, scale_grads=False)
+        runtime._load_csv(csv)
+        return runtime
+    cls = SCHEDULES[schedule]
+    if issubclass(cls, PipelineScheduleSingle):
+        assert len(stages) == 1
+        return cls(stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
+    return cls(stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
