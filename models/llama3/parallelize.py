@@ -79,7 +79,7 @@ def parallelize_llama(model: nn.Module, dims: ParallelDims, cfg: Any, device_typ
     if cfg.compile.enable:
         apply_compile(model.layers)
 
-    if dims.fsdp_enabled or dims.dp_replicate_enabled:
+    if dims.data_parallel:
         apply_fsdp(
             model,
             list(model.layers.values()),
