@@ -27,6 +27,17 @@ BAD_LAYOUTS = [
      "activation_checkpoint.selective_option"),
     (2, ["--parallelism.tp", "2", "--parallelism.enable_async_tp"], "parallelism.enable_async_tp"),
     (2, ["--parallelism.fsdp_reshard_after_forward", "sometimes"], "parallelism.fsdp_reshard_after_forward"),
+    # pipeline and context parallelism
+    (2, ["--parallelism.pp", "2", "--parallelism.pp_schedule", "Interleaved1F1B",
+         "--parallelism.pp_virtual_stages", "5"], "parallelism.pp"),  # 10 stages, 6 layers
+    (4, ["--parallelism.pp", "4", "--parallelism.pp_microbatches", "2"], "parallelism.pp_microbatches"),
+    (2, ["--parallelism.pp", "2", "--parallelism.pp_schedule", "Zigzag"], "parallelism.pp_schedule"),
+    (2, ["--parallelism.pp", "2", "--training.local_batch_size", "3"], "training.local_batch_size"),
+    (2, ["--parallelism.pp", "2", "--parallelism.pp_layers_per_stage", "2,2"], "parallelism.pp_layers_per_stage"),
+    (2, ["--parallelism.pp", "2", "--parallelism.pp_schedule_csv", "/no/such.csv"], "parallelism.pp_schedule_csv"),
+    (4, ["--parallelism.cp", "2", "--parallelism.tp", "2", "--training.seq_len", "100"], "training.seq_len"),
+    (2, ["--parallelism.cp", "2", "--parallelism.cp_rotate", "ring"], "parallelism.cp_rotate"),
+    (2, ["--parallelism.cp", "2", "--model.attn", "flex", "--model.attn_mask", "block_causal"], "model.attn_mask"),
 ]
 
 
