@@ -26,6 +26,7 @@ from engine.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
 from models import get_model_spec
 from parallelize import pipeline
 from parallelize.compile import compile_loss
+from parallelize.context import shard_sequence
 from parallelize.data import gradient_divide_factor
 from parallelize.init import materialize
 from parallelize.mesh import ParallelDims
@@ -170,8 +171,16 @@ class Trainer:
         dist.all_reduce(count, group=self.loss_group)
         return int(count)
 
+    def _shard_context(self, mb: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Context parallelism: this rank's load-balanced chunks of every sequence of the batch."""
+        if not self.dims.cp_enabled:
+            return mb
+        cp_rank, cp = self.dims.coordinate("cp")
+        return {k: shard_sequence(v, 1, cp_rank, cp) for k, v in mb.items()}
+
     def forward_backward(self, microbatches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
         """Gradients of the step's mean loss; returns this rank's share of that loss (a device scalar)."""
+        microbatches = [self._shard_context(mb) for mb in microbatches]
         num_targets = self._global_num_targets(microbatches)
         assert num_targets > 0, "a step without target tokens"
         total_loss = torch.zeros((), device=self.device)

@@ -12,9 +12,11 @@ import torch
 from torch import nn
 
 
-def apply_compile(blocks: nn.ModuleDict) -> None:
+def apply_compile(blocks: nn.ModuleDict, fullgraph: bool = True) -> None:
+    """Compile each block in place; ``fullgraph=False`` where a block holds ops dynamo cannot trace
+    (context parallelism's point-to-point ring runs eagerly between two graphs)."""
     for block in blocks.values():
-        block.compile(fullgraph=True)
+        block.compile(fullgraph=fullgraph)
 
 
 def compile_loss(loss_fn: Callable) -> Callable:

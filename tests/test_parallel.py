@@ -3,8 +3,9 @@
 Every layout trains the debug model 5 steps on the same global batches (8 samples of 64 tokens) from the
 same initial weights (parallelize/init.py makes initialization layout-independent) and must reproduce the
 single-process losses and gradient norms to a relative 1e-5, and its first-step gradients to rounding.
-Activation checkpointing (full, per-op, every N-th block), gradient accumulation and torch.compile are
-checked the same way.
+Activation checkpointing (full, per-op, every N-th block), gradient accumulation, torch.compile, every
+pipeline schedule, context parallelism and their compositions up to 4-D (16 ranks) are checked the same
+way.
 """
 
 import pytest
@@ -37,6 +38,8 @@ LAYOUTS = {
         "fsdp2_compile_ac_op": _layout(4, "--parallelism.dp_shard", "2", "--compile.enable",
                                        "--activation_checkpoint.mode", "selective"),
         **_pipelines(2),
+        "cp2": _layout(8, "--parallelism.cp", "2"),
+        "cp2_alltoall": _layout(8, "--parallelism.cp", "2", "--parallelism.cp_rotate", "alltoall"),
     },
     4: {
         "fsdp4": _layout(2, "--parallelism.dp_shard", "4"),
@@ -53,11 +56,21 @@ LAYOUTS = {
         "fsdp4_reshard_never": _layout(2, "--parallelism.dp_shard", "4",
                                        "--parallelism.fsdp_reshard_after_forward", "never"),
         **_pipelines(4),
+        "cp4": _layout(8, "--parallelism.cp", "4"),
+        "cp4_alltoall": _layout(8, "--parallelism.cp", "4", "--parallelism.cp_rotate", "alltoall"),
+        "cp2_fsdp2": _layout(4, "--parallelism.cp", "2", "--parallelism.dp_shard", "2"),
+        "cp2_tp2": _layout(8, "--parallelism.cp", "2", "--parallelism.tp", "2"),
     },
     8: {
         "hsdp2x2_tp2": _layout(2, "--parallelism.dp_replicate", "2", "--parallelism.dp_shard", "2",
                                "--parallelism.tp", "2"),
         "pp2_fsdp2_tp2": _layout(4, "--parallelism.pp", "2", "--parallelism.dp_shard", "2", "--parallelism.tp", "2"),
+        "cp2_hsdp2x2": _layout(2, "--parallelism.cp", "2", "--parallelism.dp_replicate", "2",
+                               "--parallelism.dp_shard", "2"),
+    },
+    16: {
+        "pp2_fsdp2_cp2_tp2": _layout(4, "--parallelism.pp", "2", "--parallelism.dp_shard", "2", "--parallelism.cp",
+                                     "2", "--parallelism.tp", "2", "--parallelism.pp_schedule", "Interleaved1F1B"),
     },
 }
 

@@ -186,6 +186,9 @@ class Attention(nn.Module):
         self.n_kv_heads = args.n_kv_heads
         self.head_dim = args.head_dim
         self.attn_backend = args.attn
+        # Set by a parallel plan to replace the kernel call (context parallelism's ring attention):
+        # attn_fn(q, k, v) -> out, all [B, H, S, D].
+        self.attn_fn: Optional[Callable] = None
         self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
         self.wk = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
@@ -206,14 +209,11 @@ class Attention(nn.Module):
         xk = self.wk(x).view(bs, seqlen, -1, self.head_dim)
         xv = self.wv(x).view(bs, seqlen, -1, self.head_dim)
         xq, xk = apply_rotary_emb(xq, xk, freqs_cis)
-        out = attention(
-            xq.transpose(1, 2),
-            xk.transpose(1, 2),
-            xv.transpose(1, 2),
-            backend=self.attn_backend,
-            doc_ids=doc_ids,
-            block_mask=block_mask,
-        )
+        q, k, v = xq.transpose(1, 2), xk.transpose(1, 2), xv.transpose(1, 2)
+        if self.attn_fn is not None:
+            out = self.attn_fn(q, k, v)
+        else:
+            out = attention(q, k, v, backend=self.attn_backend, doc_ids=doc_ids, block_mask=block_mask)
         out = out.transpose(1, 2).reshape(bs, seqlen, -1)
         return self.wo(out)
 
@@ -295,6 +295,9 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
         self.norm: Optional[nn.RMSNorm] = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.output: Optional[nn.Linear] = nn.Linear(args.dim, args.vocab_size, bias=False)
+        # Set by a parallel plan when each rank holds only some positions of a sequence (context
+        # parallelism): maps the RoPE table to the rows of this rank's tokens, in their local order.
+        self.rope_transform: Optional[Callable[[Tensor], Tensor]] = None
 
     def _precompute_freqs_cis(self) -> Tensor:
         a = self.args
@@ -325,6 +328,8 @@ class Transformer(nn.Module):
         buffer_device = buffer_device if buffer_device is not None else self.freqs_cis.device
         with torch.device(buffer_device):
             self.freqs_cis = self._precompute_freqs_cis()
+        if self.rope_transform is not None:
+            self.freqs_cis = self.rope_transform(self.freqs_cis)
         if self.tok_embeddings is not None:
             with unit(self.tok_embeddings, 0):
                 nn.init.normal_(self.tok_embeddings.weight, mean=0.0, std=0.02)

@@ -1,5 +1,6 @@
 """Llama 3's whole parallel plan, applied to a model on the meta device, in this order:
-TP (with sequence and loss parallel) -> activation checkpointing -> compile -> FSDP2/HSDP/DDP.
+TP (with sequence and loss parallel) -> CP (ring attention) -> activation checkpointing -> compile ->
+FSDP2/HSDP/DDP (over dp_shard x cp).
 
 Tensor parallel layout (Megatron-style, with sequence parallelism):
 - tok_embeddings: vocabulary-parallel (rowwise on the vocabulary), output sharded on the sequence;
@@ -12,6 +13,7 @@ Tensor parallel layout (Megatron-style, with sequence parallelism):
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 from torch import nn
@@ -25,6 +27,7 @@ from torch.distributed.tensor.parallel import (
 
 from parallelize.checkpointing import apply_ac
 from parallelize.compile import apply_compile
+from parallelize.context import context_attention, shard_sequence
 from parallelize.data import apply_fsdp, mixed_precision_policy
 from parallelize.mesh import ParallelDims
 from parallelize.tensor import apply_tp, enable_async_tp
@@ -60,6 +63,15 @@ def tp_plan_block() -> dict:
     }
 
 
+def apply_cp(model: nn.Module, cp_group, cp_rank: int, cp: int, seq_len: int, rotate: str) -> None:
+    """Context parallelism: ring attention in every block, and the RoPE rows of this rank's positions (the
+    trainer gives each rank its load-balanced chunks of every sequence)."""
+    attn_fn = partial(context_attention, cp_group=cp_group, rotate=rotate)
+    for block in model.layers.values():
+        block.attention.attn_fn = attn_fn
+    model.rope_transform = lambda table: shard_sequence(table[:seq_len], 0, cp_rank, cp)
+
+
 def parallelize_llama(model: nn.Module, dims: ParallelDims, cfg: Any, device_type: str) -> nn.Module:
     """Apply the plan for ``dims`` and ``cfg`` to ``model`` (on the meta device) in place; returns it."""
     p = cfg.parallelism
@@ -72,12 +84,16 @@ def parallelize_llama(model: nn.Module, dims: ParallelDims, cfg: Any, device_typ
         if p.enable_async_tp:
             enable_async_tp(tp_mesh)
 
+    if dims.cp_enabled:
+        cp_rank, cp = dims.coordinate("cp")
+        apply_cp(model, dims.group("cp"), cp_rank, cp, cfg.training.seq_len, p.cp_rotate)
+
     ac = cfg.activation_checkpoint
     if ac.mode != "none":
         apply_ac(model.layers, ac.mode, ac.selective_option)
 
     if cfg.compile.enable:
-        apply_compile(model.layers)
+        apply_compile(model.layers, fullgraph=not (dims.cp_enabled and p.cp_rotate == "alltoall"))
 
     if dims.data_parallel:
         apply_fsdp(

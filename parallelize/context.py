@@ -1,0 +1,388 @@
+"""Context parallelism: each sequence split over the ``cp`` ranks of a group, with ring attention.
+
+Data layout (causal load balancing)
+    A sequence of ``S`` tokens is cut into ``2 * cp`` equal chunks. Rank ``r`` holds chunks ``r`` and
+    ``2 * cp - 1 - r``, concatenated in that order: ``S_local = S / cp`` tokens, a "head" chunk and the
+    mirror "tail" chunk. Under causal attention a late chunk costs more than an early one; pairing them gives
+    every rank the same work (``2 * cp + 1`` chunk-sized blocks each). ``shard_sequence`` cuts a tensor this
+    way, ``unshard_sequence`` puts the ranks' pieces back together, ``local_positions`` says which global
+    positions a rank holds (for RoPE).
+
+Attention (``context_attention``)
+    Every rank's queries must see the keys and values of every earlier position, which live on other ranks.
+    The k/v chunks of every rank reach every rank, one source rank at a time, and each (query chunk, key/value
+    chunk) pair is one block of attention:
+        key chunk index <  query chunk index: full (non-causal) attention;
+        key chunk index == query chunk index: causal attention (the square diagonal block);
+        key chunk index >  query chunk index: skipped (all masked).
+    Each block gives an output and the log-sum-exp ``lse`` of its scaled scores per query row; the blocks of a
+    query chunk merge exactly with ``lse = logsumexp_i(lse_i)``, ``out = sum_i exp(lse_i - lse) * out_i``.
+    The backward recomputes each block with the attention kernel's own backward, given the *final* output and
+    the *final* lse (with them each block's softmax is the true full-row softmax, so the block gradients are
+    exact pieces of the full gradient): dq accumulates locally, dk/dv contributions go back to the rank that
+    owns the keys and values.
+
+    How the k/v chunks travel (``parallelism.cp_rotate``):
+        allgather: one all-gather of every rank's k/v; the backward gathers them again and reduce-scatters the
+            dk/dv contributions to their owners.
+        alltoall: k/v pass around the ring (to the next rank, from the previous one) with point-to-point sends,
+            the next transfer overlapping the current block's compute; in the backward a dk/dv accumulator
+            travels with each rank's k/v and ends back at its owner.
+
+    Kernels: on CPU ``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward; on CUDA with
+    fp16/bf16, ``aten._scaled_dot_product_flash_attention`` and its backward; elsewhere (e.g. fp32 on CUDA,
+    which the flash kernel does not take) a plain matmul/softmax implementation of the same block. Merging and
+    gradient accumulation run in fp32. Grouped-query attention: k/v travel with their own (fewer) heads and
+    are repeated to the query heads per block; their gradients are summed back over the repeats.
+
+Document masking (``model.attn_mask = block_causal``) is not supported with context parallelism.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor
+
+__all__ = [
+    "ROTATE_METHODS",
+    "shard_sequence",
+    "unshard_sequence",
+    "local_positions",
+    "check_cp_supported",
+    "context_attention",
+]
+
+ROTATE_METHODS = ("allgather", "alltoall")
+"""Valid values of ``parallelism.cp_rotate``."""
+
+# torch 2.13 renamed these collectives (the old names warn there); torch 2.11 only has the old names.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+# Point-to-point tags of the ring, so that k/v and gradient transfers between the same two ranks never mix.
+_KV_TAG, _GRAD_TAG = 0, 1
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# sequence layout
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _chunk_ids(rank: int, cp_size: int) -> tuple[int, int]:
+    """Global indices of the two chunks rank ``rank`` holds, in local order."""
+    return rank, 2 * cp_size - 1 - rank
+
+
+def shard_sequence(t: Tensor, dim: int, cp_rank: int, cp_size: int) -> Tensor:
+    """Rank ``cp_rank``'s part of ``t`` along ``dim``: chunks ``cp_rank`` and ``2 * cp_size - 1 - cp_rank`` of
+    ``2 * cp_size`` equal chunks, concatenated in that order."""
+    assert t.shape[dim] % (2 * cp_size) == 0, (
+        f"context parallelism: length {t.shape[dim]} (dim {dim}) is not divisible by 2 x cp = {2 * cp_size}"
+    )
+    chunks = t.chunk(2 * cp_size, dim=dim)
+    head, tail = _chunk_ids(cp_rank, cp_size)
+    return torch.cat([chunks[head], chunks[tail]], dim=dim)
+
+
+def unshard_sequence(chunks_by_rank: list[Tensor], dim: int) -> Tensor:
+    """The whole sequence from every rank's ``shard_sequence`` result (``chunks_by_rank[r]`` from rank ``r``)."""
+    halves = [t.chunk(2, dim=dim) for t in chunks_by_rank]
+    heads = [h[0] for h in halves]  # global chunks 0 .. cp - 1
+    tails = [h[1] for h in reversed(halves)]  # global chunks cp .. 2 cp - 1
+    return torch.cat(heads + tails, dim=dim)
+
+
+def local_positions(
+    seq_len: int, cp_rank: int, cp_size: int, device: Optional[torch.device | str] = None
+) -> Tensor:
+    """Global positions (``LongTensor [seq_len // cp_size]``) of rank ``cp_rank``'s tokens, in local order."""
+    return shard_sequence(torch.arange(seq_len, device=device), 0, cp_rank, cp_size)
+
+
+def check_cp_supported(attn_mask: str) -> None:
+    """Raise ``ValueError`` when ``model.attn_mask`` cannot be used with context parallelism."""
+    if attn_mask == "block_causal":
+        raise ValueError(
+            "model.attn_mask: block_causal document masking is not supported with context parallelism "
+            "(parallelism.cp > 1); use model.attn_mask = causal"
+        )
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# per-block kernels: forward(q, k, v, is_causal, scale) -> (out, lse [B, H, Sq] fp32);
+# backward(dout, q, k, v, out, lse, is_causal, scale) -> (dq, dk, dv). q, k, v have the same number of heads.
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _cpu_block_forward(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: Optional[float]):
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, scale=scale)
+    return out, lse
+
+
+def _cpu_block_backward(dout, q, k, v, out, lse, is_causal: bool, scale: Optional[float]):
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dout, q, k, v, out, lse, 0.0, is_causal, scale=scale
+    )
+
+
+def _cuda_block_forward(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: Optional[float]):
+    out, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, is_causal, scale=scale)
+    return out, lse
+
+
+def _cuda_block_backward(dout, q, k, v, out, lse, is_causal: bool, scale: Optional[float]):
+    # Dense (not nested) inputs: no cumulative sequence lengths (None = undefined, as the forward returns them);
+    # without dropout the philox seed and offset are never read (the forward returns empty ones too).
+    unused = torch.empty((), dtype=torch.long)
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+        dout, q, k, v, out, lse.contiguous(), None, None, q.shape[2], k.shape[2], 0.0, is_causal, unused, unused,
+        scale=scale,
+    )
+    return dq, dk, dv
+
+
+def _math_scores(q: Tensor, k: Tensor, is_causal: bool, scale: Optional[float]) -> Tensor:
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    s = (q.float() @ k.float().transpose(-1, -2)) * scale
+    if is_causal:
+        s = s.masked_fill(torch.ones_like(s, dtype=torch.bool).triu(1), float("-inf"))
+    return s
+
+
+def _math_block_forward(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: Optional[float]):
+    s = _math_scores(q, k, is_causal, scale)
+    lse = s.logsumexp(-1)
+    out = (s - lse.unsqueeze(-1)).exp() @ v.float()
+    return out.to(q.dtype), lse
+
+
+def _math_block_backward(dout, q, k, v, out, lse, is_causal: bool, scale: Optional[float]):
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    p = (_math_scores(q, k, is_causal, scale) - lse.unsqueeze(-1)).exp()
+    dout = dout.float()
+    dv = p.transpose(-1, -2) @ dout
+    dp = dout @ v.float().transpose(-1, -2)
+    ds = p * (dp - (dout * out.float()).sum(-1, keepdim=True)) * scale
+    dq = ds @ k.float()
+    dk = ds.transpose(-1, -2) @ q.float()
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _block_kernels(q: Tensor) -> tuple[Callable, Callable]:
+    """The (forward, backward) block kernels for ``q``'s device and dtype."""
+    if q.device.type == "cpu":
+        return _cpu_block_forward, _cpu_block_backward
+    if q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16):
+        return _cuda_block_forward, _cuda_block_backward
+    return _math_block_forward, _math_block_backward
+
+
+def _block_pairs(rank: int, src: int, cp_size: int) -> Iterator[tuple[int, int, bool]]:
+    """``(local q chunk, local k/v chunk of rank src, is_causal)`` for each block of rank ``rank``'s queries
+    against rank ``src``'s keys that is not entirely masked."""
+    for qi, q_chunk in enumerate(_chunk_ids(rank, cp_size)):
+        for ki, kv_chunk in enumerate(_chunk_ids(src, cp_size)):
+            if kv_chunk <= q_chunk:
+                yield qi, ki, kv_chunk == q_chunk
+
+
+def _repeat_heads(x: Tensor, rep: int) -> Tensor:
+    return x.repeat_interleave(rep, dim=1) if rep > 1 else x
+
+
+def _sum_heads(g: Tensor, rep: int) -> Tensor:
+    return g.unflatten(1, (-1, rep)).sum(2) if rep > 1 else g
+
+
+def _merge(acc: Optional[tuple[Tensor, Tensor]], out: Tensor, lse: Tensor) -> tuple[Tensor, Tensor]:
+    """Fold one block's ``(out, lse)`` into the running fp32 ``(out, lse)`` of a query chunk."""
+    if acc is None:
+        return out.float(), lse
+    acc_out, acc_lse = acc
+    new_lse = torch.logaddexp(acc_lse, lse)
+    new_out = acc_out * (acc_lse - new_lse).exp().unsqueeze(-1) + out.float() * (lse - new_lse).exp().unsqueeze(-1)
+    return new_out, new_lse
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# moving k/v to the queries and dk/dv back to their owners
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class _AllGather:
+    """``cp_rotate = allgather``: every rank's k/v gathered at once; dk/dv contributions reduce-scattered."""
+
+    def __init__(self, group: dist.ProcessGroup):
+        self.group = group
+        self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
+        self.grads: list[Tensor] = []
+
+    def kv_blocks(self, kv: Tensor) -> Iterator[tuple[int, Tensor]]:
+        """``(source rank, its k/v)`` for every rank, this rank's first. ``kv``: ``[2, B, H, S_local, D]``."""
+        gathered = kv.new_empty((self.size * kv.shape[0], *kv.shape[1:]))
+        _all_gather_single(gathered, kv.contiguous(), group=self.group)
+        gathered = gathered.unflatten(0, (self.size, kv.shape[0]))
+        for step in range(self.size):
+            src = (self.rank - step) % self.size
+            yield src, gathered[src]
+
+    def send_grad(self, dkv: Tensor) -> None:
+        """This rank's dk/dv contribution for the k/v ``kv_blocks`` last yielded."""
+        self.grads.append(dkv)
+
+    def finish_grads(self) -> Tensor:
+        """The sum over all ranks of the contributions to this rank's k/v."""
+        # Contributions in source-rank order: step s held rank (rank - s).
+        by_src = [self.grads[(self.rank - src) % self.size] for src in range(self.size)]
+        total = torch.cat(by_src)
+        out = total.new_empty(by_src[0].shape)
+        _reduce_scatter_single(out, total, group=self.group)
+        return out
+
+
+class _Ring:
+    """``cp_rotate = alltoall``: k/v travel around the ring, one step at a time, and so do the dk/dv
+    accumulators, each ending at the rank that owns those k/v."""
+
+    def __init__(self, group: dist.ProcessGroup):
+        self.group = group
+        self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
+        self.next = dist.get_global_rank(group, (self.rank + 1) % self.size)
+        self.prev = dist.get_global_rank(group, (self.rank - 1) % self.size)
+        self.pending_grad: Optional[tuple[Tensor, list, Tensor]] = None
+
+    def _shift(self, t: Tensor, tag: int) -> tuple[Tensor, list, Tensor]:
+        """Start sending ``t`` to the next rank and receiving the previous rank's; ``_wait`` gives the latter."""
+        t = t.contiguous()
+        recv = torch.empty_like(t)
+        works = dist.batch_isend_irecv([
+            dist.P2POp(dist.isend, t, self.next, self.group, tag),
+            dist.P2POp(dist.irecv, recv, self.prev, self.group, tag),
+        ])
+        return recv, works, t  # t is kept referenced until the send is waited on
+
+    @staticmethod
+    def _wait(pending: tuple[Tensor, list, Tensor]) -> Tensor:
+        recv, works, _ = pending
+        for work in works:
+            work.wait()
+        return recv
+
+    def kv_blocks(self, kv: Tensor) -> Iterator[tuple[int, Tensor]]:
+        """``(source rank, its k/v)`` for every rank, this rank's first; the next k/v arrive while the caller
+        computes on the current ones."""
+        for step in range(self.size):
+            pending = self._shift(kv, _KV_TAG) if step < self.size - 1 else None
+            yield (self.rank - step) % self.size, kv
+            if pending is not None:
+                kv = self._wait(pending)
+
+    def send_grad(self, dkv: Tensor) -> None:
+        """Add this rank's contribution for the k/v ``kv_blocks`` last yielded to the accumulator that arrived
+        with them, and pass it on."""
+        if self.pending_grad is not None:
+            dkv = dkv + self._wait(self.pending_grad)
+        self.pending_grad = self._shift(dkv, _GRAD_TAG)
+
+    def finish_grads(self) -> Tensor:
+        """This rank's k/v gradient accumulator, back after visiting every rank."""
+        return self._wait(self.pending_grad)
+
+
+def _rotation(rotate: str, group: dist.ProcessGroup):
+    return _AllGather(group) if rotate == "allgather" else _Ring(group)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# ring attention
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class _RingAttention(torch.autograd.Function):
+    """Causal attention of the local load-balanced q chunks against the whole sequence (see the module doc).
+
+    q ``[B, Hq, S_local, D]``, k/v ``[B, Hkv, S_local, D]`` -> out ``[B, Hq, S_local, D]``.
+    """
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup, rotate: str, scale):
+        rank, size = dist.get_rank(group), dist.get_world_size(group)
+        block_forward, _ = _block_kernels(q)
+        rep = q.shape[1] // k.shape[1]
+        q_chunks = q.chunk(2, dim=2)
+        merged: list[Optional[tuple[Tensor, Tensor]]] = [None, None]
+        for src, kv in _rotation(rotate, group).kv_blocks(torch.stack([k, v])):
+            k_chunks, v_chunks = kv[0].chunk(2, dim=2), kv[1].chunk(2, dim=2)
+            for qi, ki, is_causal in _block_pairs(rank, src, size):
+                out, lse = block_forward(
+                    q_chunks[qi], _repeat_heads(k_chunks[ki], rep), _repeat_heads(v_chunks[ki], rep), is_causal,
+                    scale,
+                )
+                merged[qi] = _merge(merged[qi], out, lse)
+        out = torch.cat([m[0] for m in merged], dim=2).to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, merged[0][1], merged[1][1])
+        ctx.group, ctx.rotate, ctx.scale = group, rotate, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout: Tensor):
+        q, k, v, out, *lse = ctx.saved_tensors
+        group, scale = ctx.group, ctx.scale
+        rank, size = dist.get_rank(group), dist.get_world_size(group)
+        _, block_backward = _block_kernels(q)
+        rep = q.shape[1] // k.shape[1]
+        q_chunks, out_chunks = q.chunk(2, dim=2), out.chunk(2, dim=2)
+        dout_chunks = dout.contiguous().chunk(2, dim=2)
+        dq = [torch.zeros_like(c, dtype=torch.float32) for c in q_chunks]
+        rotation = _rotation(ctx.rotate, group)
+        for src, kv in rotation.kv_blocks(torch.stack([k, v])):
+            k_chunks, v_chunks = kv[0].chunk(2, dim=2), kv[1].chunk(2, dim=2)
+            dkv = torch.zeros_like(kv, dtype=torch.float32)
+            dk_chunks, dv_chunks = dkv[0].chunk(2, dim=2), dkv[1].chunk(2, dim=2)
+            for qi, ki, is_causal in _block_pairs(rank, src, size):
+                gq, gk, gv = block_backward(
+                    dout_chunks[qi], q_chunks[qi], _repeat_heads(k_chunks[ki], rep),
+                    _repeat_heads(v_chunks[ki], rep), out_chunks[qi], lse[qi], is_causal, scale,
+                )
+                dq[qi].add_(gq)
+                dk_chunks[ki].add_(_sum_heads(gk, rep))
+                dv_chunks[ki].add_(_sum_heads(gv, rep))
+            rotation.send_grad(dkv)
+        dkv = rotation.finish_grads()
+        return torch.cat(dq, dim=2).to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
+
+
+def context_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cp_group: Optional[dist.ProcessGroup],
+    rotate: str = "allgather",
+    scale: Optional[float] = None,
+) -> Tensor:
+    """Causal attention of this rank's queries against the whole sequence, split over ``cp_group``.
+
+    ``q [B, Hq, S_local, D]``, ``k, v [B, Hkv, S_local, D]`` (``Hq`` a multiple of ``Hkv``) are this rank's
+    ``shard_sequence`` parts of the sequence (two chunks); returns ``[B, Hq, S_local, D]``, this rank's part of
+    the causal attention over the whole sequence, and is differentiable in q, k and v. ``rotate`` is how k/v
+    reach the other ranks: ``allgather`` or ``alltoall`` (a point-to-point ring); ``scale`` defaults to
+    ``D ** -0.5``. With a group of one rank this is plain causal ``scaled_dot_product_attention``.
+
+    Under ``torch.compile(fullgraph=True)`` only ``allgather`` traces (its collectives become functional
+    collectives); dynamo refuses the point-to-point ops of ``alltoall``, which needs ``fullgraph=False`` (the
+    ring then runs eagerly between two graphs).
+    """
+    if rotate not in ROTATE_METHODS:
+        raise ValueError(
+            f"parallelism.cp_rotate: unknown rotation {rotate!r}; choose one of {', '.join(ROTATE_METHODS)}"
+        )
+    if q.shape[1] % k.shape[1] != 0:
+        raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})")
+    if dist.get_world_size(cp_group) == 1:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    return _RingAttention.apply(q, k, v, cp_group, rotate, scale)

@@ -1,0 +1,156 @@
+"""Context parallelism (parallelize/context.py): sequence sharding and ring attention.
+
+The ring-attention checks spawn one gloo process group per world size (CPU) and run every case of that size in
+it: each rank builds the same seeded full q/k/v, computes full causal SDPA and its gradients as the reference,
+and checks its own shard of the output and of the q/k/v gradients from ``context_attention``. A failing check
+raises in the worker, which fails the spawn.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+from parallelize.context import (
+    _cpu_block_backward,
+    _cpu_block_forward,
+    _math_block_backward,
+    _math_block_forward,
+    check_cp_supported,
+    context_attention,
+    local_positions,
+    shard_sequence,
+    unshard_sequence,
+)
+
+B, HQ, HKV, D = 2, 4, 2, 16
+SEQ_LENS = {2: (32, 96), 4: (64, 128)}  # S = 2 * cp * chunk: chunks of 8 and a longer case
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _full_inputs(seq_len: int, seed: int) -> tuple[torch.Tensor, ...]:
+    """q, k, v and an upstream gradient for the whole sequence, the same on every rank."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, HQ, seq_len, D, generator=g)
+    k = torch.randn(B, HKV, seq_len, D, generator=g)
+    v = torch.randn(B, HKV, seq_len, D, generator=g)
+    grad = torch.randn(B, HQ, seq_len, D, generator=g)
+    return q, k, v, grad
+
+
+def _check_case(group, rank: int, cp: int, seq_len: int, rotate: str, scale) -> None:
+    q, k, v, grad = _full_inputs(seq_len, seed=seq_len + cp)
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = F.scaled_dot_product_attention(*full, is_causal=True, scale=scale, enable_gqa=True)
+    ref.backward(grad)
+
+    def shard(t):
+        return shard_sequence(t, 2, rank, cp)
+
+    local = [shard(t).requires_grad_() for t in (q, k, v)]
+    out = context_attention(*local, group, rotate=rotate, scale=scale)
+    out.backward(shard(grad))
+    where = f"cp={cp} S={seq_len} rotate={rotate} scale={scale} rank={rank}"
+    torch.testing.assert_close(out, shard(ref), rtol=1e-5, atol=1e-5, msg=lambda m: f"out, {where}: {m}")
+    for name, x, x_full in zip("qkv", local, full):
+        torch.testing.assert_close(
+            x.grad, shard(x_full.grad), rtol=1e-5, atol=1e-5, msg=lambda m: f"d{name}, {where}: {m}"
+        )
+
+
+def _worker(rank: int, world_size: int, port: int) -> None:
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        group = dist.group.WORLD
+        for seq_len in SEQ_LENS[world_size]:
+            for rotate in ("allgather", "alltoall"):
+                _check_case(group, rank, world_size, seq_len, rotate, scale=None)
+        _check_case(group, rank, world_size, SEQ_LENS[world_size][0], "alltoall", scale=0.3)
+        # A one-rank group: plain causal attention.
+        singles = [dist.new_group([r]) for r in range(world_size)]
+        q, k, v, _ = _full_inputs(16, seed=0)
+        torch.testing.assert_close(
+            context_attention(q, k, v, singles[rank]),
+            F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
+        )
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_ring_attention_matches_full_attention(cp):
+    mp.start_processes(_worker, args=(cp, _free_port()), nprocs=cp, start_method="spawn")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# no processes
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cp", [1, 2, 3, 4])
+def test_shard_unshard_round_trip(cp):
+    t = torch.randn(3, 2 * cp * 5, 7)
+    shards = [shard_sequence(t, 1, r, cp) for r in range(cp)]
+    assert all(s.shape == (3, 10, 7) for s in shards)
+    torch.testing.assert_close(unshard_sequence(shards, 1), t, rtol=0, atol=0)
+
+
+def test_shard_sequence_chunks_and_divisibility():
+    t = torch.arange(8)
+    assert shard_sequence(t, 0, 0, 2).tolist() == [0, 1, 6, 7]
+    assert shard_sequence(t, 0, 1, 2).tolist() == [2, 3, 4, 5]
+    with pytest.raises(AssertionError, match="not divisible"):
+        shard_sequence(torch.arange(10), 0, 0, 2)
+
+
+def test_local_positions():
+    assert local_positions(16, 0, 4).tolist() == [0, 1, 14, 15]
+    assert local_positions(16, 3, 4).tolist() == [6, 7, 8, 9]
+    assert local_positions(4, 0, 1).tolist() == [0, 1, 2, 3]
+    positions = [local_positions(24, r, 3) for r in range(3)]
+    assert sorted(torch.cat(positions).tolist()) == list(range(24))
+    assert positions[1].dtype == torch.long
+
+
+def test_bad_rotate_name():
+    q = torch.randn(1, 2, 8, 4)
+    with pytest.raises(ValueError, match=r"parallelism\.cp_rotate.*'ring'.*allgather, alltoall"):
+        context_attention(q, q, q, None, rotate="ring")
+
+
+def test_check_cp_supported():
+    check_cp_supported("causal")
+    with pytest.raises(ValueError, match="block_causal document masking is not supported with context paral"):
+        check_cp_supported("block_causal")
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_math_block_kernels_match_cpu_flash(is_causal):
+    """The matmul kernels (used where no flash kernel fits, e.g. fp32 on CUDA) agree with the CPU flash ones,
+    also when the backward is given another output and lse (as ring attention does)."""
+    g = torch.Generator().manual_seed(1)
+    q, k, v, dout = (torch.randn(2, 3, 8, 16, generator=g) for _ in range(4))
+    out_m, lse_m = _math_block_forward(q, k, v, is_causal, 0.4)
+    out_c, lse_c = _cpu_block_forward(q, k, v, is_causal, 0.4)
+    torch.testing.assert_close(out_m, out_c, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse_m, lse_c, rtol=1e-5, atol=1e-5)
+    other_out, other_lse = torch.randn(2, 3, 8, 16, generator=g), lse_c + 0.5
+    grads_m = _math_block_backward(dout, q, k, v, other_out, other_lse, is_causal, 0.4)
+    grads_c = _cpu_block_backward(dout, q, k, v, other_out, other_lse, is_causal, 0.4)
+    for gm, gc in zip(grads_m, grads_c):
+        torch.testing.assert_close(gm, gc, rtol=1e-5, atol=1e-5)
