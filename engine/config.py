@@ -581,11 +581,9 @@ def validate_parallelism(cfg: Config, world_size: int, spec):
         _validate_pipeline(cfg, dims, args)
     if dims.cp > 1:
         _choice("parallelism.cp_rotate", p.cp_rotate, ["allgather", "alltoall"])
-        if cfg.model.attn_mask == "block_causal":
-            raise ConfigError(
-                "model.attn_mask: block_causal document masking is not supported with context parallelism "
-                "(parallelism.cp > 1); use model.attn_mask = causal"
-            )
+        from parallelize.context import check_cp_supported
+
+        check_cp_supported(cfg.model.attn_mask)
         if cfg.model.attn != "sdpa":
             raise ConfigError("model.attn: context parallelism runs its own ring attention; use model.attn = sdpa")
     chunks = 2 * dims.cp * dims.tp if dims.cp > 1 else dims.tp
