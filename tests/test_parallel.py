@@ -38,6 +38,8 @@ LAYOUTS = {
         "fsdp2_compile_ac_op": _layout(4, "--parallelism.dp_shard", "2", "--compile.enable",
                                        "--activation_checkpoint.mode", "selective"),
         **_pipelines(2),
+        "pp2_csv": _layout(8, "--parallelism.pp", "2", "--parallelism.pp_schedule", "Interleaved1F1B",
+                           "--parallelism.pp_schedule_csv", "tests/data/pp2_looped_bfs.csv"),
         "cp2": _layout(8, "--parallelism.cp", "2"),
         "cp2_alltoall": _layout(8, "--parallelism.cp", "2", "--parallelism.cp_rotate", "alltoall"),
     },
