@@ -28,7 +28,7 @@ BASE = [
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -113,7 +113,7 @@ def run_world(world_size: int, layouts: dict[str, list[str]], batches_by_name: d
     """Run every layout on ``world_size`` spawned gloo ranks; returns rank 0's results by layout name."""
     os.makedirs(out, exist_ok=True)
     mp.start_processes(
-        _worker, args=(world_size, _free_port(), layouts, batches_by_name, out), nprocs=world_size,
+        _worker, args=(world_size, free_port(), layouts, batches_by_name, out), nprocs=world_size,
         join=True, start_method="spawn",
     )
     return {name: torch.load(os.path.join(out, f"{name}.pt")) for name in layouts}

@@ -9,7 +9,6 @@ raises in the worker, which fails the spawn.
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
@@ -28,15 +27,10 @@ from parallelize.context import (
     shard_sequence,
     unshard_sequence,
 )
+from tests.parallel_harness import free_port
 
 B, HQ, HKV, D = 2, 4, 2, 16
 SEQ_LENS = {2: (32, 96), 4: (64, 128)}  # S = 2 * cp * chunk: chunks of 8 and a longer case
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _full_inputs(seq_len: int, seed: int) -> tuple[torch.Tensor, ...]:
@@ -94,7 +88,7 @@ def _worker(rank: int, world_size: int, port: int) -> None:
 
 @pytest.mark.parametrize("cp", [2, 4])
 def test_ring_attention_matches_full_attention(cp):
-    mp.start_processes(_worker, args=(cp, _free_port()), nprocs=cp, start_method="spawn")
+    mp.start_processes(_worker, args=(cp, free_port()), nprocs=cp, start_method="spawn")
 
 
 # ----------------------------------------------------------------------------------------------------------------
