@@ -551,6 +551,8 @@ def validate(cfg: Config, world_size: int = 1) -> None:
 
 def validate_parallelism(cfg: Config, world_size: int, spec):
     """The parallel layout: degrees, their product, and the model shapes they must divide."""
+    import torch
+
     from parallelize.mesh import ParallelDims
 
     p = cfg.parallelism
@@ -565,17 +567,14 @@ def validate_parallelism(cfg: Config, world_size: int, spec):
                     f"tensor parallelism gives each rank whole heads (KV heads are not replicated), so pick a tp "
                     f"that divides {args.n_kv_heads}"
                 )
+    cuda = torch.cuda.is_available()
     if p.enable_async_tp:
-        import torch
-
-        if dims.tp == 1 or not cfg.compile.enable or not torch.cuda.is_available():
+        if dims.tp == 1 or not cfg.compile.enable or not cuda:
             raise ConfigError(
                 "parallelism.enable_async_tp: needs parallelism.tp > 1, compile.enable and CUDA GPUs"
             )
     if p.fsdp_cpu_offload:
-        import torch
-
-        if not torch.cuda.is_available():
+        if not cuda:
             raise ConfigError("parallelism.fsdp_cpu_offload: offloading to CPU memory needs CUDA GPUs")
     if dims.pp > 1:
         _validate_pipeline(cfg, dims, args)

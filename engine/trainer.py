@@ -104,8 +104,7 @@ class Trainer:
         # The loss is divided by the global token count, so data-parallel gradients must be summed; FSDP2
         # averages them (a sum with a pre-multiplier, which gloo lacks), so backward runs on the loss times
         # the divisor.
-        self.data_parallel = self.dims.data_parallel
-        self.backward_scale = gradient_divide_factor(self.dims.mesh("fsdp")) if self.data_parallel else 1
+        self.backward_scale = gradient_divide_factor(self.dims.mesh("fsdp")) if self.dims.data_parallel else 1
         self.loss_fn = compile_loss(cross_entropy_sum) if cfg.compile.enable else cross_entropy_sum
         self._num_targets = 1  # the current step's global target count, for the pipeline's loss function
         if self.dims.pp_enabled:
@@ -120,7 +119,9 @@ class Trainer:
 
         # bf16 autocast on CUDA unless FSDP2's mixed precision casts the parameters already.
         use_bf16 = (
-            self.device.type == "cuda" and cfg.training.mixed_precision_param == "bfloat16" and not self.data_parallel
+            self.device.type == "cuda"
+            and cfg.training.mixed_precision_param == "bfloat16"
+            and not self.dims.data_parallel
         )
         self.autocast = (
             (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if use_bf16 else contextlib.nullcontext
