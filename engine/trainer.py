@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -53,6 +54,50 @@ def _set_aside_old_metrics(folder: str) -> None:
     os.replace(path, os.path.join(folder, f"metrics.{n}.jsonl"))
 
 
+@dataclass
+class ModelParts:
+    """This rank's share of the model: its pipeline stages (the whole model without PP), parallelized."""
+
+    parts: list[nn.Module]
+    stage_ids: list[int]
+    """Global indices of this rank's stages ([0] without PP)."""
+    stage_count: int
+    """Stages of the whole pipeline (1 without PP)."""
+
+    @property
+    def has_first(self) -> bool:
+        return 0 in self.stage_ids
+
+    @property
+    def has_last(self) -> bool:
+        return self.stage_count - 1 in self.stage_ids
+
+
+def build_model_parts(cfg: Config, dims: ParallelDims, spec, model: nn.Module, device: torch.device,
+                      materialize_weights: bool = True) -> ModelParts:
+    """Split ``model`` (on the meta device) into this rank's pipeline stages and apply the model's parallel
+    plan to each. With ``materialize_weights`` the parts are then allocated on ``device`` and initialized:
+    every layout gets the weights a single process would draw (parallelize/init.py; each unit of the model
+    is seeded by its name, whatever stage holds it). Without it they stay on the meta device (dry runs)."""
+    p = cfg.parallelism
+    if dims.pp_enabled:
+        pp_rank, pp = dims.coordinate("pp")
+        stage_count = pipeline.num_stages(pp, p.pp_schedule, p.pp_virtual_stages, p.pp_schedule_csv)
+        stage_ids = pipeline.stage_ids(pp_rank, pp, p.pp_schedule, p.pp_virtual_stages, p.pp_schedule_csv)
+        layers = pipeline.split_layers(model.n_layers, stage_count, p.pp_layers_per_stage or None)
+        parts = [pipeline.stage_module(model, i, stage_count, layers[i]) for i in stage_ids]
+    else:
+        stage_count, stage_ids, parts = 1, [0], [model]
+    for part in parts:
+        spec.parallelize_fn(part, dims, cfg, device.type)
+        if materialize_weights:
+            part.to_empty(device=device)
+            with torch.no_grad():
+                part.init_weights(buffer_device=None, materialize=materialize, seed=cfg.debug.seed)
+        part.train()
+    return ModelParts(parts, stage_ids, stage_count)
+
+
 class Trainer:
     def __init__(self, cfg: Config, world: World):
         self.cfg = cfg
@@ -88,16 +133,12 @@ class Trainer:
             if cfg.job.print_config:
                 print(to_toml(cfg), flush=True)
 
-        # Pipeline stages (this rank's parts of the model), then each part's parallel plan, still on the meta
-        # device; then materialize and initialize. Every layout gets the weights a single process would draw
-        # (parallelize/init.py; each unit of the model is seeded by its name, whatever stage holds it).
-        parts = self._pipeline_parts(model) if self.dims.pp_enabled else [model]
-        for part in parts:
-            spec.parallelize_fn(part, self.dims, cfg, self.device.type)
-            part.to_empty(device=self.device)
-            with torch.no_grad():
-                part.init_weights(buffer_device=None, materialize=materialize, seed=cfg.debug.seed)
-            part.train()
+        # Pipeline stages (this rank's parts of the model), then each part's parallel plan, then materialize
+        # and initialize.
+        self.stages = build_model_parts(cfg, self.dims, spec, model, self.device)
+        parts = self.stages.parts
+        self.pp_stage_ids, self.pp_stage_count = self.stages.stage_ids, self.stages.stage_count
+        self.pp_has_first, self.pp_has_last = self.stages.has_first, self.stages.has_last
         self.model_parts = parts
         self.model = parts[0] if len(parts) == 1 else nn.ModuleList(parts)
         self.loss_parallel = self.dims.tp_enabled and not cfg.parallelism.disable_loss_parallel
@@ -136,17 +177,6 @@ class Trainer:
             )
 
     # ----------------------------------------------------------------------------------------------------
-    def _pipeline_parts(self, model: nn.Module) -> list[nn.Module]:
-        """This pp rank's stages of ``model`` (meta device)."""
-        p = self.cfg.parallelism
-        pp_rank, pp = self.dims.coordinate("pp")
-        self.pp_stage_count = pipeline.num_stages(pp, p.pp_schedule, p.pp_virtual_stages, p.pp_schedule_csv)
-        self.pp_stage_ids = pipeline.stage_ids(pp_rank, pp, p.pp_schedule, p.pp_virtual_stages, p.pp_schedule_csv)
-        layers = pipeline.split_layers(model.n_layers, self.pp_stage_count, p.pp_layers_per_stage or None)
-        self.pp_has_first = 0 in self.pp_stage_ids
-        self.pp_has_last = self.pp_stage_count - 1 in self.pp_stage_ids
-        return [pipeline.stage_module(model, i, self.pp_stage_count, layers[i]) for i in self.pp_stage_ids]
-
     def _pipeline_schedule(self):
         p = self.cfg.parallelism
 
