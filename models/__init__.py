@@ -33,7 +33,8 @@ class ModelSpec:
     pipeline_fn: Optional[Callable] = None
     """Splits a model into pipeline stages (later)."""
     state_dict_adapter: Optional[type] = None
-    """Converts between this family's state dict and the Hugging Face checkpoint layout (later)."""
+    """Converts between this family's state dict and the Hugging Face checkpoint layout: a class with
+    ``to_hf``, ``from_hf``, ``hf_shapes``, ``hf_config`` and ``check_hf_config`` (engine/hf.py uses them)."""
 
 
 _REGISTRY: dict[str, ModelSpec] = {}

@@ -155,6 +155,10 @@ class ParallelDims:
         """The process group of a 1-D view; None in a world of one."""
         return self._meshes[view].get_group() if self._meshes else None
 
+    def is_dp_leader(self) -> bool:
+        """Whether this rank is the first of the ranks that share its data (pp, cp and tp coordinates 0)."""
+        return all(self.coordinate(view)[0] == 0 for view in ("pp", "cp", "tp"))
+
     def describe(self) -> str:
         return _describe({name: getattr(self, name) for name in DIM_NAMES})
 

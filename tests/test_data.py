@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from engine.config import Config, ConfigError
-from engine.data import DataLoader, Tokenizer, build_dataloader, build_dataset, build_tokenizer, check_data_config
+from engine.data.loader import SAMPLE_ID_STRIDE, ShardedDataLoader
+from engine.data import Tokenizer, build_dataloader, build_dataset, build_tokenizer, check_data_config
 from engine.data.datasets import BUILTIN_DATASETS
 from engine.data.tokenizer import BUILTIN_TOKENIZER
 
@@ -202,7 +203,7 @@ def test_packing_streaming_is_the_exact_document_stream(tmp_path, tok):
     path = write_jsonl(tmp_path / "d.jsonl", docs)
     cfg = make_cfg(path, seq_len=16, batch=3, streaming=True)
     loader = build_dataloader(cfg, tok, 0, 1)
-    assert isinstance(loader, DataLoader) and iter(loader) is loader
+    assert isinstance(loader, ShardedDataLoader) and iter(loader) is loader
     batches = take(loader, 12)
     for b in batches:
         for key in ("input_ids", "labels", "doc_ids"):
@@ -218,7 +219,7 @@ def test_packing_streaming_is_the_exact_document_stream(tmp_path, tok):
     expected = (epoch * (len(stream) // len(epoch) + 1))[: len(stream)]
     assert len(stream) > 2 * len(epoch)  # crosses two epoch boundaries
     assert stream == expected
-    assert loader.state_dict()["epoch"] >= 2
+    assert loader.state_dict()["shards"]["0"]["epoch"] >= 2
 
 
 def test_packing_map_style_covers_each_epoch_once(tmp_path, tok):
@@ -248,7 +249,7 @@ def _resume_case(cfg, tok, ks, n_after, rank=0, world=1):
         loader = build_dataloader(cfg, tok, rank, world)
         take(loader, k)
         state = json.loads(json.dumps(loader.state_dict()))  # checkpoints hold plain JSON data only
-        epochs.append(state["epoch"])
+        epochs.append(state["shards"][str(rank)]["epoch"])
         fresh = build_dataloader(cfg, tok, rank, world)
         fresh.load_state_dict(state)
         assert_same(take(fresh, n_after), full[k : k + n_after])
@@ -323,12 +324,64 @@ def test_state_dict_layout_and_rank_mismatch(tmp_path, tok):
     take(loader, 3)
     state = loader.state_dict()
     assert json.loads(json.dumps(state)) == state
-    assert state["dp_rank"] == 1 and state["dp_world_size"] == 2 and state["docs_consumed"] > 0
+    shard = state["shards"]["1"]
+    assert state["num_shards"] == 2 and list(state["shards"]) == ["1"]
+    assert shard["dp_rank"] == 1 and shard["dp_world_size"] == 2 and shard["docs_consumed"] > 0
     other = build_dataloader(cfg, tok, 0, 2)
-    with pytest.raises(ValueError, match="rank 1 of 2"):
+    with pytest.raises(ValueError, match=r"no position for data shards \[0\]"):
         other.load_state_dict(state)
+    with pytest.raises(ValueError, match="saved with 2 data shards"):
+        build_dataloader(cfg, tok, 0, 2, num_shards=4).load_state_dict(state)
     with pytest.raises(ValueError, match="streaming"):
         build_dataloader(make_cfg(path, seq_len=16, batch=2, streaming=False), tok, 1, 2).load_state_dict(state)
+
+
+def _ids(batches) -> list[int]:
+    return [int(i) for b in batches for i in b["sample_ids"]]
+
+
+@pytest.mark.parametrize("streaming", [True, False], ids=["streaming", "map"])
+def test_resume_on_another_dp_degree_neither_repeats_nor_skips(tmp_path, tok, streaming):
+    """4 logical shards saved by 4 dp ranks, resumed by 2 ranks, 1 rank and 3 ranks: each step's global
+    batch holds the samples of the uninterrupted run (2 and 1 divide 4), and no sample repeats or is skipped."""
+    path = write_jsonl(tmp_path / "d.jsonl", docs_of(40))
+    cfg = make_cfg(path, seq_len=16, batch=2, streaming=streaming)
+    global_batch, k, after = 8, 3, 4  # samples per step, steps before the save, steps after it
+
+    def run(dp, steps, states=None):
+        """Per step: the sorted sample ids of the global batch; and the loaders' states."""
+        loaders = [build_dataloader(cfg, tok, r, dp, num_shards=4) for r in range(dp)]
+        if states is not None:
+            merged = {"version": 1, "num_shards": 4, "turn": 0,
+                      "shards": {s: v for st in states for s, v in st["shards"].items()}}
+            for loader in loaders:
+                loader.load_state_dict(json.loads(json.dumps(merged)))
+        assert all(loader.batch_size * dp == global_batch for loader in loaders)
+        seen = [sorted(_ids(next(loader) for loader in loaders)) for _ in range(steps)]
+        return seen, [loader.state_dict() for loader in loaders]
+
+    cfg.training.local_batch_size = 2
+    whole, _ = run(4, k + after)
+    before, states = run(4, k)
+    assert before == whole[:k]
+    for dp in (2, 1):
+        cfg.training.local_batch_size = global_batch // dp
+        resumed, _ = run(dp, after, states)
+        assert resumed == whole[k:], dp
+    # 3 ranks do not divide 4 shards: the batches differ, but no sample is read twice or skipped.
+    cfg.training.local_batch_size = 1
+    loaders = [build_dataloader(cfg, tok, r, 3, num_shards=4) for r in range(3)]
+    merged = {"version": 1, "num_shards": 4, "turn": 0, "shards": {s: v for st in states for s, v in st["shards"].items()}}
+    for loader in loaders:
+        loader.load_state_dict(merged)
+    later = _ids(next(loader) for loader in loaders for _ in range(6))
+    earlier = {i for step in before for i in step}
+    assert not earlier & set(later) and len(set(later)) == len(later)
+    for shard in range(4):  # each shard continues from where it stopped, with no gap
+        mine = sorted(i % SAMPLE_ID_STRIDE for i in later if i // SAMPLE_ID_STRIDE == shard)
+        assert mine == list(range(k * 2, k * 2 + len(mine))), (shard, mine)
+    with pytest.raises(ValueError, match="data.num_shards"):
+        build_dataloader(cfg, tok, 0, 8, num_shards=4)
 
 
 # ------------------------------------------------------------------------------------------------------

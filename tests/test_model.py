@@ -46,7 +46,9 @@ def test_registry():
     from models.llama3.parallelize import parallelize_llama
 
     assert spec.parallelize_fn is parallelize_llama
-    assert spec.pipeline_fn is None and spec.state_dict_adapter is None
+    from models.llama3.hf_adapter import Llama3HFAdapter
+
+    assert spec.pipeline_fn is None and spec.state_dict_adapter is Llama3HFAdapter
     with pytest.raises(ValueError, match="model.name.*llama3"):
         get_model_spec("no_such_model")
     assert models.get_model_spec is get_model_spec

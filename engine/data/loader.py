@@ -73,6 +73,7 @@ class DataLoader:
             self.dataset = self.dataset.select_columns([self.text_field])
         self._order_cache: tuple[int, np.ndarray] | None = None
         self.batches_produced = 0
+        self.samples_produced = 0
         self._set_position(epoch=0, index=0, ds_state=None, offset=0, docs_consumed=0)
 
     # ------------------------------------------------------------------------------------------------
@@ -188,11 +189,17 @@ class DataLoader:
                 k += 1
         return tokens, doc_ids
 
+    def next_sample(self) -> tuple[list[int], list[int]]:
+        """The next packed sample of this shard (tokens, document ids); counted in the state."""
+        sample = self._next_sample()
+        self.samples_produced += 1
+        return sample
+
     def __iter__(self) -> DataLoader:
         return self
 
     def __next__(self) -> dict[str, torch.Tensor]:
-        samples = [self._next_sample() for _ in range(self.batch_size)]
+        samples = [self.next_sample() for _ in range(self.batch_size)]
         tokens = torch.tensor([s[0] for s in samples], dtype=torch.long)
         doc_ids = torch.tensor([s[1][:-1] for s in samples], dtype=torch.long)
         self.batches_produced += 1
@@ -221,6 +228,7 @@ class DataLoader:
             "docs_consumed": self._docs_consumed,  # documents this rank has finished, all epochs (skipped
             # null/empty records not counted; docs_in_epoch counts every record)
             "batches": self.batches_produced,
+            "samples": self.samples_produced,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -243,6 +251,7 @@ class DataLoader:
                 f"{len(self.dataset)} documents; was the dataset changed?"
             )
         self.batches_produced = int(state.get("batches", 0))
+        self.samples_produced = int(state.get("samples", 0))
         self._set_position(
             epoch=int(state["epoch"]),
             index=int(state["docs_in_epoch"]),
@@ -257,5 +266,88 @@ class DataLoader:
             self._order_cache = None
 
 
-def build_dataloader(cfg: Config, tokenizer, dp_rank: int = 0, dp_world_size: int = 1) -> DataLoader:
-    return DataLoader(cfg, tokenizer, dp_rank, dp_world_size)
+SHARDED_STATE_VERSION = 1
+SAMPLE_ID_STRIDE = 1 << 36  # sample id = shard * stride + index of the sample in its shard
+
+
+class ShardedDataLoader:
+    """A data-parallel rank's loader over logical shards, so that a run can resume on another dp degree.
+
+    The dataset is split into ``num_shards`` logical shards (``data.num_shards``; by default one per
+    data-parallel rank, which is then exactly the plain per-rank loader). Data-parallel rank r of dp reads
+    the shards s with s % dp == r, one sample from each in turn. Every shard advances at the same rate on
+    any dp degree that divides num_shards, so the global batch of a step holds the same samples whatever
+    the degree; on other degrees a shard may run ahead of another by a sample, but a sample is never read
+    twice or skipped. Batches carry ``sample_ids`` (shard * 2**36 + index in the shard) to prove it.
+
+    ``state_dict()`` is JSON data: every shard's position. ``load_state_dict`` takes the positions of this
+    rank's shards, wherever they were saved (engine/checkpoint.py gathers them).
+    """
+
+    def __init__(self, cfg: Config, tokenizer, dp_rank: int, dp_world_size: int, num_shards: int = -1):
+        if num_shards == -1:
+            num_shards = cfg.data.num_shards if cfg.data.num_shards > 0 else dp_world_size
+        if num_shards < dp_world_size:
+            raise ConfigError(
+                f"data.num_shards: the data is split into {num_shards} shards, fewer than the {dp_world_size} "
+                "data-parallel ranks; resume on a dp degree of at most that, or start a run with more shards"
+            )
+        self.num_shards = num_shards
+        self.dp_rank, self.dp_world_size = dp_rank, dp_world_size
+        self.batch_size = cfg.training.local_batch_size
+        self.shard_ids = list(range(dp_rank, num_shards, dp_world_size))
+        self.shards = {s: DataLoader(cfg, tokenizer, s, num_shards) for s in self.shard_ids}
+        self.turn = 0  # position in shard_ids of the shard that gives the next sample
+
+    def __iter__(self) -> "ShardedDataLoader":
+        return self
+
+    def __next__(self) -> dict[str, torch.Tensor]:
+        tokens, doc_ids, ids = [], [], []
+        for _ in range(self.batch_size):
+            shard = self.shard_ids[self.turn]
+            self.turn = (self.turn + 1) % len(self.shard_ids)
+            loader = self.shards[shard]
+            ids.append(shard * SAMPLE_ID_STRIDE + loader.samples_produced)
+            t, d = loader.next_sample()
+            tokens.append(t)
+            doc_ids.append(d[:-1])
+        tokens_t = torch.tensor(tokens, dtype=torch.long)
+        return {
+            "input_ids": tokens_t[:, :-1].contiguous(),
+            "labels": tokens_t[:, 1:].contiguous(),
+            "doc_ids": torch.tensor(doc_ids, dtype=torch.long),
+            "sample_ids": torch.tensor(ids, dtype=torch.long),
+        }
+
+    def state_dict(self) -> dict:
+        return {
+            "version": SHARDED_STATE_VERSION,
+            "num_shards": self.num_shards,
+            "turn": self.turn,
+            "shards": {str(s): loader.state_dict() for s, loader in self.shards.items()},
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Load ``state``: a ``state_dict()`` of this loader, or any dict whose "shards" holds (at least) the
+        states of this rank's shards, saved on any dp degree with the same num_shards."""
+        if not isinstance(state, dict) or state.get("version") != SHARDED_STATE_VERSION:
+            raise ValueError("data loader state: unknown format")
+        if int(state["num_shards"]) != self.num_shards:
+            raise ValueError(
+                f"data loader state: saved with {state['num_shards']} data shards, this loader has {self.num_shards}"
+            )
+        shards = state["shards"]
+        missing = [s for s in self.shard_ids if str(s) not in shards]
+        if missing:
+            raise ValueError(f"data loader state: no position for data shards {missing}")
+        for s in self.shard_ids:
+            self.shards[s].load_state_dict(shards[str(s)])
+        same_layout = sorted(int(s) for s in shards) == self.shard_ids
+        self.turn = int(state.get("turn", 0)) % len(self.shard_ids) if same_layout else 0
+
+
+def build_dataloader(cfg: Config, tokenizer, dp_rank: int = 0, dp_world_size: int = 1,
+                     num_shards: int = -1) -> ShardedDataLoader:
+    """This data-parallel rank's loader (``num_shards`` -1: data.num_shards, else one per dp rank)."""
+    return ShardedDataLoader(cfg, tokenizer, dp_rank, dp_world_size, num_shards)

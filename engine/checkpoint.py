@@ -1,0 +1,599 @@
+"""Checkpoints on torch.distributed.checkpoint (DCP): save, resume on any mesh, survive any crash.
+
+Layout of one checkpoint, ``<checkpoint.folder>/step-000100/``:
+
+- ``.metadata`` and ``__<rank>_<n>.distcp``: DCP's files. They hold the model (``model.<fqn>``) and the
+  optimizer state (``optim.<fqn>.<exp_avg|exp_avg_sq|step>``) as sharded tensors, named by the full model's
+  parameter names whatever the layout (FSDP/TP shards are DTensors, pipeline stages keep the whole model's
+  names), so DCP reshards them on load to any mesh. Nothing else goes into DCP: no pickled Python object.
+- ``train_state.json``: step, lr schedule, model name and flavor, the layout it was saved on.
+- ``dataloader/dp-00003.json``: the data position of each data-parallel rank (every logical data shard's
+  position; engine/data/loader.py), so a run resumes on another dp degree without repeating or skipping.
+- ``rng/rank-00005.json``: each rank's random generators (restored when the layout is the same).
+- ``COMMITTED.json``: written last, by rank 0, once every rank has written everything; it lists every file
+  with its size. A folder without it is incomplete: never loaded, never counted by keep_latest_k.
+
+Loading never unpickles arbitrary objects: DCP's ``.metadata`` (a pickle) is read with an unpickler that
+only accepts DCP's metadata classes and torch sizes/dtypes, a checkpoint with byte (pickled) entries is
+refused, and tensors are read with ``torch.load(weights_only=True)`` by DCP itself.
+
+Async save (checkpoint.async_mode): the state is staged (copied; through pinned memory on CUDA with
+async_with_pinned_mem) and written by a background thread over a separate gloo process group while
+training goes on; the commit follows once every rank's write has finished (checked at each step boundary).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import pickle
+import random
+import re
+import shutil
+import signal
+import time
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from engine.config import Config, ConfigError
+
+COMMIT_FILE = "COMMITTED.json"
+TRAIN_STATE_FILE = "train_state.json"
+FORMAT_VERSION = 1
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def step_folder(root: str, step: int) -> str:
+    return os.path.join(root, f"step-{step:06d}")
+
+
+def checkpoint_root(cfg: Config) -> str:
+    folder = cfg.checkpoint.folder
+    return folder if os.path.isabs(folder) else os.path.join(cfg.job.dump_folder, folder)
+
+
+def fault_point(step: int, point: str) -> None:
+    """Fault injection for tests: TESSERA_FAULT_AT=<step>:<point> kills this process with SIGKILL there
+    (with SIGTERM for the point "sigterm", which the trainer passes in the middle of every step)."""
+    if os.environ.get("TESSERA_FAULT_AT") == f"{step}:{point}":
+        os.kill(os.getpid(), signal.SIGTERM if point == "sigterm" else signal.SIGKILL)
+
+
+_fault = fault_point
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Reading checkpoints safely
+# ------------------------------------------------------------------------------------------------------------
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP's .metadata and nothing else: DCP's metadata classes, torch sizes and dtypes."""
+
+    _MODULES = ("torch.distributed.checkpoint.",)
+    _GLOBALS = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
+                ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath")}
+
+    def find_class(self, module: str, name: str):
+        if module.startswith(self._MODULES) or (module, name) in self._GLOBALS:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"refusing to unpickle {module}.{name}")
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """DCP's file reader with a restricted unpickler for the metadata."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any):
+        path = os.path.join(str(self.path), ".metadata")
+        with open(path, "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+        from torch.distributed.checkpoint.metadata import StorageMeta
+
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+def _read_json(path: str, what: str) -> dict:
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"{what}: {path} is missing") from None
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{what}: {path} is not readable JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{what}: {path} does not hold a JSON object")
+    return data
+
+
+def _write_json(path: str, data: dict) -> None:
+    """Write atomically: a reader sees the old file or the whole new one."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(data, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def is_complete(folder: str) -> bool:
+    return os.path.isfile(os.path.join(folder, COMMIT_FILE))
+
+
+def list_steps(root: str) -> list[tuple[int, str, bool]]:
+    """(step, folder, complete) of every step-N folder in ``root``, oldest first."""
+    if not os.path.isdir(root):
+        return []
+    found = []
+    for name in os.listdir(root):
+        m = _STEP_DIR.match(name)
+        path = os.path.join(root, name)
+        if m and os.path.isdir(path):
+            found.append((int(m.group(1)), path, is_complete(path)))
+    return sorted(found)
+
+
+@dataclass
+class CheckpointInfo:
+    """A complete checkpoint, checked: its folder, step and train_state.json."""
+
+    folder: str
+    step: int
+    train_state: dict
+    tensors: dict[str, TensorStorageMetadata]
+    """DCP's entries: name -> global shape and dtype."""
+
+    @property
+    def model_only(self) -> bool:
+        return bool(self.train_state.get("model_only"))
+
+
+def inspect_checkpoint(folder: str, field: str, cfg: Optional[Config] = None) -> CheckpointInfo:
+    """Check a checkpoint folder without loading its tensors; raises ConfigError naming ``field``.
+
+    Checks: the commit marker, every listed file present with its size (a truncated shard is caught
+    here), DCP's metadata readable without pickled objects, and train_state.json naming the same model and
+    flavor as ``cfg``.
+    """
+    if not os.path.isdir(folder):
+        raise ConfigError(f"{field}: checkpoint folder {folder} not found")
+    if not os.listdir(folder):
+        raise ConfigError(f"{field}: checkpoint folder {folder} is empty")
+    if not is_complete(folder):
+        raise ConfigError(f"{field}: {folder} is an incomplete checkpoint (no {COMMIT_FILE}: the save did not "
+                          "finish); pick another step with checkpoint.load_step")
+    commit = _read_json(os.path.join(folder, COMMIT_FILE), field)
+    for rel, size in dict(commit.get("files", {})).items():
+        path = os.path.join(folder, rel)
+        if not os.path.isfile(path):
+            raise ConfigError(f"{field}: {folder} is damaged: {rel} is missing")
+        actual = os.path.getsize(path)
+        if actual != size:
+            raise ConfigError(f"{field}: {folder} is damaged: {rel} has {actual} bytes, {size} were written "
+                              "(truncated or overwritten); pick another step with checkpoint.load_step")
+    if not os.path.isfile(os.path.join(folder, ".metadata")):
+        raise ConfigError(f"{field}: {folder} has no DCP .metadata file; it is not a Tessera checkpoint")
+    try:
+        metadata = SafeFileSystemReader(folder).read_metadata()
+    except Exception as e:  # corrupt, or holding objects we refuse to unpickle
+        raise ConfigError(f"{field}: {folder}/.metadata is unreadable or unsafe ({str(e)[:200]})") from None
+    tensors = {}
+    for key, md in metadata.state_dict_metadata.items():
+        if isinstance(md, BytesStorageMetadata):
+            raise ConfigError(f"{field}: {folder} holds a pickled object ({key}); Tessera does not load those")
+        tensors[key] = md
+    state = _read_json(os.path.join(folder, TRAIN_STATE_FILE), field)
+    if state.get("format") != FORMAT_VERSION:
+        raise ConfigError(f"{field}: {folder}/{TRAIN_STATE_FILE} has format {state.get('format')}, expected {FORMAT_VERSION}")
+    if cfg is not None and (state.get("model"), state.get("flavor")) != (cfg.model.name, cfg.model.flavor):
+        raise ConfigError(
+            f"{field}: {folder} was saved for model {state.get('model')}/{state.get('flavor')}, this run is "
+            f"{cfg.model.name}/{cfg.model.flavor}; set model.flavor to match or use another checkpoint folder"
+        )
+    return CheckpointInfo(folder, int(state["step"]), state, tensors)
+
+
+def find_resume_point(cfg: Config) -> Optional[CheckpointInfo]:
+    """The checkpoint this run resumes from (checked), or None to start fresh. Called before anything is
+    built, so a bad checkpoint stops the run with one error line and nothing else happens."""
+    c = cfg.checkpoint
+    if not c.enable or c.load_step == 0:
+        return None
+    root = checkpoint_root(cfg)
+    steps = list_steps(root)
+    if c.load_step > 0:
+        match = [s for s in steps if s[0] == c.load_step]
+        if not match:
+            have = ", ".join(str(s[0]) for s in steps if s[2]) or "none"
+            raise ConfigError(f"checkpoint.load_step: no checkpoint of step {c.load_step} in {root} "
+                              f"(complete steps: {have})")
+        info = inspect_checkpoint(match[0][1], "checkpoint.load_step", cfg)
+        if info.model_only:
+            raise ConfigError(f"checkpoint.load_step: step {c.load_step} holds the model only (no optimizer or data "
+                              "state); give it as checkpoint.initial_load_path to start a new run from it")
+        return info
+    for step, folder, complete in reversed(steps):
+        if not complete:
+            continue
+        info = inspect_checkpoint(folder, "checkpoint.folder", cfg)
+        if not info.model_only:
+            return info
+    return None
+
+
+# ------------------------------------------------------------------------------------------------------------
+# State dicts
+# ------------------------------------------------------------------------------------------------------------
+
+
+def _encode_tensor(t: torch.Tensor) -> str:
+    return base64.b64encode(t.cpu().numpy().tobytes()).decode()
+
+
+def _decode_tensor(s: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8)
+
+
+def rng_state() -> dict:
+    py = random.getstate()
+    np_state = np.random.get_state()
+    state = {
+        "python": [py[0], list(py[1]), py[2]],
+        "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
+        "torch": _encode_tensor(torch.get_rng_state()),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = _encode_tensor(torch.cuda.get_rng_state())
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    py = state["python"]
+    random.setstate((py[0], tuple(py[1]), py[2]))
+    n = state["numpy"]
+    np.random.set_state((n[0], np.array(n[1], dtype=np.uint32), n[2], n[3], n[4]))
+    torch.set_rng_state(_decode_tensor(state["torch"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(_decode_tensor(state["cuda"]))
+
+
+class Checkpointer:
+    """Saves and loads one run's training state. Every rank calls every method (they are collective)."""
+
+    def __init__(self, cfg: Config, trainer: Any):
+        self.cfg = cfg
+        self.trainer = trainer
+        self.root = checkpoint_root(cfg)
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.world_size = dist.get_world_size() if dist.is_initialized() else 1
+        self.is_main = self.rank == 0
+        c = cfg.checkpoint
+        self.async_mode = c.async_mode if c.enable else "disabled"
+        # A gloo group of its own for the background writer's collectives and the commit/stop votes, so that
+        # they never interleave with the training's collectives (and never sync a GPU stream).
+        needed = dist.is_initialized() and (c.enable or c.initial_load_path or c.create_seed_checkpoint)
+        self.pg = dist.new_group(backend="gloo") if needed else None
+        self.ctrl = dist.new_group(backend="gloo") if needed else None  # votes and barriers
+        self.stager = None
+        if self.async_mode == "async_with_pinned_mem" and torch.cuda.is_available():
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+            self.stager = DefaultStager(StagingOptions(use_pinned_memory=True, use_shared_memory=False,
+                                                       use_async_staging=False, use_non_blocking_copy=True))
+        self.pending: Optional[dict] = None  # an async save being written: step, future, start time, steps
+        self.preempted = False
+
+    # -- state dicts -------------------------------------------------------------------------------------------
+    def _parts(self) -> list[nn.Module]:
+        return self.trainer.model_parts
+
+    def model_state(self) -> dict[str, torch.Tensor]:
+        """``model.<fqn>`` -> tensor (DTensor when sharded) for every part (pipeline stages) of this rank."""
+        out = {}
+        for part in self._parts():
+            for k, v in get_model_state_dict(part).items():
+                out[f"model.{k}"] = v
+        return out
+
+    def optimizer_state(self) -> tuple[dict[str, torch.Tensor], dict]:
+        """(``optim.<fqn>.<state>`` -> tensor, the full flattened optimizer state dict as torch returns it)."""
+        flat = get_optimizer_state_dict(self.trainer.model, self.trainer.optimizer,
+                                        options=StateDictOptions(flatten_optimizer_state_dict=True))
+        pp = isinstance(self.trainer.model, nn.ModuleList)
+        out = {}
+        for key, value in flat.items():
+            if not key.startswith("state."):
+                continue  # param_groups: hyperparameters, from the config
+            assert isinstance(value, torch.Tensor), key
+            name = key[len("state."):]
+            if pp:
+                name = name.split(".", 1)[1]  # drop the part index: parts keep the whole model's names
+            out[f"optim.{name}"] = value
+        return out, flat
+
+    # -- save ------------------------------------------------------------------------------------------------
+    def should_save(self, step: int) -> bool:
+        c = self.cfg.checkpoint
+        return c.enable and (step % c.interval == 0 or step == self.cfg.training.steps)
+
+    def save(self, step: int, model_only: bool = False, force_sync: bool = False, dtype: str = "") -> None:
+        """Save the state after ``step`` optimizer steps (collective). ``model_only``: the weights alone, in
+        ``dtype`` (default checkpoint.export_dtype)."""
+        dtype = dtype or self.cfg.checkpoint.export_dtype
+        self.wait()  # one save at a time
+        folder = step_folder(self.root, step)
+        if self.is_main:
+            os.makedirs(self.root, exist_ok=True)
+            if os.path.exists(folder):  # our own leftover: an incomplete save of this step, or an older run's
+                aside = folder + (".incomplete" if not is_complete(folder) else ".replaced")
+                if os.path.exists(aside):
+                    shutil.rmtree(aside)
+                os.replace(folder, aside)
+        self._barrier()
+        _fault(step, "begin")
+        t0 = time.perf_counter()
+        if model_only:
+            state = {k: v.detach().to(_DTYPES[dtype]) for k, v in self.model_state().items()}
+        else:
+            state = {**self.model_state(), **self.optimizer_state()[0]}
+        self._write_small_files(folder, step, model_only, dtype)
+        _fault(step, "small_files")
+        use_async = self.async_mode != "disabled" and not force_sync and not model_only
+        writer = _FaultyWriter(folder, step) if os.environ.get("TESSERA_FAULT_AT") else FileSystemWriter(folder)
+        if use_async:
+            future = dcp.async_save(state, storage_writer=writer, process_group=self.pg,
+                                    async_stager=self.stager) if self.stager is not None else \
+                dcp.async_save(state, storage_writer=writer, process_group=self.pg)
+            future = getattr(future, "upload_completion", future)
+            self.pending = {"step": step, "future": future, "t0": t0, "staged": time.perf_counter() - t0,
+                            "steps": 0}
+            self._log(f"checkpoint: step {step} staged in {self.pending['staged']:.2f}s; writing in the background")
+            return
+        dcp.save(state, storage_writer=writer, process_group=self.pg, no_dist=not dist.is_initialized())
+        _fault(step, "dcp_done")
+        self._commit(step, folder, time.perf_counter() - t0, model_only)
+
+    def _write_small_files(self, folder: str, step: int, model_only: bool, dtype: str) -> None:
+        t = self.trainer
+        if self.is_main:
+            _write_json(os.path.join(folder, TRAIN_STATE_FILE), {
+                "format": FORMAT_VERSION,
+                "step": step,
+                "model_only": model_only,
+                "model": self.cfg.model.name,
+                "flavor": self.cfg.model.flavor,
+                "dtype": dtype if model_only else "float32",
+                "world_size": self.world_size,
+                "layout": t.dims.describe(),
+                "dp": t.dp_size,
+                "num_shards": t.dataloader.num_shards,
+                "lr_scheduler": t.lr_scheduler.state_dict(),
+            })
+        if model_only:
+            return
+        if t.dims.is_dp_leader():  # one copy per data-parallel rank
+            _write_json(os.path.join(folder, "dataloader", f"dp-{t.dp_rank:05d}.json"), t.dataloader.state_dict())
+        _write_json(os.path.join(folder, "rng", f"rank-{self.rank:05d}.json"), rng_state())
+
+    def _commit(self, step: int, folder: str, seconds: float, model_only: bool, overlapped: int = 0) -> None:
+        """Every rank has written everything: rank 0 writes the marker listing every file, then retention."""
+        self._barrier()
+        if self.is_main:
+            files = {}
+            for dirpath, _, names in os.walk(folder):
+                for name in names:
+                    path = os.path.join(dirpath, name)
+                    files[os.path.relpath(path, folder)] = os.path.getsize(path)
+            _fault(step, "before_commit")
+            _write_json(os.path.join(folder, COMMIT_FILE), {"step": step, "files": files, "time": time.time()})
+            size = sum(files.values()) / 2**20
+            how = f"in the background over {overlapped} training steps, " if overlapped else ""
+            self._log(f"checkpoint: step {step} committed ({'model only, ' if model_only else ''}{size:.1f} MiB "
+                      f"written {how}in {seconds:.2f}s) -> {folder}")
+            self._retention()
+        self._barrier()
+        _fault(step, "committed")
+
+    def _retention(self) -> None:
+        k = self.cfg.checkpoint.keep_latest_k
+        if k <= 0:
+            return
+        complete = [(s, f) for s, f, ok in list_steps(self.root) if ok]
+        for step, folder in complete[:-k]:  # the newest complete ones are kept, incomplete ones never count
+            shutil.rmtree(folder, ignore_errors=True)
+
+    def poll(self) -> None:
+        """At a step boundary: commit a finished async save (every rank must have finished writing)."""
+        if self.pending is None:
+            return
+        self.pending["steps"] += 1
+        done = torch.tensor([int(self.pending["future"].done())])
+        if self.ctrl is not None:
+            dist.all_reduce(done, op=dist.ReduceOp.MIN, group=self.ctrl)
+        if done.item():
+            self._finish_pending()
+
+    def wait(self) -> None:
+        """Block until an async save has been written and committed."""
+        if self.pending is not None:
+            self.pending["future"].result()
+            self._finish_pending()
+
+    def _finish_pending(self) -> None:
+        p, self.pending = self.pending, None
+        p["future"].result()  # raises the writer's error, if any
+        _fault(p["step"], "dcp_done")
+        self._commit(p["step"], step_folder(self.root, p["step"]), time.perf_counter() - p["t0"], False,
+                     overlapped=max(p["steps"], 1) if p["steps"] else 0)
+
+    # -- preemption -------------------------------------------------------------------------------------------
+    def install_sigterm_handler(self) -> None:
+        def handler(signum, frame):
+            self.preempted = True
+
+        signal.signal(signal.SIGTERM, handler)
+
+    def stop_requested(self) -> bool:
+        """Whether any rank got SIGTERM (all ranks agree, so they stop at the same step boundary)."""
+        if self.ctrl is None:
+            return self.preempted
+        flag = torch.tensor([int(self.preempted)])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.ctrl)
+        return bool(flag.item())
+
+    # -- load ------------------------------------------------------------------------------------------------
+    def load(self, info: CheckpointInfo) -> int:
+        """Load the whole training state of ``info`` (any layout); returns its step."""
+        t0 = time.perf_counter()
+        model = self.model_state()
+        optim, flat = self.optimizer_state()
+        self._check_entries(info, {**model, **optim}, "checkpoint.folder")
+        state = {**model, **optim}
+        dcp.load(state, storage_reader=SafeFileSystemReader(info.folder), process_group=self.pg,
+                 no_dist=not dist.is_initialized())
+        self._set_model(state)
+        pp = isinstance(self.trainer.model, nn.ModuleList)
+        for key in flat:
+            if key.startswith("state."):
+                name = key[len("state."):]
+                flat[key] = state["optim." + (name.split(".", 1)[1] if pp else name)]
+        set_optimizer_state_dict(self.trainer.model, self.trainer.optimizer, flat,
+                                 options=StateDictOptions(flatten_optimizer_state_dict=True))
+        sched = self.trainer.lr_scheduler
+        sched.load_state_dict(info.train_state["lr_scheduler"])
+        # The optimizer's hyperparameters come from the config; its lr is the schedule's, at the saved step.
+        for group, lr, base in zip(self.trainer.optimizer.param_groups, sched.get_last_lr(), sched.base_lrs):
+            group["lr"], group["initial_lr"] = lr, base
+        self._load_dataloader(info)
+        saved_layout = (info.train_state.get("world_size"), info.train_state.get("layout"))
+        if saved_layout == (self.world_size, self.trainer.dims.describe()):
+            rng_file = os.path.join(info.folder, "rng", f"rank-{self.rank:05d}.json")
+            set_rng_state(_read_json(rng_file, "checkpoint.folder"))
+        self._log(f"checkpoint: resumed from step {info.step} ({info.folder}, saved on {saved_layout[1]}) in "
+                  f"{time.perf_counter() - t0:.2f}s")
+        return info.step
+
+    def load_model_only(self, path: str) -> None:
+        """Initial weights from a Tessera step folder or a Hugging Face folder (checkpoint.initial_load_path)."""
+        field = "checkpoint.initial_load_path"
+        t0 = time.perf_counter()
+        if os.path.isfile(os.path.join(path, "config.json")):
+            from engine.hf import load_hf
+
+            full = load_hf(path, self.trainer.model_args)
+            for part in self._parts():
+                mine = {k: full[k] for k in get_model_state_dict(part)}
+                set_model_state_dict(part, mine, options=StateDictOptions(full_state_dict=True))
+            self._log(f"checkpoint: initial weights from Hugging Face folder {path} in {time.perf_counter() - t0:.2f}s")
+            return
+        info = inspect_checkpoint(path, field, self.cfg)
+        model = self.model_state()
+        self._check_entries(info, model, field)
+        dtype = _DTYPES.get(info.train_state.get("dtype", "float32"), torch.float32)
+        if dtype != torch.float32:  # a model-only export in another dtype: load, then cast into place
+            state = {k: v.detach().to(dtype) for k, v in model.items()}
+            dcp.load(state, storage_reader=SafeFileSystemReader(path), process_group=self.pg,
+                     no_dist=not dist.is_initialized())
+            with torch.no_grad():
+                for k, v in model.items():
+                    v.copy_(state[k])
+        else:
+            dcp.load(model, storage_reader=SafeFileSystemReader(path), process_group=self.pg,
+                     no_dist=not dist.is_initialized())
+        self._set_model(model)
+        self._log(f"checkpoint: initial weights from {path} (step {info.step}) in {time.perf_counter() - t0:.2f}s")
+
+    def _set_model(self, state: dict[str, torch.Tensor]) -> None:
+        for part in self._parts():
+            mine = {k: state[f"model.{k}"] for k in get_model_state_dict(part)}
+            set_model_state_dict(part, mine)
+
+    @staticmethod
+    def _check_entries(info: CheckpointInfo, wanted: dict[str, torch.Tensor], field: str) -> None:
+        """Every tensor this rank needs is in the checkpoint, with its global shape."""
+        for key, value in wanted.items():
+            md = info.tensors.get(key)
+            if md is None:
+                raise ConfigError(f"{field}: {info.folder} has no entry {key}; was it saved for another model?")
+            shape = tuple(value.shape)
+            if tuple(md.size) != shape:
+                raise ConfigError(f"{field}: {info.folder} has {key} of shape {tuple(md.size)}, this model's is "
+                                  f"{shape}; was it saved for another flavor or vocabulary?")
+
+    def _load_dataloader(self, info: CheckpointInfo) -> None:
+        """Every shard of this rank's loader from the file of the dp rank that held it when saved."""
+        t = self.trainer
+        num_shards, old_dp = int(info.train_state["num_shards"]), int(info.train_state["dp"])
+        if num_shards != t.dataloader.num_shards:
+            t.rebuild_dataloader(num_shards)  # raises naming data.num_shards when dp exceeds it
+        shards: dict[str, dict] = {}
+        turn = 0
+        for old_rank in sorted({s % old_dp for s in t.dataloader.shard_ids}):
+            saved = _read_json(os.path.join(info.folder, "dataloader", f"dp-{old_rank:05d}.json"), "checkpoint.folder")
+            shards.update(saved["shards"])
+            turn = saved.get("turn", 0)
+        t.dataloader.load_state_dict({"version": 1, "num_shards": num_shards, "turn": turn, "shards": shards})
+
+    # -- helpers -----------------------------------------------------------------------------------------------
+    def _barrier(self) -> None:
+        if self.ctrl is not None:
+            dist.barrier(group=self.ctrl)
+
+    def _log(self, message: str) -> None:
+        if self.is_main:
+            print(message, flush=True)
+
+    def close(self) -> None:
+        self.wait()
+        if self.stager is not None:
+            self.stager.close()
+
+
+class _FaultyWriter(FileSystemWriter):
+    """FileSystemWriter with fault-injection points inside DCP's write (tests only)."""
+
+    def __init__(self, path: str, step: int):
+        super().__init__(path)
+        self._step = step
+
+    def write_data(self, plan, planner):
+        _fault(self._step, "dcp_write")
+        fut = super().write_data(plan, planner)
+        fut.wait()
+        _fault(self._step, "dcp_data_written")
+        return fut
+
+    def finish(self, metadata, results):
+        _fault(self._step, "dcp_before_metadata")
+        super().finish(metadata, results)
+
+
+def read_full(folder: str, prefix: str = "", field: str = "checkpoint") -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint whose name starts with ``prefix``, whole, in one process (CPU)."""
+    info = inspect_checkpoint(folder, field)
+    state = {k: torch.empty(tuple(md.size), dtype=md.properties.dtype)
+             for k, md in info.tensors.items() if k.startswith(prefix)}
+    dcp.load(state, storage_reader=SafeFileSystemReader(folder), no_dist=True)
+    return state

@@ -1,0 +1,303 @@
+"""Hugging Face checkpoint folders: export a Tessera model to one, load one into Tessera.
+
+A Hugging Face folder holds ``config.json`` and the weights in safetensors: ``model.safetensors``, or shards
+``model-0000i-of-0000n.safetensors`` listed by ``model.safetensors.index.json``; optionally ``tokenizer.json``.
+transformers' ``LlamaForCausalLM.from_pretrained(folder)`` loads what ``export_hf`` writes.
+
+The model-specific part (names, the RoPE permutation, config.json) is the model family's state-dict adapter
+(``ModelSpec.state_dict_adapter``, found from the class of ``args``), which provides ``to_hf``, ``from_hf``,
+``hf_shapes``, ``hf_config`` and ``check_hf_config`` (see ``models.llama3.hf_adapter``).
+
+Loading reads JSON and safetensors only (never pickle): a folder with ``pytorch_model.bin`` alone is refused.
+Every problem with a folder is a ``ValueError`` starting with the config field that named it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from typing import Any, Optional
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import Tensor
+
+from models import get_model_spec, model_names
+
+__all__ = ["export_hf", "load_hf", "MAX_SHARD_BYTES"]
+
+MAX_SHARD_BYTES = 5 * 10**9
+"""Above this many bytes of weights the export is split into shards of at most this size (as transformers does)."""
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+CONFIG_FILE = "config.json"
+EXPORT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# safetensors dtype names of the floating-point tensors a checkpoint may hold (all are loaded as float32).
+FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
+# Tensors some older Hugging Face Llama checkpoints hold that are recomputed, not loaded.
+IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+
+
+def _adapter_for(args: Any) -> Any:
+    """The state-dict adapter of the registered model family whose ``args_cls`` ``args`` is an instance of."""
+    for name in model_names():
+        spec = get_model_spec(name)
+        if isinstance(args, spec.args_cls):
+            if spec.state_dict_adapter is None:
+                raise ValueError(f"model.name: model {name!r} has no Hugging Face state-dict adapter")
+            return spec.state_dict_adapter
+    raise ValueError(f"model.name: no registered model family takes {type(args).__name__}")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Export
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _plan_shards(hf_state_dict: dict[str, Tensor], dtype: torch.dtype, max_shard_bytes: int) -> list[list[str]]:
+    """Tensor names grouped into consecutive shards of at most ``max_shard_bytes`` each (stored in ``dtype``); a
+    tensor larger than that gets a shard of its own."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name, tensor in hf_state_dict.items():
+        nbytes = tensor.numel() * itemsize
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    return shards
+
+
+def _fsync(path: str) -> None:
+    """Flush ``path`` (a file or a folder) to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_folder(
+    tmp: str,
+    hf_state_dict: dict[str, Tensor],
+    config: dict[str, Any],
+    dtype: torch.dtype,
+    max_shard_bytes: int,
+    tokenizer_files: list[str],
+) -> None:
+    """Write the weights (one shard at a time, so at most one shard is converted in memory at once), config.json
+    and the tokenizer files into the empty folder ``tmp``."""
+    shards = _plan_shards(hf_state_dict, dtype, max_shard_bytes)
+    n = len(shards)
+    weight_map: dict[str, str] = {}
+    total_size = 0
+    for i, names in enumerate(shards):
+        filename = SINGLE_FILE if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+        # .to() copies when the dtype or device changes; clone() otherwise, so that no two entries share storage
+        # (safetensors refuses that) and views of larger tensors are written alone.
+        tensors = {}
+        for name in names:
+            tensor = hf_state_dict[name].detach()
+            converted = tensor.to(device="cpu", dtype=dtype)
+            tensors[name] = converted.contiguous() if converted is not tensor else tensor.clone().contiguous()
+        save_file(tensors, os.path.join(tmp, filename), metadata={"format": "pt"})
+        total_size += sum(t.numel() * t.element_size() for t in tensors.values())
+        weight_map.update({name: filename for name in names})
+        del tensors
+    if n > 1:
+        index = {"metadata": {"total_size": total_size}, "weight_map": weight_map}
+        with open(os.path.join(tmp, INDEX_FILE), "w") as f:
+            json.dump(index, f, indent=2)
+    with open(os.path.join(tmp, CONFIG_FILE), "w") as f:
+        json.dump(config, f, indent=2)
+    for path in tokenizer_files:
+        shutil.copyfile(path, os.path.join(tmp, os.path.basename(path)))
+    for name in os.listdir(tmp):
+        _fsync(os.path.join(tmp, name))
+
+
+def export_hf(
+    full_state_dict: dict[str, Tensor],
+    args: Any,
+    folder: str,
+    dtype: torch.dtype = torch.bfloat16,
+    tokenizer_path: Optional[str] = None,
+    *,
+    max_shard_bytes: int = MAX_SHARD_BYTES,
+    field: str = "folder",
+) -> None:
+    """Write ``full_state_dict`` (the whole model's state dict in Tessera names, plain tensors, as built from
+    ``args``) as a Hugging Face checkpoint folder ``folder``, weights in ``dtype``.
+
+    With ``tokenizer_path`` (a tokenizer.json), the file is copied in, with the ``tokenizer_config.json`` beside it
+    if there is one, and its BOS/EOS ids go into config.json. Weights above ``max_shard_bytes`` are sharded.
+
+    Everything is written to a temporary folder next to ``folder`` and renamed to ``folder`` at the end, so
+    ``folder`` either does not exist or is complete. ``folder`` must not exist or be empty: an existing non-empty
+    folder is refused with a ``ValueError`` naming ``field`` (nothing is deleted or overwritten).
+    """
+    if dtype not in EXPORT_DTYPES:
+        raise ValueError(f"dtype: cannot export in {dtype}; choose one of {', '.join(map(str, EXPORT_DTYPES))}")
+    if os.path.exists(folder) and not (os.path.isdir(folder) and not os.listdir(folder)):
+        raise ValueError(f"{field}: '{folder}' already exists and is not an empty folder; choose a new folder")
+    adapter = _adapter_for(args)
+    bos_id = eos_id = None
+    tokenizer_files: list[str] = []
+    if tokenizer_path is not None:
+        from engine.data.tokenizer import Tokenizer
+
+        tokenizer = Tokenizer(tokenizer_path)
+        bos_id, eos_id = tokenizer.bos_id, tokenizer.eos_id
+        tokenizer_files.append(tokenizer_path)
+        beside = os.path.join(os.path.dirname(tokenizer_path), "tokenizer_config.json")
+        if os.path.isfile(beside):
+            tokenizer_files.append(beside)
+    config = adapter.hf_config(args, dtype=dtype, bos_token_id=bos_id, eos_token_id=eos_id)
+    hf_state_dict = adapter.to_hf(full_state_dict, args)
+
+    folder = os.path.abspath(folder)
+    parent = os.path.dirname(folder)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(folder)}.tmp-", dir=parent)
+    try:
+        _write_folder(tmp, hf_state_dict, config, dtype, max_shard_bytes, tokenizer_files)
+        # rename() replaces an empty folder and fails on a non-empty one (one that appeared meanwhile).
+        try:
+            os.rename(tmp, folder)
+        except OSError as e:
+            raise ValueError(f"{field}: cannot create '{folder}' ({e.strerror}); choose a new folder") from None
+        _fsync(parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Load
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _read_json(path: str, field: str) -> Any:
+    """The contents of the JSON file ``path``; ``ValueError`` naming ``field`` when it is not valid JSON."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{field}: cannot read '{path}' as JSON ({e})") from None
+
+
+def _weight_files(folder: str, field: str) -> dict[str, Optional[list[str]]]:
+    """The safetensors files of the checkpoint in ``folder``, each with the tensor names the index puts in it
+    (None without an index: the single ``model.safetensors``)."""
+    index_path = os.path.join(folder, INDEX_FILE)
+    if os.path.isfile(index_path):
+        index = _read_json(index_path, field)
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise ValueError(f"{field}: '{index_path}' has no weight_map object of tensor names to file names")
+        files: dict[str, Optional[list[str]]] = {}
+        for name, filename in weight_map.items():
+            if os.path.basename(filename) != filename or not filename.endswith(".safetensors"):
+                raise ValueError(f"{field}: '{index_path}' names '{filename}', not a .safetensors file in the folder")
+            files.setdefault(filename, []).append(name)
+        return files
+    if os.path.isfile(os.path.join(folder, SINGLE_FILE)):
+        return {SINGLE_FILE: None}
+    pickles = [name for name in sorted(os.listdir(folder)) if name.endswith((".bin", ".pt", ".pth"))]
+    hint = ""
+    if pickles:
+        hint = f" (it holds {', '.join(pickles)}: pickle files, which Tessera never loads; convert them to safetensors)"
+    raise ValueError(f"{field}: '{folder}' has neither {SINGLE_FILE} nor {INDEX_FILE}{hint}")
+
+
+def _safetensors_error(path: str, field: str, error: Exception) -> ValueError:
+    """The ``ValueError`` for a safetensors file that cannot be read (safetensors raises its own error type)."""
+    reason = " ".join(str(error).split()) or type(error).__name__
+    return ValueError(f"{field}: '{path}' is not a readable safetensors file ({reason})")
+
+
+def _read_header(path: str, field: str) -> dict[str, tuple[tuple[int, ...], str]]:
+    """``{tensor name: (shape, safetensors dtype name)}`` of the safetensors file ``path``.
+
+    Opening the file checks its header, and that the file is as long as the header says (not truncated)."""
+    try:
+        with safe_open(path, framework="pt") as f:
+            return {
+                name: (tuple(f.get_slice(name).get_shape()), f.get_slice(name).get_dtype()) for name in f.keys()
+            }
+    except Exception as e:
+        raise _safetensors_error(path, field, e) from None
+
+
+def _read_tensors(path: str, names: list[str], field: str) -> dict[str, Tensor]:
+    """The tensors ``names`` of the safetensors file ``path``, as float32."""
+    try:
+        with safe_open(path, framework="pt") as f:
+            return {name: f.get_tensor(name).to(torch.float32) for name in names}
+    except Exception as e:
+        raise _safetensors_error(path, field, e) from None
+
+
+def load_hf(
+    folder: str,
+    args: Any,
+    *,
+    flavor: Optional[str] = None,
+    field: str = "checkpoint.initial_load_path",
+) -> dict[str, Tensor]:
+    """The weights of the Hugging Face checkpoint in ``folder`` as a Tessera state dict of full float32 tensors.
+
+    Checks, each failure a ``ValueError`` starting with ``field``: the folder exists and holds config.json and
+    safetensors weights (an index's files all present); config.json describes the model ``args`` builds (``flavor``
+    names it in the message); every tensor is there, none is unexpected, each has the expected shape and a
+    floating-point dtype, and every file reads whole (not truncated).
+    """
+    if not os.path.isdir(folder):
+        raise ValueError(f"{field}: folder '{folder}' not found")
+    config_path = os.path.join(folder, CONFIG_FILE)
+    if not os.path.isfile(config_path):
+        raise ValueError(
+            f"{field}: '{folder}' has no {CONFIG_FILE}; a Hugging Face checkpoint folder holds {CONFIG_FILE} and "
+            f"{SINGLE_FILE} (or {INDEX_FILE} and its shards)"
+        )
+    config = _read_json(config_path, field)
+    if not isinstance(config, dict):
+        raise ValueError(f"{field}: '{config_path}' is not a JSON object")
+    adapter = _adapter_for(args)
+    adapter.check_hf_config(config, args, field, flavor)
+    expected = adapter.hf_shapes(args)
+
+    hf_state_dict: dict[str, Tensor] = {}
+    for filename, listed in _weight_files(folder, field).items():
+        path = os.path.join(folder, filename)
+        if not os.path.isfile(path):
+            raise ValueError(f"{field}: '{folder}' lacks {filename}, which {INDEX_FILE} lists")
+        header = _read_header(path, field)
+        for name in listed or []:
+            if name not in header:
+                raise ValueError(f"{field}: {INDEX_FILE} puts {name} in {filename}, which does not hold it")
+        names = [name for name in header if not name.endswith(IGNORED_SUFFIXES)]
+        for name in names:
+            shape, dtype = header[name]
+            if name in hf_state_dict:
+                raise ValueError(f"{field}: tensor {name} is stored twice (again in {filename})")
+            if name not in expected:
+                raise ValueError(f"{field}: {filename} holds {name}, which the configured model does not have")
+            if shape != expected[name]:
+                raise ValueError(
+                    f"{field}: {name} in {filename} has shape {list(shape)}, expected {list(expected[name])}"
+                )
+            if dtype not in FLOAT_DTYPES:
+                raise ValueError(f"{field}: {name} in {filename} has dtype {dtype}, not floating point")
+        hf_state_dict.update(_read_tensors(path, names, field))
+    missing = [name for name in expected if name not in hf_state_dict]
+    if missing:
+        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+        raise ValueError(f"{field}: the checkpoint in '{folder}' lacks {', '.join(missing[:3])}{more}")
+    return adapter.from_hf(hf_state_dict, args)

@@ -1,0 +1,98 @@
+"""Convert between Tessera checkpoints and Hugging Face folders (safetensors + config.json).
+
+    python -m engine.tools.convert_hf to-hf   CHECKPOINT_STEP_FOLDER OUT_FOLDER [--dtype bfloat16] [--tokenizer FILE]
+    python -m engine.tools.convert_hf from-hf HF_FOLDER OUT_STEP_FOLDER --flavor FLAVOR [--model llama3]
+
+to-hf reads the model of a Tessera step folder (any layout it was saved on; the model name, flavor and
+vocabulary come from the checkpoint) and writes a folder that transformers' LlamaForCausalLM.from_pretrained
+loads. from-hf writes a model-only Tessera step folder for checkpoint.initial_load_path (which also takes a
+Hugging Face folder directly). One process, CPU; the whole model is held in memory once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _model_args(name: str, flavor: str, vocab_size: int):
+    from models import get_model_spec
+
+    spec = get_model_spec(name)
+    if flavor not in spec.flavors:
+        raise ValueError(f"--flavor: unknown flavor {flavor!r} of {name}; known: {', '.join(spec.flavors)}")
+    return dataclasses.replace(spec.flavors[flavor], vocab_size=vocab_size)
+
+
+def to_hf(step_folder: str, out: str, dtype: str = "bfloat16", tokenizer: str = "") -> None:
+    from engine.checkpoint import inspect_checkpoint, read_full
+    from engine.hf import export_hf
+
+    info = inspect_checkpoint(step_folder, "checkpoint")
+    model = {k[len("model."):]: v.float() for k, v in read_full(step_folder, "model.").items()}
+    args = _model_args(info.train_state["model"], info.train_state["flavor"], model["tok_embeddings.weight"].shape[0])
+    export_hf(model, args, out, dtype=DTYPES[dtype], tokenizer_path=tokenizer or None, field="out")
+    print(f"wrote {out} ({info.train_state['model']}/{info.train_state['flavor']}, step {info.step}, {dtype})")
+
+
+def from_hf(hf_folder: str, out: str, flavor: str, model_name: str = "llama3") -> None:
+    import json
+
+    import torch.distributed.checkpoint as dcp
+
+    from engine.checkpoint import COMMIT_FILE, FORMAT_VERSION, TRAIN_STATE_FILE, _write_json
+    from engine.hf import load_hf
+
+    if os.path.exists(out) and os.listdir(out):
+        raise ValueError(f"out: {out} exists and is not empty; give a new folder")
+    with open(os.path.join(hf_folder, "config.json")) as f:
+        vocab = int(json.load(f)["vocab_size"])
+    args = _model_args(model_name, flavor, vocab)
+    state = {f"model.{k}": v for k, v in load_hf(hf_folder, args, flavor=flavor, field="hf_folder").items()}
+    dcp.save(state, checkpoint_id=out, no_dist=True)
+    _write_json(os.path.join(out, TRAIN_STATE_FILE), {
+        "format": FORMAT_VERSION, "step": 0, "model_only": True, "model": model_name, "flavor": flavor,
+        "dtype": "float32", "world_size": 1, "layout": "converted from Hugging Face", "source": hf_folder,
+    })
+    files = {}
+    for dirpath, _, names in os.walk(out):
+        for name in names:
+            path = os.path.join(dirpath, name)
+            files[os.path.relpath(path, out)] = os.path.getsize(path)
+    _write_json(os.path.join(out, COMMIT_FILE), {"step": 0, "files": files})
+    print(f"wrote {out} ({model_name}/{flavor}, model only, float32)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m engine.tools.convert_hf", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="direction", required=True)
+    a = sub.add_parser("to-hf", help="Tessera step folder -> Hugging Face folder")
+    a.add_argument("checkpoint")
+    a.add_argument("out")
+    a.add_argument("--dtype", choices=list(DTYPES), default="bfloat16")
+    a.add_argument("--tokenizer", default="", help="a tokenizer.json to copy into the folder")
+    b = sub.add_parser("from-hf", help="Hugging Face folder -> Tessera model-only step folder")
+    b.add_argument("hf_folder")
+    b.add_argument("out")
+    b.add_argument("--flavor", required=True)
+    b.add_argument("--model", default="llama3")
+    ns = parser.parse_args(argv)
+    try:
+        if ns.direction == "to-hf":
+            to_hf(ns.checkpoint, ns.out, ns.dtype, ns.tokenizer)
+        else:
+            from_hf(ns.hf_folder, ns.out, ns.flavor, ns.model)
+    except (ValueError, OSError, KeyError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,344 @@
+"""Conversion between Tessera's Llama 3 state dict and Hugging Face's ``LlamaForCausalLM`` checkpoint layout.
+
+The two layouts hold the same numbers under other names, except ``wq`` and ``wk``: Tessera (like Meta's reference
+code) rotates each head's features as interleaved pairs ``(x[2i], x[2i+1])``, while Hugging Face rotates halves
+``(x[i], x[i + D/2])``. Both are correct RoPE; they differ by a fixed permutation of the output rows of ``wq``/``wk``
+within each head, which ``to_hf`` applies and ``from_hf`` undoes (exactly: a permutation loses nothing).
+
+=====================================================  ==========================================
+Tessera                                                Hugging Face
+=====================================================  ==========================================
+``tok_embeddings.weight``                              ``model.embed_tokens.weight``
+``layers.N.attention.{wq,wk,wv,wo}.weight``            ``model.layers.N.self_attn.{q,k,v,o}_proj.weight``
+``layers.N.feed_forward.{w1,w2,w3}.weight``            ``model.layers.N.mlp.{gate,down,up}_proj.weight``
+``layers.N.{attention_norm,ffn_norm}.weight``          ``model.layers.N.{input,post_attention}_layernorm.weight``
+``norm.weight``                                        ``model.norm.weight``
+``output.weight``                                      ``lm_head.weight``
+=====================================================  ==========================================
+
+``hf_config`` writes the matching ``config.json`` (read by transformers 4.45+ and 5.x); ``args_from_hf_config`` reads
+one back, and ``check_hf_config`` tells whether a checkpoint's config.json fits the configured model.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+
+from models.llama3.model import (
+    ROPE_HIGH_FREQ_FACTOR,
+    ROPE_LOW_FREQ_FACTOR,
+    ROPE_ORIGINAL_MAX_POS,
+    ROPE_SCALE_FACTOR,
+    TransformerModelArgs,
+    ffn_hidden_dim,
+)
+
+__all__ = ["Llama3HFAdapter"]
+
+# Names that do not depend on the layer, Tessera -> Hugging Face.
+_TOP_LEVEL = {
+    "tok_embeddings.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+# Names inside block N, Tessera ("layers.N." + key) -> Hugging Face ("model.layers.N." + value), in the order of the
+# block's parameters.
+_PER_LAYER = {
+    "attention.wq.weight": "self_attn.q_proj.weight",
+    "attention.wk.weight": "self_attn.k_proj.weight",
+    "attention.wv.weight": "self_attn.v_proj.weight",
+    "attention.wo.weight": "self_attn.o_proj.weight",
+    "feed_forward.w1.weight": "mlp.gate_proj.weight",
+    "feed_forward.w2.weight": "mlp.down_proj.weight",
+    "feed_forward.w3.weight": "mlp.up_proj.weight",
+    "attention_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+}
+
+# Llama 3.1's RoPE scaling as Hugging Face writes it (the constants Tessera's model uses).
+_HF_ROPE_SCALING = {
+    "rope_type": "llama3",
+    "factor": ROPE_SCALE_FACTOR,
+    "low_freq_factor": ROPE_LOW_FREQ_FACTOR,
+    "high_freq_factor": ROPE_HIGH_FREQ_FACTOR,
+    "original_max_position_embeddings": ROPE_ORIGINAL_MAX_POS,
+}
+
+# config.json keys whose value must match the configured model: (key, Tessera's name for it in error messages, its
+# value in TransformerModelArgs).
+_CHECKED_FIELDS = (
+    ("hidden_size", "dim", lambda a: a.dim),
+    ("num_hidden_layers", "n_layers", lambda a: a.n_layers),
+    ("num_attention_heads", "n_heads", lambda a: a.n_heads),
+    ("num_key_value_heads", "n_kv_heads", lambda a: a.n_kv_heads),
+    (
+        "intermediate_size",
+        "FFN hidden size (from multiple_of and ffn_dim_multiplier)",
+        lambda a: ffn_hidden_dim(a.dim, a.multiple_of, a.ffn_dim_multiplier),
+    ),
+    ("vocab_size", "vocab_size", lambda a: a.vocab_size),
+    ("rms_norm_eps", "norm_eps", lambda a: a.norm_eps),
+    ("rope_theta", "rope_theta", lambda a: a.rope_theta),
+    ("rope_scaling", "rope_scaling", lambda a: a.rope_scaling),
+)
+
+
+def _hf_name(name: str) -> str:
+    """The Hugging Face name of the Tessera parameter ``name``."""
+    if name in _TOP_LEVEL:
+        return _TOP_LEVEL[name]
+    match = re.fullmatch(r"layers\.(\d+)\.(.+)", name)
+    assert match is not None and match.group(2) in _PER_LAYER, f"not a Llama 3 parameter: {name}"
+    return f"model.layers.{match.group(1)}.{_PER_LAYER[match.group(2)]}"
+
+
+def _tessera_names(args: TransformerModelArgs) -> list[str]:
+    """Every parameter name of ``Transformer(args)``, in the model's order."""
+    names = ["tok_embeddings.weight"]
+    for i in range(args.n_layers):
+        names += [f"layers.{i}.{key}" for key in _PER_LAYER]
+    return names + ["norm.weight", "output.weight"]
+
+
+def _interleaved_to_half(w: Tensor, n_heads: int) -> Tensor:
+    """Reorder the output rows of ``wq``/``wk`` ``[n_heads * D, dim]`` from interleaved pairs to rotate-half.
+
+    Within each head, row ``2i + j`` (pair ``i``, component ``j``) moves to row ``j * D/2 + i``.
+    """
+    rows, cols = w.shape
+    head_dim = rows // n_heads
+    return w.view(n_heads, head_dim // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
+def _half_to_interleaved(w: Tensor, n_heads: int) -> Tensor:
+    """The inverse of ``_interleaved_to_half``: row ``j * D/2 + i`` of each head moves back to row ``2i + j``."""
+    rows, cols = w.shape
+    head_dim = rows // n_heads
+    return w.view(n_heads, 2, head_dim // 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
+def _rope_heads(name: str, args: TransformerModelArgs) -> Optional[int]:
+    """The number of heads of ``name`` when it is a ``wq``/``wk`` weight (Tessera name), else None."""
+    if name.endswith("attention.wq.weight"):
+        return args.n_heads
+    if name.endswith("attention.wk.weight"):
+        return args.n_kv_heads
+    return None
+
+
+def _read_rope(config: dict[str, Any], field: str) -> tuple[float, bool]:
+    """``(rope_theta, rope_scaling)`` from a config.json, in the 4.x form (``rope_theta`` + ``rope_scaling``) or the
+    5.x form (``rope_parameters``); like transformers 5, ``rope_scaling`` takes precedence when both are present."""
+    rope = config.get("rope_scaling") or config.get("rope_parameters") or {}
+    if not isinstance(rope, dict):
+        raise ValueError(f"{field}: config.json's rope_scaling/rope_parameters must be an object, got {rope!r}")
+    theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type == "default":
+        return float(theta), False
+    if rope_type != "llama3":
+        raise ValueError(
+            f"{field}: config.json has RoPE type {rope_type!r}; Tessera's Llama 3 supports 'default' and 'llama3'"
+        )
+    for key, value in _HF_ROPE_SCALING.items():
+        theirs = rope.get(key)
+        if key != "rope_type" and not (isinstance(theirs, (int, float)) and math.isclose(theirs, value)):
+            raise ValueError(
+                f"{field}: config.json has llama3 RoPE scaling with {key} {theirs}; Tessera's Llama 3 "
+                f"supports only {value} (Llama 3.1's)"
+            )
+    return float(theta), True
+
+
+class Llama3HFAdapter:
+    """Converts Tessera Llama 3 state dicts and configs to and from Hugging Face's ``LlamaForCausalLM`` layout.
+
+    Stateless: every method is static and may be called on the class or on an instance.
+    """
+
+    @staticmethod
+    def to_hf(state_dict: dict[str, Tensor], args: TransformerModelArgs) -> dict[str, Tensor]:
+        """A Tessera state dict (full tensors) under Hugging Face names, ``wq``/``wk`` rows in rotate-half order.
+
+        Tensors other than ``wq``/``wk`` are passed through, not copied.
+        """
+        expected = _tessera_names(args)
+        assert set(state_dict) == set(expected), (
+            f"not a {args.n_layers}-layer Llama 3 state dict: missing {sorted(set(expected) - set(state_dict))[:5]}, "
+            f"unexpected {sorted(set(state_dict) - set(expected))[:5]}"
+        )
+        hf: dict[str, Tensor] = {}
+        for name in expected:
+            tensor = state_dict[name]
+            heads = _rope_heads(name, args)
+            hf[_hf_name(name)] = _interleaved_to_half(tensor, heads) if heads is not None else tensor
+        return hf
+
+    @staticmethod
+    def from_hf(hf_state_dict: dict[str, Tensor], args: TransformerModelArgs) -> dict[str, Tensor]:
+        """The inverse of ``to_hf``: a Hugging Face state dict under Tessera names, ``wq``/``wk`` rows interleaved.
+
+        The caller has checked the names (``engine.hf.load_hf`` does); tensors other than ``wq``/``wk`` are passed
+        through, not copied.
+        """
+        expected = _tessera_names(args)
+        hf_names = [_hf_name(name) for name in expected]
+        assert set(hf_state_dict) == set(hf_names), (
+            f"not a {args.n_layers}-layer Llama checkpoint: missing {sorted(set(hf_names) - set(hf_state_dict))[:5]}, "
+            f"unexpected {sorted(set(hf_state_dict) - set(hf_names))[:5]}"
+        )
+        state_dict: dict[str, Tensor] = {}
+        for name, hf_name in zip(expected, hf_names):
+            tensor = hf_state_dict[hf_name]
+            heads = _rope_heads(name, args)
+            state_dict[name] = _half_to_interleaved(tensor, heads) if heads is not None else tensor
+        return state_dict
+
+    @staticmethod
+    def hf_shapes(args: TransformerModelArgs) -> dict[str, tuple[int, ...]]:
+        """The shape of every tensor of the Hugging Face checkpoint of ``Transformer(args)``, by Hugging Face name."""
+        if args.vocab_size <= 0:
+            raise ValueError(f"model.vocab_size: must be set (positive), got {args.vocab_size}")
+        dim, hd = args.dim, args.head_dim
+        hidden = ffn_hidden_dim(dim, args.multiple_of, args.ffn_dim_multiplier)
+        per_layer = {
+            "attention.wq.weight": (args.n_heads * hd, dim),
+            "attention.wk.weight": (args.n_kv_heads * hd, dim),
+            "attention.wv.weight": (args.n_kv_heads * hd, dim),
+            "attention.wo.weight": (dim, args.n_heads * hd),
+            "feed_forward.w1.weight": (hidden, dim),
+            "feed_forward.w3.weight": (hidden, dim),
+            "feed_forward.w2.weight": (dim, hidden),
+            "attention_norm.weight": (dim,),
+            "ffn_norm.weight": (dim,),
+        }
+        shapes = {
+            "tok_embeddings.weight": (args.vocab_size, dim),
+            "norm.weight": (dim,),
+            "output.weight": (args.vocab_size, dim),
+        }
+        for i in range(args.n_layers):
+            shapes.update({f"layers.{i}.{key}": shape for key, shape in per_layer.items()})
+        return {_hf_name(name): shapes[name] for name in _tessera_names(args)}
+
+    @staticmethod
+    def hf_config(
+        args: TransformerModelArgs,
+        dtype: torch.dtype = torch.bfloat16,
+        bos_token_id: Optional[int] = None,
+        eos_token_id: Optional[int] = None,
+    ) -> dict[str, Any]:
+        """The ``config.json`` of ``LlamaForCausalLM`` for ``args``, with weights stored in ``dtype``.
+
+        RoPE is written both ways: ``rope_theta`` + ``rope_scaling`` (what transformers 4.45+ reads) and
+        ``rope_parameters`` (5.x's name; 5.x also reads the 4.x keys, preferring ``rope_scaling``). The weight dtype
+        is written as ``torch_dtype`` (4.x) and ``dtype`` (5.x).
+        """
+        if args.vocab_size <= 0:
+            raise ValueError(f"model.vocab_size: must be set (positive) to export, got {args.vocab_size}")
+        dtype_name = str(dtype).removeprefix("torch.")
+        rope_scaling = dict(_HF_ROPE_SCALING) if args.rope_scaling else None
+        rope_parameters = {"rope_type": "default", "rope_theta": args.rope_theta}
+        if rope_scaling is not None:
+            rope_parameters.update(rope_scaling)
+        config: dict[str, Any] = {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "hidden_size": args.dim,
+            "intermediate_size": ffn_hidden_dim(args.dim, args.multiple_of, args.ffn_dim_multiplier),
+            "num_hidden_layers": args.n_layers,
+            "num_attention_heads": args.n_heads,
+            "num_key_value_heads": args.n_kv_heads,
+            "head_dim": args.head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": args.norm_eps,
+            "rope_theta": args.rope_theta,
+            "rope_scaling": rope_scaling,
+            "rope_parameters": rope_parameters,
+            "max_position_embeddings": args.max_seq_len,
+            "vocab_size": args.vocab_size,
+            "tie_word_embeddings": False,
+            "attention_bias": False,
+            "mlp_bias": False,
+            "torch_dtype": dtype_name,
+            "dtype": dtype_name,
+        }
+        if bos_token_id is not None:
+            config["bos_token_id"] = bos_token_id
+        if eos_token_id is not None:
+            config["eos_token_id"] = eos_token_id
+        return config
+
+    @staticmethod
+    def args_from_hf_config(config: dict[str, Any], field: str = "config.json") -> TransformerModelArgs:
+        """The ``TransformerModelArgs`` of a Hugging Face Llama ``config.json`` (as a dict).
+
+        ``multiple_of`` is set to ``intermediate_size`` (and ``ffn_dim_multiplier`` below 1 only when the hidden size
+        is smaller than ``int(8 * dim / 3)``) so that the model's FFN hidden size equals ``intermediate_size``; the
+        other fields map one to one. Raises ``ValueError`` starting with ``field`` when the config describes a model
+        Tessera's Llama 3 cannot hold (another architecture, biases, tied embeddings, another RoPE scaling, ...).
+        """
+        if config.get("model_type", "llama") != "llama":
+            raise ValueError(f"{field}: config.json has model_type {config.get('model_type')!r}, not 'llama'")
+        required = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+        missing = [key for key in required if not (isinstance(config.get(key), int) and config[key] > 0)]
+        if missing:
+            raise ValueError(f"{field}: config.json lacks a positive integer {', '.join(missing)}")
+        unsupported = {
+            "hidden_act": ("silu", config.get("hidden_act", "silu")),
+            "attention_bias": (False, bool(config.get("attention_bias", False))),
+            "mlp_bias": (False, bool(config.get("mlp_bias", False))),
+            "tie_word_embeddings": (False, bool(config.get("tie_word_embeddings", False))),
+        }
+        for key, (supported, value) in unsupported.items():
+            if value != supported:
+                raise ValueError(f"{field}: config.json has {key} {value}; Tessera's Llama 3 supports only {supported}")
+        dim, n_heads = config["hidden_size"], config["num_attention_heads"]
+        head_dim = config.get("head_dim") or dim // n_heads
+        if head_dim * n_heads != dim:
+            raise ValueError(
+                f"{field}: config.json has head_dim {head_dim} with {n_heads} heads and hidden_size {dim}; Tessera's "
+                f"Llama 3 needs head_dim * num_attention_heads == hidden_size"
+            )
+        rope_theta, rope_scaling = _read_rope(config, field)
+        hidden = config["intermediate_size"]
+        base_hidden = int(2 * (4 * dim) / 3)
+        ffn_dim_multiplier = None if hidden >= base_hidden else hidden / base_hidden
+        try:
+            args = TransformerModelArgs(
+                dim=dim,
+                n_layers=config["num_hidden_layers"],
+                n_heads=n_heads,
+                n_kv_heads=config.get("num_key_value_heads") or n_heads,
+                vocab_size=config["vocab_size"],
+                multiple_of=hidden,
+                ffn_dim_multiplier=ffn_dim_multiplier,
+                norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+                rope_theta=rope_theta,
+                rope_scaling=rope_scaling,
+                max_seq_len=int(config.get("max_position_embeddings", 2048)),
+            )
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{field}: config.json describes an impossible Llama model: {e}") from None
+        assert ffn_hidden_dim(args.dim, args.multiple_of, args.ffn_dim_multiplier) == hidden
+        return args
+
+    @staticmethod
+    def check_hf_config(
+        config: dict[str, Any], args: TransformerModelArgs, field: str, flavor: Optional[str] = None
+    ) -> None:
+        """Raise ``ValueError`` naming ``field`` and the first differing setting unless the checkpoint described by
+        ``config`` (a config.json) has the architecture of ``Transformer(args)``; ``flavor`` names ``args`` in the
+        message (``model.flavor <flavor>``)."""
+        hf_args = Llama3HFAdapter.args_from_hf_config(config, field)
+        who = f"model.flavor {flavor}" if flavor else "the configured model"
+        for hf_key, name, value in _CHECKED_FIELDS:
+            theirs, ours = value(hf_args), value(args)
+            same = math.isclose(theirs, ours) if isinstance(ours, float) else theirs == ours
+            if not same:
+                raise ValueError(f"{field}: config.json has {hf_key} {theirs} but {who} has {name} {ours}")

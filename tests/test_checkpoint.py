@@ -1,0 +1,365 @@
+"""Checkpoints: stop and go bit-exact, kill -9 inside saves, resharding resume, async save, SIGTERM, bad input.
+
+Runs go through ./run_train.sh (one process, or torchrun on gloo) on the debug model with short sequences.
+Faults are injected with TESSERA_FAULT_AT=<step>:<point> (engine/checkpoint.py), which kills the process
+with SIGKILL at that point of the save of that step.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.checkpoint import COMMIT_FILE, find_resume_point, inspect_checkpoint, list_steps, read_full
+from engine.config import ConfigError, parse_args
+from engine.data.loader import build_dataloader
+from engine.data.tokenizer import build_tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+BASE = [
+    "--training.steps", "20", "--training.seq_len", "32", "--training.local_batch_size", "2",
+    "--lr_scheduler.warmup_steps", "2", "--metrics.log_freq", "1", "--debug.deterministic",
+    "--checkpoint.enable", "--checkpoint.interval", "10",
+]
+FSDP2_TP2 = ["--parallelism.dp_shard", "2", "--parallelism.tp", "2"]
+
+
+def train(dump: Path, *args: str, ngpu: int = 1, fault: str = "", check: bool = True, timeout: int = 300):
+    env = {**os.environ, "NGPU": str(ngpu), "PYTHON": sys.executable}
+    env.pop("TESSERA_FAULT_AT", None)
+    if fault:
+        env["TESSERA_FAULT_AT"] = fault
+    proc = subprocess.run(["./run_train.sh", *BASE, "--job.dump_folder", str(dump), *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    if check:
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def metrics(dump: Path) -> dict[int, dict]:
+    with open(dump / "metrics.jsonl") as f:
+        return {r["step"]: r for r in map(json.loads, f)}
+
+
+def curve(dump: Path, steps) -> list[tuple[float, float]]:
+    m = metrics(dump)
+    return [(m[s]["loss"], m[s]["grad_norm"]) for s in steps]
+
+
+def tree(folder: Path) -> dict[str, str]:
+    """Every file under ``folder`` with a hash of its contents."""
+    return {str(p.relative_to(folder)): hashlib.sha1(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    """20 uninterrupted steps, one process, checkpoints at 10 and 20."""
+    dump = tmp_path_factory.mktemp("reference")
+    train(dump)
+    return dump
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Stop and go
+# ------------------------------------------------------------------------------------------------------------
+
+
+def test_kill_after_step_10_and_resume_is_bit_identical(reference, tmp_path):
+    killed = train(tmp_path, fault="10:committed", check=False)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    assert [s for s, _, ok in list_steps(str(tmp_path / "checkpoint")) if ok] == [10]
+    resumed = train(tmp_path)
+    assert "resumed from step 10" in resumed.stdout
+    assert sorted(metrics(tmp_path)) == list(range(11, 21))
+    assert curve(tmp_path, range(11, 21)) == curve(reference, range(11, 21))
+
+
+def test_kill_and_resume_is_bit_identical_under_fsdp2_tp2(tmp_path):
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    train(whole, *FSDP2_TP2, ngpu=4)
+    killed = train(cut, *FSDP2_TP2, ngpu=4, fault="10:committed", check=False)
+    assert killed.returncode != 0
+    resumed = train(cut, *FSDP2_TP2, ngpu=4)
+    assert "resumed from step 10" in resumed.stdout
+    assert curve(cut, range(11, 21)) == curve(whole, range(11, 21))
+
+
+def test_sigterm_saves_exits_zero_and_the_resumed_run_continues_the_curve(reference, tmp_path):
+    stopped = train(tmp_path, fault="6:sigterm")  # SIGTERM to itself in the middle of step 6
+    assert "SIGTERM: checkpoint of step 6 saved; exiting" in stdout_of(stopped)
+    assert sorted(metrics(tmp_path)) == list(range(1, 7))
+    assert [s for s, _, ok in list_steps(str(tmp_path / "checkpoint")) if ok] == [6]
+    train(tmp_path)
+    assert curve(tmp_path, range(7, 21)) == curve(reference, range(7, 21))
+
+
+def test_sigterm_to_run_train_sh_with_two_ranks(tmp_path):
+    env = {**os.environ, "NGPU": "2", "PYTHON": sys.executable}
+    env.pop("TESSERA_FAULT_AT", None)
+    args = [*BASE, "--training.steps", "100000", "--checkpoint.interval", "100000", "--job.dump_folder", str(tmp_path)]
+    proc = subprocess.Popen(["./run_train.sh", *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    jsonl = tmp_path / "metrics.jsonl"
+    deadline = time.time() + 240
+    while time.time() < deadline and not (jsonl.exists() and len(jsonl.read_text().splitlines()) >= 3):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)  # what SLURM sends to the batch script
+    out, _ = proc.communicate(timeout=240)
+    assert proc.returncode == 0, out[-3000:]
+    done = [s for s, _, ok in list_steps(str(tmp_path / "checkpoint")) if ok]
+    assert len(done) == 1 and f"SIGTERM: checkpoint of step {done[0]} saved" in out
+    again = train(tmp_path, "--training.steps", str(done[0] + 2), ngpu=2)
+    assert f"resumed from step {done[0]}" in again.stdout
+    assert max(metrics(tmp_path)) == done[0] + 2
+
+
+def stdout_of(proc) -> str:
+    return proc.stdout + proc.stderr
+
+
+# ------------------------------------------------------------------------------------------------------------
+# kill -9 inside a save
+# ------------------------------------------------------------------------------------------------------------
+
+# Where a save is killed (engine/checkpoint.py also has "begin" and "dcp_data_written"): after the JSON files,
+# inside DCP's write, after the data but before DCP's metadata, after DCP finished, just before the marker.
+SAVE_POINTS = ["small_files", "dcp_write", "dcp_before_metadata", "dcp_done", "before_commit"]
+
+
+@pytest.mark.parametrize("mode", ["disabled", "async"])
+def test_kill_inside_a_save_never_leaves_a_loadable_partial(tmp_path, mode):
+    points = SAVE_POINTS if mode == "disabled" else ["dcp_write", "dcp_done"]
+    args = ["--training.steps", "6", "--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "1",
+            "--checkpoint.async_mode", mode]
+    for point in points:
+        dump = tmp_path / point
+        killed = train(dump, *args, fault=f"4:{point}", check=False)
+        assert killed.returncode == -signal.SIGKILL, (point, stdout_of(killed)[-2000:])
+        steps = list_steps(str(dump / "checkpoint"))
+        assert [(s, ok) for s, _, ok in steps] in ([(2, True)], [(2, True), (4, False)]), (point, steps)
+        cfg = parse_args(["--job.dump_folder", str(dump), *BASE, *args])
+        assert find_resume_point(cfg).step == 2, point  # the partial step 4 is never picked
+    # Resume the last one: it starts from step 2, saves 4 and 6 again, and retention (keep 1) drops step 2
+    # only once a newer step is complete.
+    resumed = train(dump, *args)
+    assert "resumed from step 2" in resumed.stdout
+    assert [(s, ok) for s, _, ok in list_steps(str(dump / "checkpoint"))] == [(6, True)]
+    assert (dump / "checkpoint" / "step-000004.incomplete").is_dir()  # set aside, not loaded, not deleted
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Resharding
+# ------------------------------------------------------------------------------------------------------------
+
+RESHARD = ["--training.steps", "8", "--checkpoint.interval", "4", "--training.global_batch_size", "8",
+           "--data.num_shards", "4"]
+
+
+def probe(out: Path, dump: Path, nproc: int, *args: str) -> list[dict]:
+    cmd = [sys.executable, "tests/ckpt_probe.py", str(out), "2", *BASE, *RESHARD,
+           "--checkpoint.folder", str(dump / "checkpoint"), "--job.dump_folder", str(out.parent / out.stem), *args]
+    if nproc > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--rdzv_backend=c10d",
+               "--rdzv_endpoint=localhost:0", *cmd[1:]]
+    env = {k: v for k, v in os.environ.items() if k != "TESSERA_FAULT_AT"}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def test_resume_fsdp4_checkpoint_on_other_layouts(tmp_path):
+    saved = tmp_path / "fsdp4"
+    train(saved, *RESHARD, "--training.steps", "4", ngpu=4)
+    # The samples the uninterrupted FSDP 4 run reads in steps 5 and 6.
+    cfg = parse_args([*BASE, *RESHARD])
+    tok = build_tokenizer(cfg)
+    loaders = [build_dataloader(cfg, tok, r, 4, num_shards=4) for r in range(4)]
+    for loader in loaders:
+        for _ in range(4):
+            next(loader)
+    expected = [sorted(int(i) for loader in loaders for i in next(loader)["sample_ids"]) for _ in range(2)]
+    all_keys = sorted(read_full(str(saved / "checkpoint" / "step-000004")))
+
+    layouts = {
+        "fsdp2_tp2": (4, FSDP2_TP2),
+        "fsdp2": (2, []),
+        "one_rank": (1, []),
+        "pp2_fsdp2": (4, ["--parallelism.pp", "2", "--parallelism.dp_shard", "2"]),
+    }
+    for name, (nproc, args) in layouts.items():
+        ranks = probe(tmp_path / f"{name}.json", saved, nproc, *args)
+        assert all(r["step"] == 4 for r in ranks), name
+        assert not [r["mismatched"] for r in ranks if r["mismatched"]], name  # model and optimizer equal
+        assert sorted({k for r in ranks for k in r["keys"]}) == all_keys, name  # every value held somewhere
+        leaders = [r for r in ranks if r["dp_leader"]]
+        got = [sorted(i for r in leaders for i in r["ids"][step]) for step in range(2)]
+        assert got == expected, name  # the same samples: none repeated, none skipped
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Async save
+# ------------------------------------------------------------------------------------------------------------
+
+
+def test_async_save_writes_the_same_contents_while_training_goes_on(reference, tmp_path):
+    run = train(tmp_path, "--checkpoint.async_mode", "async")
+    out = run.stdout
+    staged = out.index("checkpoint: step 10 staged")
+    committed = out.index("checkpoint: step 10 committed")
+    assert "step: 11" in out[staged:committed]  # training went on while the checkpoint was written
+    assert "in the background over" in out[committed:].splitlines()[0]
+    for step in (10, 20):
+        a = read_full(str(reference / "checkpoint" / f"step-{step:06d}"))
+        b = read_full(str(tmp_path / "checkpoint" / f"step-{step:06d}"))
+        assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a), step
+        for extra in ("train_state.json", "dataloader/dp-00000.json", "rng/rank-00000.json"):
+            ja = json.loads((reference / "checkpoint" / f"step-{step:06d}" / extra).read_text())
+            jb = json.loads((tmp_path / "checkpoint" / f"step-{step:06d}" / extra).read_text())
+            assert ja == jb, (step, extra)
+    assert curve(tmp_path, range(1, 21)) == curve(reference, range(1, 21))
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Bad checkpoints
+# ------------------------------------------------------------------------------------------------------------
+
+
+def _recommit(folder: Path) -> None:
+    """Rewrite the commit marker's file sizes (a damaged folder that still looks committed)."""
+    marker = json.loads((folder / COMMIT_FILE).read_text())
+    marker["files"] = {k: (folder / k).stat().st_size for k in marker["files"] if (folder / k).exists()}
+    (folder / COMMIT_FILE).write_text(json.dumps(marker))
+
+
+class _Evil:
+    def __reduce__(self):
+        return (os.system, ("echo pwned",))
+
+
+def _damage(kind: str, folder: Path) -> None:
+    if kind == "missing metadata":
+        (folder / ".metadata").unlink()
+    elif kind == "corrupt metadata":
+        size = (folder / ".metadata").stat().st_size
+        (folder / ".metadata").write_bytes(b"\x80\x04garbage" + b"\x00" * (size - 9))
+    elif kind == "pickled code in metadata":
+        import pickle
+
+        (folder / ".metadata").write_bytes(pickle.dumps(_Evil()))
+        _recommit(folder)
+    elif kind == "another flavor":
+        state = json.loads((folder / "train_state.json").read_text())
+        state["flavor"] = "8B"
+        (folder / "train_state.json").write_text(json.dumps(state))
+        _recommit(folder)
+    elif kind == "truncated shard":
+        shard = folder / "__0_0.distcp"
+        with open(shard, "r+b") as f:
+            f.truncate(shard.stat().st_size // 2)
+    elif kind == "no commit marker":
+        (folder / COMMIT_FILE).unlink()
+    else:
+        raise AssertionError(kind)
+
+
+BAD = {
+    "missing metadata": ".metadata is missing",
+    "corrupt metadata": "unreadable or unsafe",
+    "pickled code in metadata": "refusing to unpickle",
+    "another flavor": "saved for model llama3/8B, this run is llama3/debugmodel",
+    "truncated shard": "__0_0.distcp has",
+    "no commit marker": "incomplete checkpoint",
+}
+
+
+@pytest.mark.parametrize("kind", list(BAD))
+def test_bad_checkpoint_is_an_error_naming_the_field_and_nothing_is_deleted(reference, tmp_path, kind):
+    root = tmp_path / "checkpoint"
+    shutil.copytree(reference / "checkpoint" / "step-000010", root / "step-000010")
+    _damage(kind, root / "step-000010")
+    before = tree(tmp_path)
+    cfg = parse_args([*BASE, "--job.dump_folder", str(tmp_path), "--checkpoint.load_step", "10"])
+    with pytest.raises(ConfigError, match="checkpoint.load_step") as e:
+        find_resume_point(cfg)
+    assert BAD[kind] in str(e.value), str(e.value)
+    assert tree(tmp_path) == before
+
+
+def test_bad_checkpoints_through_run_train_sh(reference, tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    root = tmp_path / "run" / "checkpoint"
+    shutil.copytree(reference / "checkpoint" / "step-000020", root / "step-000020")
+    _damage("truncated shard", root / "step-000020")
+    cases = [
+        (["--job.dump_folder", str(tmp_path / "run")], "checkpoint.folder: ", "__0_0.distcp has"),
+        (["--job.dump_folder", str(tmp_path / "fresh"), "--checkpoint.initial_load_path", str(empty)],
+         "checkpoint.initial_load_path: ", "is empty"),
+        (["--job.dump_folder", str(tmp_path / "run"), "--checkpoint.load_step", "7"],
+         "checkpoint.load_step: ", "no checkpoint of step 7"),
+    ]
+    for args, field, message in cases:
+        before = tree(tmp_path)
+        proc = subprocess.run(["./run_train.sh", *BASE, *args], cwd=ROOT, capture_output=True, text=True,
+                              env={**os.environ, "PYTHON": sys.executable}, timeout=120)
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-2000:]
+        assert lines[0].startswith("error: " + field) and message in lines[0], lines[0]
+        assert tree(tmp_path) == before
+
+
+def test_a_model_only_checkpoint_is_not_resumed_from(reference, tmp_path):
+    info = inspect_checkpoint(str(reference / "checkpoint" / "step-000010"), "checkpoint.folder")
+    assert info.step == 10 and not info.model_only
+    dump = tmp_path / "export"
+    train(dump, "--training.steps", "3", "--checkpoint.interval", "3", "--checkpoint.last_save_model_only",
+          "--checkpoint.export_dtype", "bfloat16")
+    last = read_full(str(dump / "checkpoint" / "step-000003"))
+    assert all(k.startswith("model.") and v.dtype == torch.bfloat16 for k, v in last.items())
+    cfg = parse_args([*BASE, "--job.dump_folder", str(dump), "--training.steps", "5"])
+    assert find_resume_point(cfg) is None  # model only: a start point (initial_load_path), not a resume point
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Hugging Face in and out, seed checkpoints
+# ------------------------------------------------------------------------------------------------------------
+
+
+def test_hf_export_and_import_start_a_run_from_the_same_weights(reference, tmp_path):
+    from engine.tools.convert_hf import from_hf, main as convert
+
+    step = reference / "checkpoint" / "step-000020"
+    assert convert(["to-hf", str(step), str(tmp_path / "hf"), "--dtype", "float32"]) == 0
+    assert (tmp_path / "hf" / "config.json").is_file()
+    from_hf(str(tmp_path / "hf"), str(tmp_path / "back"), "debugmodel")
+    model = read_full(str(step), "model.")
+    back = read_full(str(tmp_path / "back"), "model.")
+    assert sorted(model) == sorted(back) and all(torch.equal(model[k], back[k]) for k in model)
+    # Training from the HF folder starts from exactly the weights of training from the Tessera step.
+    one = ["--training.steps", "2", "--checkpoint.enable", "false"]
+    train(tmp_path / "from_hf", *one, "--checkpoint.initial_load_path", str(tmp_path / "hf"))
+    train(tmp_path / "from_step", *one, "--checkpoint.initial_load_path", str(step))
+    assert curve(tmp_path / "from_hf", [1, 2]) == curve(tmp_path / "from_step", [1, 2])
+    assert metrics(tmp_path / "from_hf")[1]["loss"] < metrics(reference)[1]["loss"] - 1  # trained weights
+
+
+def test_seed_checkpoint_starts_any_layout_from_the_same_weights(tmp_path):
+    seed = tmp_path / "seed"
+    train(seed, "--checkpoint.create_seed_checkpoint", "--debug.seed", "7")
+    folder = seed / "checkpoint" / "step-000000"
+    assert inspect_checkpoint(str(folder), "checkpoint").model_only
+    one = ["--training.steps", "2", "--checkpoint.enable", "false"]
+    train(tmp_path / "seeded", *one, "--checkpoint.initial_load_path", str(folder), ngpu=2)
+    train(tmp_path / "direct", *one, "--debug.seed", "7", ngpu=2)
+    assert curve(tmp_path / "seeded", [1, 2]) == curve(tmp_path / "direct", [1, 2])
