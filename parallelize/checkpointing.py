@@ -21,6 +21,7 @@ def _save_list() -> set:
         torch.ops.aten.mm.default,
         torch.ops.aten.addmm.default,
         torch.ops.aten.bmm.default,
+        torch.ops.aten._scaled_mm.default,  # float8 matmuls (torchao)
         torch.ops.aten._scaled_dot_product_flash_attention.default,
         torch.ops.aten._scaled_dot_product_efficient_attention.default,
         torch.ops.aten._scaled_dot_product_cudnn_attention.default,

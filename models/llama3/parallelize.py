@@ -1,6 +1,13 @@
 """Llama 3's whole parallel plan, applied to a model on the meta device, in this order:
-TP (with sequence and loss parallel) -> CP (ring attention) -> activation checkpointing -> compile ->
-FSDP2/HSDP/DDP (over dp_shard x cp).
+TP (with sequence and loss parallel) -> CP (ring attention) -> float8 -> activation checkpointing -> compile
+-> FSDP2/HSDP/DDP (over dp_shard x cp).
+
+float8's one step that must come early is the module swap (nn.Linear -> torchao Float8Linear): it is done
+first, because TP installs its hooks on the module object it shards (a later swap would drop them) and
+torchao's float8 TP styles accept Float8Linear modules only. The swap allocates and communicates nothing;
+TP then picks float8 styles for the converted layers (tensorwise recipe over NCCL: activations all-gathered
+in float8), and AC, compile and FSDP (with its float8 weight all-gather when configured) wrap the converted
+layers as they wrap any other. See parallelize/float8.py.
 
 Tensor parallel layout (Megatron-style, with sequence parallelism):
 - tok_embeddings: vocabulary-parallel (rowwise on the vocabulary), output sharded on the sequence;
@@ -20,7 +27,6 @@ from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
-    PrepareModuleInput,
     RowwiseParallel,
     SequenceParallel,
 )
@@ -29,6 +35,13 @@ from parallelize.checkpointing import apply_ac
 from parallelize.compile import apply_compile
 from parallelize.context import context_attention, shard_sequence
 from parallelize.data import apply_fsdp, mixed_precision_policy
+from parallelize.float8 import (
+    colwise_parallel,
+    convert_float8,
+    float8_tp_comm_supported,
+    prepare_module_input,
+    rowwise_parallel,
+)
 from parallelize.mesh import ParallelDims
 from parallelize.tensor import apply_tp, enable_async_tp
 
@@ -45,21 +58,33 @@ def tp_plan_root(loss_parallel: bool) -> dict:
     }
 
 
-def tp_plan_block() -> dict:
+def tp_plan_block(block: nn.Module | None = None, float8_comm: bool = False) -> dict:
+    """The block's TP plan. With ``float8_comm`` (tensorwise float8 over NCCL), the layers of ``block`` that
+    were converted to Float8Linear get torchao's float8 styles: their inputs are cast to float8 before the
+    sequence-parallel all-gather (once per module input, shared by wq/wk/wv and by w1/w3). Other layers, and
+    every layer without ``block``, get the plain styles."""
+
+    def layer(path: str) -> nn.Module | None:
+        return block.get_submodule(path) if block is not None else None
+
+    qkv = [layer(f"attention.{w}") for w in ("wq", "wk", "wv")]
     return {
         "attention_norm": SequenceParallel(),
-        "attention": PrepareModuleInput(
-            input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)
+        "attention": prepare_module_input(
+            qkv, float8_comm, input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)
         ),
-        "attention.wq": ColwiseParallel(),
-        "attention.wk": ColwiseParallel(),
-        "attention.wv": ColwiseParallel(),
-        "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+        "attention.wq": colwise_parallel(qkv[0], float8_comm),
+        "attention.wk": colwise_parallel(qkv[1], float8_comm),
+        "attention.wv": colwise_parallel(qkv[2], float8_comm),
+        "attention.wo": rowwise_parallel(layer("attention.wo"), float8_comm, output_layouts=Shard(1)),
         "ffn_norm": SequenceParallel(),
-        "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-        "feed_forward.w1": ColwiseParallel(),
-        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
-        "feed_forward.w3": ColwiseParallel(),
+        "feed_forward": prepare_module_input(
+            [layer("feed_forward.w1"), layer("feed_forward.w3")], float8_comm,
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+        ),
+        "feed_forward.w1": colwise_parallel(layer("feed_forward.w1"), float8_comm),
+        "feed_forward.w2": rowwise_parallel(layer("feed_forward.w2"), float8_comm, output_layouts=Shard(1)),
+        "feed_forward.w3": colwise_parallel(layer("feed_forward.w3"), float8_comm),
     }
 
 
@@ -75,12 +100,25 @@ def apply_cp(model: nn.Module, cp_group, cp_rank: int, cp: int, seq_len: int, ro
 def parallelize_llama(model: nn.Module, dims: ParallelDims, cfg: Any, device_type: str) -> nn.Module:
     """Apply the plan for ``dims`` and ``cfg`` to ``model`` (on the meta device) in place; returns it."""
     p = cfg.parallelism
+    f8 = cfg.float8
+    if f8.enable:  # the module swap only (see the module doc); it must precede TP
+        convert_float8(
+            model,
+            recipe=f8.recipe,
+            emulate=f8.emulate,
+            filter_fqns=f8.filter_fqns,
+            fsdp_float8_all_gather=f8.fsdp_float8_all_gather and dims.data_parallel,
+            tp=dims.tp,
+            skip=[model.output],
+        )
+
     if dims.tp_enabled:
         tp_mesh = dims.mesh("tp")
+        float8_comm = f8.enable and f8.recipe == "tensorwise" and float8_tp_comm_supported(tp_mesh)
         root_plan = {k: v for k, v in tp_plan_root(not p.disable_loss_parallel).items() if getattr(model, k) is not None}
         apply_tp(model, tp_mesh, root_plan)
         for block in model.layers.values():
-            apply_tp(block, tp_mesh, tp_plan_block())
+            apply_tp(block, tp_mesh, tp_plan_block(block, float8_comm))
         if p.enable_async_tp:
             enable_async_tp(tp_mesh)
 

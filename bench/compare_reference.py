@@ -1,0 +1,126 @@
+"""Tessera's runs beside the reference trainer's (torchtitan 0.2.2, ../shared/bench/anchor): median tps,
+TFLOP/s, MFU and peak memory after warm-up, and the ratios Tessera / reference.
+
+    python bench/compare_reference.py --tessera DIR --anchor DIR [--pairs T_LABEL=A_LABEL,...] [--skip 5]
+        [--anchor-skip 10] [--json FILE]
+
+DIR for Tessera holds one run folder per label (LABEL/metrics.jsonl, bench/summarize.py's input); DIR for the
+reference holds anchor_LABEL.log files (bench/perf_vs_reference.sh and .anchor/run_anchor.sh write them).
+The reference logs every 5 steps a line ``step: N loss: .. memory: X GiB(..%) tps: N tflops: N mfu: N%``
+with tps averaged since the previous log and memory the peak *reserved* by the caching allocator; medians
+are taken over the lines after ``--anchor-skip`` steps. Tessera's memory is printed both ways, peak active
+and peak reserved; the ratio uses reserved, as the reference reports.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from summarize import summarize  # noqa: E402
+
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+FIELDS = {
+    "step": r"step:\s*(\d+)",
+    "memory_gib": r"memory:\s*([\d.]+)\s*GiB",
+    "tps": r"tps:\s*([\d,]+)",
+    "tflops": r"tflops:\s*([\d,.]+)",
+    "mfu": r"mfu:\s*([\d.]+)%",
+}
+
+
+def parse_anchor_log(path: str) -> list[dict]:
+    rows = []
+    with open(path, errors="replace") as f:
+        for line in f:
+            line = ANSI.sub("", line)
+            if not re.search(r"step:\s*\d+\s", line) or "tps:" not in line:
+                continue
+            row = {}
+            for key, pattern in FIELDS.items():
+                m = re.search(pattern, line)
+                if m:
+                    row[key] = float(m.group(1).replace(",", ""))
+            if "step" in row and "tps" in row:
+                rows.append(row)
+    return rows
+
+
+def summarize_anchor(path: str, skip: int) -> dict | None:
+    if not os.path.exists(path):
+        return None
+    rows = [r for r in parse_anchor_log(path) if r["step"] > skip]
+    if not rows:
+        return None
+
+    def median(key):
+        values = [r[key] for r in rows if key in r]
+        return statistics.median(values) if values else None
+
+    return {
+        "steps": f"{int(rows[0]['step'])}-{int(rows[-1]['step'])}",
+        "tps": median("tps"),
+        "tflops": median("tflops"),
+        "mfu": median("mfu"),
+        "peak_reserved_gib": max(r.get("memory_gib", 0.0) for r in rows),
+    }
+
+
+def _fmt(v, f):
+    return "-" if v is None else format(v, f)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tessera", required=True)
+    p.add_argument("--anchor", required=True)
+    p.add_argument("--labels", default="", help="Tessera labels, comma-separated (default: every run folder)")
+    p.add_argument("--pairs", default="", help="TESSERA_LABEL=ANCHOR_LABEL,... (runs compared with each other)")
+    p.add_argument("--skip", type=int, default=5)
+    p.add_argument("--anchor-skip", type=int, default=10)
+    p.add_argument("--json", default="")
+    args = p.parse_args(argv)
+    pairs = dict(kv.split("=", 1) for kv in args.pairs.split(",") if kv)
+    labels = [x for x in args.labels.split(",") if x] or sorted(
+        d for d in os.listdir(args.tessera) if os.path.exists(os.path.join(args.tessera, d, "metrics.jsonl"))
+    )
+    results = []
+    header = (f"{'Tessera config':<22} {'tps':>8} {'TFLOP/s':>8} {'MFU':>6} {'active':>7} {'reserved':>8} | "
+              f"{'reference':<16} {'tps':>8} {'MFU':>6} {'reserved':>8} | {'tps ratio':>9} {'memory ratio':>12}")
+    print(header)
+    print("-" * len(header))
+    for label in labels:
+        run = os.path.join(args.tessera, label)
+        try:
+            t = summarize(run, args.skip)
+        except (SystemExit, FileNotFoundError, KeyError) as e:
+            print(f"{label:<22} no result ({e})")
+            results.append({"label": label, "error": str(e)})
+            continue
+        a_label = pairs.get(label)
+        a = summarize_anchor(os.path.join(args.anchor, f"anchor_{a_label}.log"), args.anchor_skip) if a_label else None
+        tps_ratio = t["tps_per_gpu"] / a["tps"] if a and t["tps_per_gpu"] and a["tps"] else None
+        mem_ratio = (t["peak_reserved_gib"] / a["peak_reserved_gib"]
+                     if a and a["peak_reserved_gib"] and t["peak_reserved_gib"] else None)
+        print(f"{label:<22} {_fmt(t['tps_per_gpu'], ',.0f'):>8} {_fmt(t['tflops'], '.0f'):>8} "
+              f"{_fmt(t['mfu'], '.1f'):>5}% {t['peak_memory_gib']:>6.1f}G {t['peak_reserved_gib']:>7.1f}G | "
+              f"{(a_label or '-') if a else (a_label + ' (none)' if a_label else '-'):<16} "
+              f"{_fmt(a['tps'] if a else None, ',.0f'):>8} {_fmt(a['mfu'] if a else None, '.1f'):>5}% "
+              f"{_fmt(a['peak_reserved_gib'] if a else None, '.1f'):>7}G | {_fmt(tps_ratio, '.3f'):>9} "
+              f"{_fmt(mem_ratio, '.3f'):>12}")
+        results.append({"label": label, "tessera": t, "reference_label": a_label, "reference": a,
+                        "tps_ratio": tps_ratio, "memory_ratio": mem_ratio})
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,187 @@
+"""Microbenchmarks of the single-GPU speed levers at the benchmark's shapes (Llama-3-8B layers, seq 8192,
+batch 1), measured before any of them is built into the trainer (docs/performance.md lists them with their
+predictions). Prints one table per lever: median milliseconds of forward + backward (CUDA events, after
+warm-up) and peak memory above the inputs.
+
+    python bench/hopper_levers.py [--only sdpa,ce,adamw] [--reps 20]
+
+1. sdpa: the attention kernel F.scaled_dot_product_attention dispatches to for causal GQA (32 query heads,
+   8 KV heads, head_dim 128) against each backend forced (flash, cuDNN, memory-efficient), with GQA left to
+   the kernel (enable_gqa) or K/V repeated to 32 heads first.
+2. ce: the loss over the 128,256-token vocabulary: logits = h @ W^T then cross-entropy as the trainer does
+   it (fp32 upcast of the bf16 logits), on the bf16 logits directly, and chunked over tokens with the logits
+   recomputed in backward (never materializing [8192, 128256]); liger-kernel's fused linear cross-entropy too
+   when it is installed.
+3. adamw: one optimizer step over the 8B_L8 parameter shapes (2.8B fp32 parameters): fused, foreach.
+Needs a CUDA GPU; on a CPU it says so and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+
+import torch
+import torch.nn.functional as F
+
+GIB = 2**30
+
+
+def bench(fn, reps: int, warmup: int = 3) -> tuple[float, float]:
+    """(median ms, peak GiB allocated above what was allocated before) of fn()."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times), (torch.cuda.max_memory_allocated() - base) / GIB
+
+
+def row(name: str, fn, reps: int, flops: float | None = None) -> None:
+    try:
+        ms, mem = bench(fn, reps)
+    except Exception as e:  # an unsupported backend or an out-of-memory is a result too
+        print(f"  {name:<44} not available: {str(e).splitlines()[0][:90]}")
+        torch.cuda.empty_cache()
+        return
+    rate = f"  {flops / ms / 1e9:6.0f} TFLOP/s" if flops else ""
+    print(f"  {name:<44} {ms:8.2f} ms  {mem:6.2f} GiB{rate}")
+
+
+def lever_sdpa(reps: int) -> None:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    b, s, hq, hkv, d = 1, 8192, 32, 8, 128
+    print(f"sdpa: causal attention fwd+bwd, q [{b},{hq},{s},{d}], k/v [{b},{hkv},{s},{d}] bf16")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(b, hq, s, d, device="cuda", dtype=torch.bfloat16, generator=g, requires_grad=True)
+    k = torch.randn(b, hkv, s, d, device="cuda", dtype=torch.bfloat16, generator=g, requires_grad=True)
+    v = torch.randn(b, hkv, s, d, device="cuda", dtype=torch.bfloat16, generator=g, requires_grad=True)
+    do = torch.randn(b, hq, s, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    flops = 4 * b * hq * s * s * d / 2 * 3.5  # causal half; backward ~2.5x forward
+
+    def run(backends, repeat: bool):
+        def fn():
+            kk, vv = (k.repeat_interleave(hq // hkv, 1), v.repeat_interleave(hq // hkv, 1)) if repeat else (k, v)
+            ctx = sdpa_kernel(backends) if backends else torch.enable_grad()
+            with ctx:
+                out = F.scaled_dot_product_attention(q, kk, vv, is_causal=True, enable_gqa=not repeat)
+            out.backward(do)
+        return fn
+
+    row("default dispatch, enable_gqa (what Tessera runs)", run(None, False), reps, flops)
+    for name, backend in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION),
+                          ("efficient", SDPBackend.EFFICIENT_ATTENTION)):
+        row(f"{name}, enable_gqa", run([backend], False), reps, flops)
+        row(f"{name}, K/V repeated to {hq} heads", run([backend], True), reps, flops)
+
+
+class ChunkedLinearCrossEntropy(torch.autograd.Function):
+    """sum of cross-entropies of (h @ w.T) over token chunks; backward recomputes each chunk's logits."""
+
+    @staticmethod
+    def forward(ctx, h, w, labels, chunks):
+        ctx.save_for_backward(h, w, labels)
+        ctx.chunks = chunks
+        total = torch.zeros((), device=h.device, dtype=torch.float32)
+        for hc, lc in zip(h.chunk(chunks), labels.chunk(chunks)):
+            total += F.cross_entropy((hc @ w.t()).float(), lc, reduction="sum")
+        return total
+
+    @staticmethod
+    def backward(ctx, grad):
+        h, w, labels = ctx.saved_tensors
+        gh, gw = torch.empty_like(h), torch.zeros(w.shape, device=w.device, dtype=torch.float32)
+        start = 0
+        for hc, lc in zip(h.chunk(ctx.chunks), labels.chunk(ctx.chunks)):
+            p = torch.softmax((hc @ w.t()).float(), dim=-1)
+            p[torch.arange(len(lc), device=p.device), lc] -= 1
+            p = (p * grad).to(h.dtype)
+            gh[start:start + len(hc)] = p @ w
+            gw += (p.t() @ hc).float()
+            start += len(hc)
+        return gh, gw.to(w.dtype), None, None
+
+
+def lever_ce(reps: int) -> None:
+    n, dim, vocab = 8192, 4096, 128256
+    print(f"ce: output projection + cross-entropy fwd+bwd, h [{n},{dim}] @ W [{vocab},{dim}] bf16")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    h = (torch.randn(n, dim, device="cuda", dtype=torch.bfloat16, generator=g) * 0.1).requires_grad_()
+    w = (torch.randn(vocab, dim, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02).requires_grad_()
+    labels = torch.randint(0, vocab, (n,), device="cuda", generator=g)
+    flops = 6 * n * dim * vocab
+
+    def trainer_way():
+        F.cross_entropy((h @ w.t()).float(), labels, reduction="sum").backward()
+
+    def bf16_logits():
+        F.cross_entropy(h @ w.t(), labels, reduction="sum").backward()
+
+    row("logits.float() then cross_entropy (Tessera now)", trainer_way, reps, flops)
+    row("cross_entropy on bf16 logits", bf16_logits, reps, flops)
+    row("compiled: matmul + float + cross_entropy", _compiled_ce(h, w, labels), reps, flops)
+    for chunks in (4, 8):
+        row(f"chunked x{chunks}, logits recomputed in backward",
+            lambda c=chunks: ChunkedLinearCrossEntropy.apply(h, w, labels, c).backward(), reps, flops)
+    try:
+        from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
+    except ImportError:
+        print("  liger-kernel fused linear cross-entropy       not installed (pip install liger-kernel)")
+    else:
+        loss = LigerFusedLinearCrossEntropyLoss(reduction="sum")
+        row("liger-kernel fused linear cross-entropy", lambda: loss(w, h, labels).backward(), reps, flops)
+
+
+def _compiled_ce(h, w, labels):
+    fn = torch.compile(lambda h, w, y: F.cross_entropy((h @ w.t()).float(), y, reduction="sum"))
+    return lambda: fn(h, w, labels).backward()
+
+
+def lever_adamw(reps: int) -> None:
+    from models.llama3.flavors import llama3_flavors
+    from models.llama3.model import Transformer
+
+    args = llama3_flavors["8B_L8"]
+    with torch.device("meta"):
+        model = Transformer(args)
+    shapes = [p.shape for p in model.parameters()]
+    params = [torch.zeros(s, device="cuda", dtype=torch.float32, requires_grad=True) for s in shapes]
+    for p in params:
+        p.grad = torch.randn_like(p) * 1e-3
+    n = sum(p.numel() for p in params)
+    print(f"adamw: one step over {n / 1e9:.2f}B fp32 parameters ({len(params)} tensors)")
+    for impl in ("fused", "foreach"):
+        opt = torch.optim.AdamW(params, lr=1e-4, **{impl: True})
+        row(impl, opt.step, max(3, reps // 4))
+        del opt
+        torch.cuda.empty_cache()
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--only", default="sdpa,ce,adamw")
+    p.add_argument("--reps", type=int, default=20)
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("hopper_levers: no CUDA GPU here; run it on the H100 machine")
+        return 0
+    print(torch.cuda.get_device_name(), "torch", torch.__version__)
+    levers = {"sdpa": lever_sdpa, "ce": lever_ce, "adamw": lever_adamw}
+    for name in args.only.split(","):
+        levers[name](args.reps)
+        torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,105 @@
+#!/usr/bin/env bash
+# Tessera against the reference trainer (torchtitan 0.2.2, ../shared/bench/anchor) on one H100, in ONE device
+# call of at most 10 minutes (issue 6, acceptance 1 and 2). Both train Llama-3-8B layer shapes with 8 layers
+# (flavor 8B_L8, 2.8B parameters), seq_len 8192, local batch 1, AdamW, with the expandable-segments allocator;
+# each run prints its median tps, TFLOP/s, MFU (bf16 peak, 989 TFLOP/s, for float8 too, as the reference
+# counts it) and peak memory after warm-up, then one table gives Tessera / reference for each pair.
+#
+# Once, on this machine (both folders are git-ignored; wheels for the GPU machine's Python 3.12):
+#   bash ../shared/bench/anchor/prepare.sh         # .anchor/: the kit and the reference's wheels
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#       --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux2014_x86_64 \
+#       --platform any -d .whl torchao==0.17.0 tomli_w==1.2.0 datasets==4.7.0 dill==0.4.0 multiprocess==0.70.18
+# Device call (carry .anchor and .whl):
+#   ANCHOR_LOGS=$OUT bash bench/perf_vs_reference.sh
+#
+# Environment:
+#   ONLY     Tessera configurations to run, in this order (default: all five below)
+#   ANCHOR   reference configurations (default: "bf16_compile fp8_compile"; also: eager noac_compile)
+#   STEPS    Tessera steps (default 15; medians over steps 6..STEPS, one logged line per step)
+#   ANCHOR_STEPS  reference steps (default 20; it logs every 5 steps, medians over the lines after step 10)
+#   BUDGET   seconds for the whole script (default 570): a run whose estimate no longer fits is skipped and
+#            named in the summary, so that the summary always comes back; run the rest in a second call
+#            with ONLY/ANCHOR.
+#   LEVERS=1 also run bench/hopper_levers.py (microbenchmarks of the speed levers) if time is left.
+# Comes back under $OUT: the reference's logs (ANCHOR_LOGS), summary.txt and tessera_runs.tar.gz (every
+# Tessera run's log and metrics.jsonl; the run folders themselves stay on the machine, under /tmp).
+set -uo pipefail
+RET=${OUT:-/tmp/perf_vs_reference}
+mkdir -p "$RET"
+export ANCHOR_LOGS=${ANCHOR_LOGS:-$RET}
+export OUT=/tmp/tessera_bench                     # common.sh's run folder
+START=$SECONDS
+source "$(dirname "$0")/common.sh"                # cd to the repo, carried wheels, GPU and torch versions
+export PYTORCH_ALLOC_CONF="expandable_segments:True"   # as the reference kit runs
+
+ONLY=${ONLY:-"bf16_compile_ac_op fp8_compile_ac_op eager_ac_op noac_compile fullac_compile"}
+ANCHOR=${ANCHOR:-"bf16_compile fp8_compile"}
+STEPS=${STEPS:-15}
+ANCHOR_STEPS=${ANCHOR_STEPS:-20}
+BUDGET=${BUDGET:-570}
+SKIPPED=""
+
+L8=(--model.flavor 8B_L8 --training.seq_len 8192 --training.local_batch_size 1)
+declare -A TESSERA=(
+  [bf16_compile_ac_op]="--compile.enable --activation_checkpoint.mode selective"
+  [fp8_compile_ac_op]="--compile.enable --activation_checkpoint.mode selective --float8.enable"
+  [eager_ac_op]="--activation_checkpoint.mode selective"
+  [noac_compile]="--compile.enable"
+  [fullac_compile]="--compile.enable --activation_checkpoint.mode full"
+)
+declare -A REFERENCE=(
+  [bf16_compile]="--compile.enable"
+  [fp8_compile]="--compile.enable --model.converters quantize.linear.float8"
+  [eager]=""
+  [noac_compile]="--compile.enable --activation_checkpoint.mode none"
+)
+# Seconds a run is expected to take on a fresh machine (start, cold compile, steps), to keep inside BUDGET.
+estimate() { case $1 in eager*) echo 45 ;; *) echo 100 ;; esac; }
+fits() { (( SECONDS - START + $1 <= BUDGET )); }
+
+tessera() {  # LABEL: one Tessera run, summarized after 5 warm-up steps
+  local label=$1 est; est=$(estimate "$label")
+  if ! fits "$est"; then SKIPPED+=" tessera:$label"; echo "=== skip Tessera $label (budget)"; return; fi
+  echo "=== Tessera $label: ${TESSERA[$label]}"
+  # shellcheck disable=SC2086
+  timeout $((BUDGET - (SECONDS - START))) python3 -m engine.train --config train_configs/debug_model.toml \
+    --job.dump_folder "$OUT/$label" "${L8[@]}" --training.steps "$STEPS" --metrics.log_freq 1 \
+    --lr_scheduler.warmup_steps 2 --optimizer.lr 3e-4 ${TESSERA[$label]} > "$OUT/$label.log" 2>&1
+  local rc=$?
+  tail -n 2 "$OUT/$label.log"
+  [ $rc = 0 ] && python3 bench/summarize.py "$OUT/$label" --skip 5 || echo "Tessera $label: exit $rc"
+}
+
+reference() {  # LABEL: one reference run (its script prints its last logged steps)
+  local label=$1
+  if ! fits 130; then SKIPPED+=" reference:$label"; echo "=== skip reference $label (budget)"; return; fi
+  timeout $((BUDGET - (SECONDS - START))) bash .anchor/run_anchor.sh \
+    "$label|${REFERENCE[$label]} --training.steps $ANCHOR_STEPS"
+}
+
+[ -f .anchor/run_anchor.sh ] || { echo "no .anchor/: run bash ../shared/bench/anchor/prepare.sh here and carry .anchor"; }
+python3 -c "import torchao" 2>/dev/null || echo "warning: torchao missing (carry .whl with torchao==0.17.0): float8 runs will fail"
+
+# Interleaved, so that each pair runs close in time; the acceptance pairs first.
+for pair in "bf16_compile bf16_compile_ac_op" "fp8_compile fp8_compile_ac_op" "eager eager_ac_op" \
+            "noac_compile noac_compile" "- fullac_compile"; do
+  set -- $pair
+  [[ " $ANCHOR " == *" $1 "* ]] && [ -f .anchor/run_anchor.sh ] && reference "$1"
+  [[ " $ONLY " == *" $2 "* ]] && tessera "$2"
+done
+
+if [ "${LEVERS:-0}" = 1 ] && fits 60; then
+  timeout $((BUDGET - (SECONDS - START))) python3 bench/hopper_levers.py
+fi
+
+{
+  echo
+  echo "=== Tessera / reference, $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), $(python3 -c 'import torch; print("torch", torch.__version__)')"
+  python3 bench/compare_reference.py --tessera "$OUT" --anchor "$ANCHOR_LOGS" --labels "$(echo $ONLY | tr ' ' ,)" \
+    --pairs bf16_compile_ac_op=bf16_compile,fp8_compile_ac_op=fp8_compile,eager_ac_op=eager,noac_compile=noac_compile \
+    --json "$RET/summary.json"
+  [ -n "$SKIPPED" ] && echo "skipped for the time budget:$SKIPPED"
+  echo "elapsed $((SECONDS - START)) s"
+} | tee "$RET/summary.txt"
+tar czf "$RET/tessera_runs.tar.gz" --exclude "*.png" -C "$OUT" . 2>/dev/null

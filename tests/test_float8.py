@@ -1,0 +1,281 @@
+"""float8 training (torchao, emulated on CPU): which layers are converted, the TP styles they get, the config
+errors, the scale precomputation after the optimizer step, the loss against float32 over 200 steps, and
+FSDP 2 x TP 2 on gloo against a single process.
+
+"float8 tolerance": float8 rounds each element to 3 (e4m3) or 2 (e5m2, gradients) mantissa bits, and an
+element's rounding flips wherever its input moves across a rounding boundary, so two float8 runs that differ
+only in float32 rounding (another reduction order under TP, per-rank activation scales under FSDP) drift
+apart at float8 level, not float32 level: through the 6-layer backward pass the first-step gradients of
+FSDP 2 x TP 2 and of one process differ by about as much as float8 differs from float32 (measured: 9% and 9%
+overall), while their losses agree to 1e-3. The parity check therefore bounds losses, gradient norms and
+gradients at float8 level, and checks that the parallel run really is float8 (its gradients are not
+float32's).
+"""
+
+import json
+import os
+
+import pytest
+import torch
+from torch import nn
+
+from engine import train
+from engine.config import Config, ConfigError, parse_args, validate
+from parallelize.float8 import (
+    check_float8_supported,
+    convert_float8,
+    float8_after_optimizer_step,
+    is_float8_linear,
+    module_filter,
+)
+from tests.parallel_harness import global_batches, run_layout, run_world
+
+pytest.importorskip("torchao", reason="torchao is in the dev extra: pip install -e '.[dev]'")
+
+F8 = ["--float8.enable", "--float8.emulate"]
+
+
+def _meta_model(vocab: int = 2048):
+    import dataclasses
+
+    from models.llama3.flavors import llama3_flavors
+    from models.llama3.model import Transformer
+
+    with torch.device("meta"):
+        return Transformer(dataclasses.replace(llama3_flavors["debugmodel"], vocab_size=vocab))
+
+
+# --------------------------------------------------------------------------------------------------------
+# Conversion and the TP plan
+# --------------------------------------------------------------------------------------------------------
+
+
+def test_parallelize_converts_block_linears_but_not_the_output():
+    from models.llama3.parallelize import parallelize_llama
+    from parallelize.mesh import ParallelDims
+
+    cfg = parse_args([*F8, "--float8.filter_fqns", "layers.1.attention.wk,feed_forward.w3"])
+    model = _meta_model()
+    parallelize_llama(model, ParallelDims.from_config(cfg.parallelism, 1), cfg, "cpu")
+    converted = {name for name, m in model.named_modules() if is_float8_linear(m)}
+    linears = {name for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+    skipped = {"output", "layers.1.attention.wk"} | {f"layers.{i}.feed_forward.w3" for i in range(6)}
+    assert converted == linears - skipped
+    assert len(converted) == 6 * 7 - 1 - 6
+    assert type(model.output) is nn.Linear
+    # The same weights under the same names: checkpoints and init do not see the swap.
+    assert {n for n, _ in model.named_parameters()} == {n for n, _ in _meta_model().named_parameters()}
+
+
+def test_filter_skips_dimensions_float8_cannot_multiply():
+    keep = module_filter(skip=[], filter_fqns=[])
+    assert keep(nn.Linear(32, 64), "a")
+    assert not keep(nn.Linear(24, 64), "a")  # in_features not a multiple of 16
+    assert not keep(nn.Linear(32, 40), "a")
+    assert not keep(nn.Embedding(32, 64), "a")
+    keep_tp4 = module_filter(skip=[], filter_fqns=[], tp=4)
+    assert not keep_tp4(nn.Linear(32, 128), "a")  # 8 input features per TP rank
+    assert keep_tp4(nn.Linear(64, 128), "a")
+    out = nn.Linear(32, 64)
+    assert not module_filter(skip=[out], filter_fqns=[])(out, "output")
+    assert not module_filter(skip=[], filter_fqns=["wk"])(nn.Linear(32, 64), "layers.0.attention.wk")
+
+
+def test_tp_plan_gives_float8_styles_to_converted_layers_only():
+    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
+    from torchao.float8.float8_tensor_parallel import (
+        Float8ColwiseParallel,
+        Float8RowwiseParallel,
+        PrepareFloat8ModuleInput,
+    )
+
+    from models.llama3.parallelize import tp_plan_block
+
+    model = _meta_model()
+    convert_float8(model, emulate=True, filter_fqns=["feed_forward.w3"], skip=[model.output])
+    block = model.layers["0"]
+    plan = tp_plan_block(block, float8_comm=True)
+    assert type(plan["attention"]) is PrepareFloat8ModuleInput  # wq, wk, wv all float8: cast once, gather fp8
+    assert all(type(plan[f"attention.{w}"]) is Float8ColwiseParallel for w in ("wq", "wk", "wv"))
+    assert type(plan["attention.wo"]) is Float8RowwiseParallel
+    assert type(plan["feed_forward"]) is PrepareModuleInput  # w3 stays high precision
+    assert type(plan["feed_forward.w1"]) is Float8ColwiseParallel
+    assert type(plan["feed_forward.w3"]) is ColwiseParallel
+    assert type(plan["feed_forward.w2"]) is Float8RowwiseParallel
+    plain = tp_plan_block(block, float8_comm=False)  # rowwise recipe, or gloo (no float8 collectives)
+    assert {type(s) for k, s in plain.items() if "." in k} == {ColwiseParallel, RowwiseParallel}
+
+
+# --------------------------------------------------------------------------------------------------------
+# Configuration errors
+# --------------------------------------------------------------------------------------------------------
+
+
+def test_float8_needs_float8_hardware_or_emulate():
+    for capability in (None, (8, 0), (7, 5)):
+        with pytest.raises(ConfigError, match=r"^float8\.enable: .*float8\.emulate = true"):
+            check_float8_supported(emulate=False, capability=capability)
+    check_float8_supported(emulate=False, capability=(9, 0))  # H100
+    check_float8_supported(emulate=False, capability=(8, 9))  # Ada
+    check_float8_supported(emulate=True, capability=None)
+
+
+BAD_FLOAT8 = [
+    (["--float8.recipe", "blockwise"], "float8.recipe"),
+    ([*F8, "--float8.recipe", "rowwise", "--float8.fsdp_float8_all_gather"], "float8.fsdp_float8_all_gather"),
+    ([*F8, "--float8.precompute_scale"], "float8.precompute_scale"),
+]
+if not torch.cuda.is_available():
+    BAD_FLOAT8.append((["--float8.enable"], "float8.emulate"))
+
+
+@pytest.mark.parametrize("argv, field", BAD_FLOAT8, ids=[f for _, f in BAD_FLOAT8])
+def test_bad_float8_config_gives_one_error_line(argv, field, tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    dump = tmp_path / "run"
+    rc = train.main(["--job.dump_folder", str(dump), *argv])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2
+    assert len(lines) == 1 and lines[0].startswith("error: float8."), lines
+    assert field in lines[0]
+    assert not dump.exists()
+
+
+def test_empty_filter_name_is_refused():
+    cfg = Config()
+    cfg.float8.filter_fqns = ["output", " "]
+    with pytest.raises(ConfigError, match="float8.filter_fqns"):
+        validate(cfg)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Scales precomputed after the optimizer step (FSDP float8 all-gather)
+# --------------------------------------------------------------------------------------------------------
+
+
+def _weight_scales(model_parts):
+    """(precomputed scale, the scale of the current weight) of every FSDP float8 weight."""
+    from torch.distributed.tensor import DTensor
+
+    out = []
+    for part in model_parts:
+        for m in part.modules():
+            if is_float8_linear(m):
+                assert isinstance(m.weight, DTensor)
+                local = m.weight._local_tensor
+                fresh = torch.finfo(torch.float8_e4m3fn).max / m.weight.full_tensor().abs().max().double()
+                out.append((local._precomputed_scale, fresh.float()))
+    return out
+
+
+def test_scales_are_precomputed_after_each_optimizer_step(tmp_path):
+    """The trainer calls float8_after_optimizer_step after optimizer.step(): with precompute_scale every FSDP
+    float8 weight then holds the scale of its updated value (else FSDP computes it during the forward)."""
+    from engine.distributed import World, destroy_distributed
+    from engine.trainer import Trainer
+
+    args = [*F8, "--float8.fsdp_float8_all_gather", "--float8.precompute_scale", "--parallelism.fsdp_single_rank",
+            "--training.seq_len", "64", "--training.local_batch_size", "2", "--training.steps", "2",
+            "--lr_scheduler.warmup_steps", "1", "--job.dump_folder", str(tmp_path)]
+    cfg = parse_args(args)
+    validate(cfg)
+    try:
+        trainer = Trainer(cfg, World(rank=0, local_rank=0, world_size=1, device=torch.device("cpu")))
+        assert all(scale is None for scale, _ in _weight_scales(trainer.model_parts))
+        batch = next(iter(trainer.dataloader))
+        for _ in range(2):
+            trainer.train_step([batch])
+            scales = _weight_scales(trainer.model_parts)
+            assert len(scales) == 6 * 7
+            assert all(s is not None for s, _ in scales), "the trainer must call float8_after_optimizer_step"
+            for precomputed, fresh in scales:
+                torch.testing.assert_close(precomputed, fresh, rtol=1e-6, atol=0)
+        # The hook does nothing when precompute_scale is off.
+        for part in trainer.model_parts:
+            for m in part.modules():
+                if is_float8_linear(m):
+                    m.weight._local_tensor._precomputed_scale = None
+        cfg.float8.precompute_scale = False
+        float8_after_optimizer_step(trainer.model_parts, cfg.float8)
+        assert all(s is None for s, _ in _weight_scales(trainer.model_parts))
+        trainer.metrics.close()
+    finally:
+        destroy_distributed()
+
+
+# --------------------------------------------------------------------------------------------------------
+# Loss: float8 tracks float32 over 200 steps (acceptance 3; a shorter sequence and batch than the default run)
+# --------------------------------------------------------------------------------------------------------
+
+# One 32-token sample per step: an emulated float8 step costs about the same at any small size (its casts of
+# the weights dominate), so the batch is as small as keeps the loss meaningful. bench/float8_loss.py runs the
+# default config (256 x 8) the same way.
+TRACK = ["--training.steps", "200", "--training.seq_len", "32", "--training.local_batch_size", "1",
+         "--metrics.log_freq", "20", "--lr_scheduler.warmup_steps", "10"]
+
+
+def _losses(dump):
+    with open(os.path.join(dump, "metrics.jsonl")) as f:
+        return [json.loads(line)["loss"] for line in f]
+
+
+def test_float8_tracks_float32_loss_over_200_steps(tmp_path, capsys):
+    runs = {}
+    for name, extra in (("fp32", []), ("float8", F8)):
+        dump = str(tmp_path / name)
+        assert train.main(["--job.dump_folder", dump, *TRACK, *extra]) == 0, capsys.readouterr().err
+        runs[name] = _losses(dump)
+    plain, f8 = runs["fp32"], runs["float8"]
+    assert len(plain) == len(f8) == 11  # steps 1, 20, 40, ..., 200
+    assert plain[-1] < plain[0] - 1.0  # it learned something
+    assert f8[0] != plain[0]  # float8 really was on: rounding shows from the first step
+    assert abs(f8[-1] - plain[-1]) / plain[-1] < 0.01, (plain, f8)
+
+
+# --------------------------------------------------------------------------------------------------------
+# FSDP 2 x TP 2 on gloo against a single process (acceptance 4)
+# --------------------------------------------------------------------------------------------------------
+
+STEPS, GLOBAL = 5, 8
+# tensorwise with every float8 piece that composes with FSDP and TP: weights all-gathered in float8 and their
+# scales precomputed after each optimizer step; activations cast on their TP shards with scales all-reduced.
+# (The rowwise recipe under FSDP 2 x TP 2 matched to a relative 3e-4 in losses when measured by hand; it is
+# left out of CI for time.)
+FSDP2_TP2_FLOAT8 = ["--training.local_batch_size", "4", "--parallelism.dp_shard", "2", "--parallelism.tp", "2",
+                    *F8, "--float8.fsdp_float8_all_gather", "--float8.precompute_scale"]
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+def _all_grads(result) -> torch.Tensor:
+    return torch.cat([result["grads"][k].flatten() for k in sorted(result["grads"])])
+
+
+@pytest.fixture(scope="module")
+def float8_parity(tmp_path_factory):
+    batches = global_batches(GLOBAL, STEPS)
+    single = lambda *a: run_layout(["--training.local_batch_size", str(GLOBAL), *a], 1, 0, batches,  # noqa: E731
+                                   str(tmp_path_factory.mktemp("single")))
+    fp32, f8 = single(), single(*F8)
+    parallel = run_world(4, {"fsdp2_tp2_float8": FSDP2_TP2_FLOAT8}, {"fsdp2_tp2_float8": batches},
+                         str(tmp_path_factory.mktemp("w4")))["fsdp2_tp2_float8"]
+    return fp32, f8, parallel
+
+
+def test_fsdp2_tp2_float8_matches_single_process(float8_parity):
+    fp32, f8, result = float8_parity
+    assert "error" not in result, result.get("error")
+    assert set(result["grads"]) == set(f8["grads"])
+    float8_error = _rel(_all_grads(f8), _all_grads(fp32))  # what float8 itself changes (measured 0.09)
+    # The parallel run is float8 (its gradients are not float32's) ...
+    assert _rel(_all_grads(result), _all_grads(fp32)) > 0.1 * float8_error
+    # ... and stays within float8 tolerance of the single-process float8 run (measured: losses 1e-3,
+    # gradient norms 3e-3, gradients 0.09 overall and at most 0.19 in one tensor).
+    assert result["losses"] == pytest.approx(f8["losses"], rel=3e-3)
+    assert result["grad_norms"] == pytest.approx(f8["grad_norms"], rel=3e-2)
+    assert _rel(_all_grads(result), _all_grads(f8)) < 2 * float8_error
+    for name, g in result["grads"].items():
+        assert _rel(g, f8["grads"][name]) < 0.4, name
+    assert result["losses"][-1] < result["losses"][0] - 0.5
