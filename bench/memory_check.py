@@ -1,0 +1,170 @@
+"""Measured peak GPU memory beside engine/tools/memory.py's estimate, for single-GPU configurations.
+
+    python3 bench/memory_check.py [--steps 8] [--only NAME,...] [--out DIR] [--estimate-only]
+
+On the H100 machine (one device call; .whl carried for the packages it lacks, see bench/common.sh):
+
+    source bench/common.sh && python3 bench/memory_check.py --out "$OUT/memory_check"
+
+Each configuration trains Llama-3-8B layer shapes (flavor 8B_L8, or 8B_L2) on the built-in corpus for
+``--steps`` steps, bf16, sdpa, local batch 1, in this process (one after the other, memory released in
+between), with metrics logged every step. Reported per configuration:
+- measured: torch.cuda.max_memory_allocated over the whole run (read before each of the trainer's per-log
+  resets of the peak statistics), and the largest ``memory_gib`` of metrics.jsonl (the peak active bytes of
+  each logging window, what the trainer reports);
+- estimate: the largest per-rank peak of engine.tools.memory for the same config, and the moment it is at;
+- ratio = estimate / measured allocated.
+The table is printed and written to <out>/memory_check.md and .json. ``--estimate-only`` prints the
+estimates without training (no GPU needed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+GIB = 1024**3
+COMMON = ["--config", "train_configs/debug_model.toml", "--training.local_batch_size", "1",
+          "--training.mixed_precision_param", "bfloat16", "--model.attn", "sdpa", "--metrics.log_freq", "1",
+          "--lr_scheduler.warmup_steps", "2", "--optimizer.lr", "3e-4"]
+CONFIGS: dict[str, list[str]] = {
+    "8B_L8 seq4096 AC none": ["--model.flavor", "8B_L8", "--training.seq_len", "4096"],
+    "8B_L8 seq8192 AC none": ["--model.flavor", "8B_L8", "--training.seq_len", "8192"],
+    "8B_L8 seq8192 AC full": ["--model.flavor", "8B_L8", "--training.seq_len", "8192",
+                              "--activation_checkpoint.mode", "full"],
+    "8B_L8 seq8192 AC op": ["--model.flavor", "8B_L8", "--training.seq_len", "8192",
+                            "--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_option",
+                            "op"],
+    "8B_L8 seq8192 AC every 2": ["--model.flavor", "8B_L8", "--training.seq_len", "8192",
+                                 "--activation_checkpoint.mode", "selective",
+                                 "--activation_checkpoint.selective_option", "2"],
+    "8B_L2 seq8192 AC none": ["--model.flavor", "8B_L2", "--training.seq_len", "8192"],
+    "8B_L8 seq8192 AC op, FSDP on 1 GPU": ["--model.flavor", "8B_L8", "--training.seq_len", "8192",
+                                           "--activation_checkpoint.mode", "selective",
+                                           "--parallelism.fsdp_single_rank"],
+}
+
+
+def estimate(argv: list[str]) -> tuple[int, str]:
+    """(bytes, moment) of engine.tools.memory's largest per-rank peak for this single-GPU config."""
+    from engine.config import parse_args
+    from engine.tools import memory
+
+    cfg = parse_args(argv)
+    dims = memory.validate_layout(cfg, 1)
+    rows = memory.analytic_rows(cfg, dims, memory.model_shape(cfg))
+    worst = max(rows, key=lambda r: r.estimate.peak)
+    return worst.estimate.peak, worst.estimate.phase
+
+
+def measure(argv: list[str]) -> dict:
+    """Train in this process; the run's peak allocated bytes and the largest logged memory_gib."""
+    import torch
+
+    from engine import metrics
+    from engine.config import parse_args
+    from engine.distributed import destroy_distributed, init_distributed
+    from engine.trainer import Trainer
+
+    cfg = parse_args(argv)
+    device = torch.device("cuda", 0)
+    peaks: list[int] = []
+    reset = metrics.reset_peak_memory
+
+    def recording_reset(dev):  # the trainer resets the peak at every log: read it first
+        peaks.append(torch.cuda.max_memory_allocated(dev))
+        reset(dev)
+
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    metrics.reset_peak_memory = recording_reset
+    start = time.perf_counter()
+    try:
+        trainer = Trainer(cfg, init_distributed())
+        logged = trainer.train()
+        peaks.append(torch.cuda.max_memory_allocated(device))
+    finally:
+        metrics.reset_peak_memory = reset
+        destroy_distributed()  # FSDP on one GPU made a process group of one
+    seconds = time.perf_counter() - start
+    result = {
+        "allocated_gib": max(peaks) / GIB,
+        "memory_gib": max(r["memory_gib"] for r in logged),
+        "reserved_gib": max((r.get("memory_reserved_gib") or 0) for r in logged),
+        "tps": logged[-1].get("tps"),
+        "seconds": seconds,
+    }
+    del trainer, logged
+    gc.collect()
+    torch.cuda.empty_cache()
+    return result
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--only", default="", help="comma-separated names (default: all); see CONFIGS")
+    p.add_argument("--out", default=os.environ.get("OUT", "/tmp/tessera_bench") + "/memory_check")
+    p.add_argument("--estimate-only", action="store_true", help="print the estimates; train nothing")
+    a = p.parse_args(argv)
+    names = [n.strip() for n in a.only.split(",") if n.strip()] or list(CONFIGS)
+    unknown = [n for n in names if n not in CONFIGS]
+    if unknown:
+        print(f"error: --only: unknown configuration(s) {unknown}; choose from {list(CONFIGS)}", file=sys.stderr)
+        return 2
+    os.makedirs(a.out, exist_ok=True)
+    if not a.estimate_only:
+        import torch
+
+        if not torch.cuda.is_available():
+            print("error: no CUDA device; run this on the GPU machine (or pass --estimate-only)", file=sys.stderr)
+            return 2
+        print(f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}", flush=True)
+
+    results = []
+    for name in names:
+        argv_run = COMMON + CONFIGS[name] + ["--training.steps", str(a.steps),
+                                             "--job.dump_folder", os.path.join(a.out, name.replace(" ", "_")
+                                                                               .replace(",", ""))]
+        est, moment = estimate(argv_run)
+        row = {"name": name, "estimate_gib": est / GIB, "moment": moment}
+        if not a.estimate_only:
+            try:
+                row.update(measure(argv_run))
+                row["ratio"] = row["estimate_gib"] / row["allocated_gib"]
+            except Exception as e:  # an OOM or a failure of one config must not hide the others
+                row["error"] = f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
+        results.append(row)
+        print(json.dumps(row), flush=True)
+
+    lines = ["| configuration | estimate GiB (moment) | max allocated GiB | metrics memory_gib | reserved GiB | "
+             "estimate / allocated |", "|---|---|---|---|---|---|"]
+    for r in results:
+        if "allocated_gib" in r:
+            lines.append(f"| {r['name']} | {r['estimate_gib']:.2f} ({r['moment']}) | {r['allocated_gib']:.2f} | "
+                         f"{r['memory_gib']:.2f} | {r['reserved_gib']:.2f} | {r['ratio']:.3f} |")
+        else:
+            lines.append(f"| {r['name']} | {r['estimate_gib']:.2f} ({r['moment']}) | {r.get('error', 'not run')} "
+                         f"| | | |")
+    table = "\n".join(lines)
+    print(table)
+    with open(os.path.join(a.out, "memory_check.md"), "w") as f:
+        f.write(table + "\n")
+    with open(os.path.join(a.out, "memory_check.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    within = [r for r in results if "ratio" in r and abs(r["ratio"] - 1) <= 0.10]
+    if not a.estimate_only:
+        print(f"{len(within)} of {len(results)} configurations within 10% of the measured peak")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

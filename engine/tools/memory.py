@@ -1,0 +1,717 @@
+"""Per-rank GPU memory of a training layout: parameters, gradients, optimizer state, activations.
+
+    python -m engine.tools.memory --config FILE [--ngpu W] [--gpu-memory-gib G] [--section.key value ...]
+
+prints one row per pipeline rank (ranks of one pipeline stage are symmetric) for any layout, one GPU
+included. The dry run (engine/tools/dry_run.py) prints the same table with the parameter shard sizes read
+from the real parallelized model on the meta device; this command computes them from the model's shapes
+(``stage_params``), and the planner (engine/tools/planner.py) ranks layouts with it. Supported models: the
+Llama 3 family (the activation formulas follow its block).
+
+What is counted (bytes per rank; the target is a CUDA GPU with ``training.mixed_precision_param``)
+------------------------------------------------------------------------------------------------
+- params: the fp32 master weights this rank stores (after TP and FSDP sharding): 4 bytes per element.
+- grads: fp32 gradients of those elements: 4 bytes per element (FSDP keeps them sharded).
+- optimizer: AdamW/Adam's two fp32 moments: 8 bytes per element.
+- working params: the compute copies alive at the peak. FSDP2 with bf16 mixed precision all-gathers bf16
+  blocks: the root module (embedding, final norm, output; never resharded after forward by default) and two
+  blocks (the one kept for backward and the prefetched next one) at the loss; every block with
+  ``fsdp_reshard_after_forward = never``. Without FSDP, bf16 autocast casts each matmul weight to bf16 once
+  per forward and autograd keeps the copy until that matmul's backward. Under pipeline parallelism with
+  FSDP, torch's pipeline stages keep the whole stage unsharded (bf16) with fp32 unsharded gradient
+  accumulators between microbatches.
+
+Activations (the formula)
+-------------------------
+T = tokens of one microbatch on this rank = (local_batch_size / pipeline microbatches) x seq_len / cp;
+t = tp; d = dim; hq = n_heads x head_dim; hkv = n_kv_heads x head_dim; H = n_heads; f = FFN hidden size;
+V = vocabulary; c = bytes of the compute dtype (2 for bf16); r = bytes of the residual stream (4 under
+autocast, whose residual stays fp32; 2 under FSDP bf16; 4 in fp32). Bytes saved for backward per token and
+block (every tensor an op keeps for its backward, as in the llama3 model):
+
+    none:  (2 r d + 8) / t             block input and attention residual, and the two RMSNorm rstd
+         + (a_attn + a_mlp) c d        inputs of wq/wk/wv and w1/w3 (whole sequence: sequence parallelism
+                                       all-gathers them); autocast casts the fp32 norm output once per
+                                       projection (a_attn = 3, a_mlp = 2), otherwise one shared tensor (1, 1)
+         + (2 c hq + 2 c hkv + 4 H) / t   RoPE'd q, k, v, attention output and its log-sum-exp
+         + 4 c f / t                   w1 and w3 outputs, silu(w1), and the product fed to w2
+    full:  r d / t                     only the block input; the block is recomputed in backward
+    op:    r d / t + c (2 hq + 2 hkv) / t + 4 H / t + 2 c f / t + 2 c d (+ 2 c d / t with tp > 1)
+                                       block input, outputs of every matmul and of attention (the policy in
+                                       parallelize/checkpointing.py), and the TP reduce-scatter outputs
+    selective N: blocks 0, N, 2N, ... of each stage as full, the others as none.
+Outside the blocks: the embedding keeps its token ids (8 T); the last stage keeps the final norm's input and
+rstd ((r d + 4) / t) and the output's input (c d, whole sequence). The loss peaks at the start of backward:
+the fp32 log-softmax output, the incoming gradient and the result, 12 bytes x T x V (/ t with loss parallel,
+whose sharded log-softmax backward holds one more fp32 buffer: 16 / t). A block's backward adds about
+(3 c f / t + c d + 2 r d / t) T bytes of gradients in flight; a checkpointed block is first recomputed
+(its "none" bytes).
+
+Pipeline parallelism multiplies the saved bytes by the microbatches in flight on this rank: GPipe all m;
+1F1B min(m, pp - pp_rank); Interleaved1F1B/InterleavedZeroBubble min(m v, (v - 1) pp + 2 (pp - 1 - pp_rank) + 1)
+stage-chunks; LoopedBFS m v; the V schedules 2 pp chunks (an approximation); a CSV schedule m v. Gradient
+accumulation (and pipeline microbatches without FSDP) keeps the gradients alive during later forwards.
+
+The peak is the largest of these moments (each adds the static params + optimizer state):
+    loss:       working params + saved activations + the loss buffers (last stage)
+    forward:    (autocast only) every bf16 weight copy + saved activations + the bf16 logits
+    recompute:  (checkpointed blocks) the gradients so far + remaining saved activations + one recomputed
+                block and its backward, at the first and at the last recomputed block
+    backward end: all gradients + FSDP's root gradients being reduce-scattered (unsharded bf16 + fp32 copy)
+
+Assumptions: CUDA with the configured mixed precision (on CPU everything runs in fp32, which this does not
+model); fused AdamW (no step temporaries); the flash/cuDNN SDPA kernels (no S x S score matrix); eager
+execution (torch.compile fuses elementwise ops and usually needs less); the caching allocator's
+fragmentation, CUDA context and NCCL buffers are not counted (compare with torch.cuda.max_memory_allocated,
+not nvidia-smi). bench/memory_check.py compares it with peaks measured on a GPU (results in docs/scale.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import sys
+from dataclasses import dataclass
+from typing import Optional
+
+GIB = 1024**3
+DEFAULT_GPU_MEMORY_GIB = 80.0
+
+
+# --------------------------------------------------------------------------------------------------------
+# Shapes
+# --------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The sizes of a Llama-style decoder that memory depends on."""
+
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    ffn_hidden: int
+    vocab_size: int
+
+    @classmethod
+    def from_args(cls, args) -> "ModelShape":
+        """From a llama3 ``TransformerModelArgs`` whose vocab_size is set."""
+        from models.llama3.model import ffn_hidden_dim
+
+        return cls(
+            dim=args.dim,
+            n_layers=args.n_layers,
+            n_heads=args.n_heads,
+            n_kv_heads=args.n_kv_heads,
+            head_dim=args.head_dim,
+            ffn_hidden=ffn_hidden_dim(args.dim, args.multiple_of, args.ffn_dim_multiplier),
+            vocab_size=args.vocab_size,
+        )
+
+    @property
+    def hq(self) -> int:
+        return self.n_heads * self.head_dim
+
+    @property
+    def hkv(self) -> int:
+        return self.n_kv_heads * self.head_dim
+
+
+@dataclass
+class PartSizes:
+    """Parameter elements of one part of the model (the embedding, one block, or the final norm + output)
+    as one rank holds them."""
+
+    local: int = 0
+    """Elements stored on this rank: after tensor-parallel and FSDP sharding (the fp32 master shard)."""
+    tp: int = 0
+    """Elements after tensor-parallel sharding only: what FSDP's all-gather makes whole on this rank."""
+    matmul_tp: int = 0
+    """Of ``tp``, the elements of matmul weights (those bf16 autocast casts)."""
+
+    def __add__(self, other: "PartSizes") -> "PartSizes":
+        return PartSizes(self.local + other.local, self.tp + other.tp, self.matmul_tp + other.matmul_tp)
+
+    def times(self, n: int) -> "PartSizes":
+        return PartSizes(self.local * n, self.tp * n, self.matmul_tp * n)
+
+
+@dataclass
+class StageParams:
+    """One pipeline stage as one of its ranks holds it."""
+
+    stage: int
+    """Global index of the stage."""
+    layers: int
+    """Transformer blocks in the stage."""
+    block: PartSizes
+    """One block (all blocks have the same shapes)."""
+    embedding: Optional[PartSizes] = None
+    """The token embedding (first stage only)."""
+    final: Optional[PartSizes] = None
+    """The final norm and the output projection (last stage only)."""
+
+    @property
+    def total(self) -> PartSizes:
+        total = self.block.times(self.layers)
+        for part in (self.embedding, self.final):
+            if part is not None:
+                total = total + part
+        return total
+
+    @property
+    def root(self) -> PartSizes:
+        """What FSDP's root unit holds: the embedding and the final norm + output."""
+        root = PartSizes()
+        for part in (self.embedding, self.final):
+            if part is not None:
+                root = root + part
+        return root
+
+
+def _shard(rows: int, n: int) -> int:
+    """Rows on the first rank when ``rows`` are split in ``n`` chunks (torch.chunk, as DTensor and FSDP do)."""
+    return -(-rows // n)
+
+
+def _part(tensors: list[tuple[int, int, bool]], fsdp_shard: int) -> PartSizes:
+    """Sizes of a part from its tensors (rows after TP, columns, is a matmul weight); FSDP shards dim 0."""
+    part = PartSizes()
+    for rows, cols, matmul in tensors:
+        part = part + PartSizes(_shard(rows, fsdp_shard) * cols, rows * cols, rows * cols if matmul else 0)
+    return part
+
+
+def block_tensors(shape: ModelShape, tp: int) -> list[tuple[int, int, bool]]:
+    """A block's weights after TP as (rows, columns, matmul): colwise layers shard their rows (output
+    features), rowwise layers their columns, norms are replicated (parallelize plan of models/llama3)."""
+    d, f = shape.dim, shape.ffn_hidden
+    return [
+        (_shard(shape.hq, tp), d, True),  # wq
+        (_shard(shape.hkv, tp), d, True),  # wk
+        (_shard(shape.hkv, tp), d, True),  # wv
+        (d, _shard(shape.hq, tp), True),  # wo
+        (_shard(f, tp), d, True),  # w1
+        (d, _shard(f, tp), True),  # w2
+        (_shard(f, tp), d, True),  # w3
+        (d, 1, False),  # attention_norm
+        (d, 1, False),  # ffn_norm
+    ]
+
+
+@functools.lru_cache(maxsize=4096)
+def stage_params(shape: ModelShape, stage: int, n_stages: int, layers: int, tp: int, fsdp_shard: int) -> StageParams:
+    """What the first rank of a stage holds, computed from the shapes (the dry run measures the same)."""
+    embedding = final = None
+    if stage == 0:  # vocabulary-parallel embedding: rows sharded over tp
+        embedding = _part([(_shard(shape.vocab_size, tp), shape.dim, False)], fsdp_shard)
+    if stage == n_stages - 1:  # final norm (replicated) and the colwise output projection
+        final = _part([(shape.dim, 1, False), (_shard(shape.vocab_size, tp), shape.dim, True)], fsdp_shard)
+    return StageParams(stage, layers, _part(block_tensors(shape, tp), fsdp_shard), embedding, final)
+
+
+# --------------------------------------------------------------------------------------------------------
+# The layout, as the estimate needs it
+# --------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Precision:
+    """How the compute runs: bytes of the compute dtype and of the residual stream, and the copies of a
+    normalized input that the projections save."""
+
+    name: str
+    compute: int
+    """Bytes per element of matmul outputs and attention (c)."""
+    residual: int
+    """Bytes per element of the residual stream and the norms' inputs (r)."""
+    attn_input_copies: int
+    """Copies of the normalized input kept by wq/wk/wv (autocast casts it once per projection)."""
+    mlp_input_copies: int
+    """The same for w1/w3."""
+    working: int
+    """Bytes per element of the compute copy of a weight (FSDP all-gather output or autocast cast)."""
+
+
+def precision_for(param_dtype: str, data_parallel: bool) -> Precision:
+    """The compute precision on CUDA: FSDP2 mixed precision when the model is data parallel, else autocast."""
+    if param_dtype != "bfloat16":
+        return Precision("fp32", 4, 4, 1, 1, 4)
+    if data_parallel:
+        return Precision("bf16 (FSDP mixed precision)", 2, 2, 1, 1, 2)
+    return Precision("bf16 (autocast)", 2, 4, 3, 2, 2)
+
+
+@dataclass
+class RankLayout:
+    """Everything about one rank's work that memory depends on, besides the parameter shapes."""
+
+    seq_len: int
+    microbatch_samples: int
+    """Samples per forward/backward pass (local_batch_size, divided by the pipeline microbatches)."""
+    grad_accum: int
+    tp: int
+    cp: int
+    pp: int
+    pp_rank: int
+    pp_schedule: str
+    microbatches: int
+    """Pipeline microbatches per local batch (1 without PP)."""
+    virtual_stages: int
+    """Stages this pp rank runs."""
+    fsdp: bool
+    """Wrapped in FSDP2 (FSDP, HSDP, DDP or FSDP on one rank)."""
+    reshard_after_forward: str
+    cpu_offload: bool
+    loss_parallel: bool
+    ac_mode: str
+    ac_option: str
+    precision: Precision
+    optimizer_states: int = 2
+
+    @property
+    def tokens(self) -> int:
+        """T: tokens of one microbatch on this rank."""
+        return self.microbatch_samples * self.seq_len // self.cp
+
+
+def rank_layout(cfg, dims, pp_rank: int) -> RankLayout:
+    """The RankLayout of pipeline rank ``pp_rank`` for a validated config and its ParallelDims."""
+    from engine.config import grad_accumulation_steps, pp_microbatches
+    from parallelize.pipeline import stage_ids
+
+    p, t = cfg.parallelism, cfg.training
+    micro = pp_microbatches(cfg, dims) if dims.pp > 1 else 1
+    local_stages = len(stage_ids(pp_rank, dims.pp, p.pp_schedule, p.pp_virtual_stages, p.pp_schedule_csv)) \
+        if dims.pp > 1 else 1
+    return RankLayout(
+        seq_len=t.seq_len,
+        microbatch_samples=t.local_batch_size // micro,
+        grad_accum=grad_accumulation_steps(cfg, dims.dp),
+        tp=dims.tp,
+        cp=dims.cp,
+        pp=dims.pp,
+        pp_rank=pp_rank,
+        pp_schedule="csv" if p.pp_schedule_csv else p.pp_schedule,
+        microbatches=micro,
+        virtual_stages=local_stages,
+        fsdp=dims.data_parallel,
+        reshard_after_forward=p.fsdp_reshard_after_forward,
+        cpu_offload=p.fsdp_cpu_offload,
+        loss_parallel=dims.tp > 1 and not p.disable_loss_parallel,
+        ac_mode=cfg.activation_checkpoint.mode,
+        ac_option=cfg.activation_checkpoint.selective_option,
+        precision=precision_for(t.mixed_precision_param, dims.data_parallel),
+    )
+
+
+# --------------------------------------------------------------------------------------------------------
+# Activation bytes per token
+# --------------------------------------------------------------------------------------------------------
+
+
+def block_bytes_per_token(shape: ModelShape, lay: RankLayout, kind: str) -> float:
+    """Bytes one block keeps for backward per token of T (see the module docstring): kind none/full/op."""
+    c, r, t = lay.precision.compute, lay.precision.residual, lay.tp
+    d, hq, hkv, h, f = shape.dim, shape.hq, shape.hkv, shape.n_heads, shape.ffn_hidden
+    if kind == "full":
+        return r * d / t
+    if kind == "op":
+        reduce_scatter = 2 * c * d / t if t > 1 else 0
+        return r * d / t + (2 * c * hq + 2 * c * hkv + 4 * h) / t + 2 * c * f / t + 2 * c * d + reduce_scatter
+    assert kind == "none", kind
+    copies = lay.precision.attn_input_copies + lay.precision.mlp_input_copies
+    return (2 * r * d + 8) / t + copies * c * d + (2 * c * hq + 2 * c * hkv + 4 * h) / t + 4 * c * f / t
+
+
+def block_backward_bytes_per_token(shape: ModelShape, lay: RankLayout) -> float:
+    """Gradients in flight during one block's backward, per token."""
+    c, r, t = lay.precision.compute, lay.precision.residual, lay.tp
+    return 3 * c * shape.ffn_hidden / t + c * shape.dim + 2 * r * shape.dim / t
+
+
+def block_kinds(layers: int, lay: RankLayout) -> dict[str, int]:
+    """How many blocks of a stage keep what: {none, full, op: count} (activation_checkpoint.mode and
+    selective_option; selective N checkpoints blocks 0, N, 2N, ... of the stage fully)."""
+    if lay.ac_mode == "none":
+        return {"none": layers}
+    if lay.ac_mode == "full":
+        return {"full": layers}
+    if lay.ac_option == "op":
+        return {"op": layers}
+    full = -(-layers // int(lay.ac_option))
+    return {"full": full, "none": layers - full}
+
+
+def _saved_blocks(shape: ModelShape, lay: RankLayout, kinds: dict[str, int]) -> float:
+    """Bytes per token the blocks counted in ``kinds`` keep."""
+    return sum(n * block_bytes_per_token(shape, lay, kind) for kind, n in kinds.items())
+
+
+def final_bytes_per_token(shape: ModelShape, lay: RankLayout) -> float:
+    """The final norm's input and rstd, and the output projection's (whole-sequence) input."""
+    c, r, t = lay.precision.compute, lay.precision.residual, lay.tp
+    return (r * shape.dim + 4) / t + c * shape.dim
+
+
+def loss_bytes_per_token(shape: ModelShape, lay: RankLayout) -> float:
+    """The loss at the start of backward: fp32 log-softmax output, its incoming gradient and the result."""
+    if lay.loss_parallel:
+        return 16 * shape.vocab_size / lay.tp
+    return 12 * shape.vocab_size
+
+
+def in_flight_chunks(lay: RankLayout) -> int:
+    """Microbatch-stage chunks whose activations this pp rank holds at once (see the module docstring)."""
+    m, p, v, rank = lay.microbatches, lay.pp, lay.virtual_stages, lay.pp_rank
+    if p == 1:
+        return 1
+    if lay.pp_schedule == "GPipe":
+        return m
+    if lay.pp_schedule == "1F1B":
+        return min(m, p - rank)
+    if lay.pp_schedule in ("Interleaved1F1B", "InterleavedZeroBubble"):
+        return min(m * v, (v - 1) * p + 2 * (p - 1 - rank) + 1)
+    if lay.pp_schedule in ("ZBVZeroBubble", "DualPipeV"):
+        return min(m * v, 2 * p)
+    return m * v  # LoopedBFS and CSV schedules: every chunk at worst
+
+
+# --------------------------------------------------------------------------------------------------------
+# The estimate
+# --------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Moment:
+    """Memory at one moment of a step, by kind (bytes); the fp32 params and optimizer state are always there."""
+
+    grads: float = 0
+    """Gradients alive (sharded fp32, or FSDP's unsharded root gradients)."""
+    working: float = 0
+    """Compute copies of the weights (bf16 all-gathers or autocast casts, unsharded accumulators)."""
+    activations: float = 0
+    """Activations saved for backward, every in-flight microbatch included."""
+    other: float = 0
+    """Buffers of the moment: loss, logits, a recomputed block, reduce-scatter copies."""
+
+    @property
+    def total(self) -> float:
+        return self.grads + self.working + self.activations + self.other
+
+
+@dataclass
+class MemoryEstimate:
+    """One rank's memory in bytes: the sizes of params, grads and optimizer state, and the peak, which is the
+    largest ``moments`` entry plus the params and optimizer state."""
+
+    params: int
+    grads: int
+    optimizer: int
+    moments: dict[str, Moment]
+    phase: str
+    """The moment of the peak: loss, forward, recompute or backward end."""
+
+    @property
+    def at_peak(self) -> Moment:
+        return self.moments[self.phase]
+
+    @property
+    def peak(self) -> int:
+        return int(self.params + self.optimizer + self.at_peak.total)
+
+
+def estimate(shape: ModelShape, stages: list[StageParams], lay: RankLayout) -> MemoryEstimate:
+    """The memory of one rank holding ``stages`` (its pipeline stages) under ``lay``."""
+    pr = lay.precision
+    T = lay.tokens
+    held = PartSizes()
+    root = PartSizes()
+    for s in stages:
+        held = held + s.total
+        root = root + s.root
+    P = held.local
+    params = 0 if lay.cpu_offload else 4 * P
+    optimizer = 0 if lay.cpu_offload else 4 * lay.optimizer_states * P
+    grads = 0 if lay.cpu_offload else 4 * P
+    has_last = any(s.final is not None for s in stages)
+    block = next((s.block for s in stages if s.layers), stages[0].block)
+    kinds: dict[str, int] = {}
+    for s in stages:
+        for kind, n in block_kinds(s.layers, lay).items():
+            kinds[kind] = kinds.get(kind, 0) + n
+    n_blocks = sum(kinds.values())
+    checkpointed = {k: n for k, n in kinds.items() if k != "none" and n}
+    autocast = pr.name == "bf16 (autocast)"
+
+    def saved(stage: StageParams) -> float:
+        """Activations one microbatch leaves in ``stage``."""
+        total = _saved_blocks(shape, lay, block_kinds(stage.layers, lay)) * T
+        if stage.embedding is not None:
+            total += 8 * T
+        if stage.final is not None:
+            total += final_bytes_per_token(shape, lay) * T
+        return total
+
+    chunk = sum(saved(s) for s in stages) / len(stages)  # one microbatch-stage chunk, on average
+    activations = chunk * in_flight_chunks(lay)
+
+    # Gradients alive before this backward: accumulation over microbatches keeps them.
+    pp_fsdp = lay.fsdp and lay.pp > 1 and lay.microbatches > 1
+    grads_early = grads if (lay.grad_accum > 1 or (lay.pp > 1 and lay.microbatches > 1 and not lay.fsdp)) else 0
+
+    # Compute copies of the weights held at the loss.
+    if pp_fsdp:  # the stage stays unsharded (bf16) with fp32 unsharded gradient accumulators
+        working = pr.working * held.tp + 4 * held.tp
+    elif lay.fsdp:
+        blocks = {"always": 1, "default": 2, "never": n_blocks}[lay.reshard_after_forward]
+        root_held = 0 if lay.reshard_after_forward == "always" else root.tp
+        working = pr.working * (root_held + min(blocks, n_blocks) * block.tp)
+    elif autocast:  # a bf16 copy of every matmul weight outside checkpointed blocks
+        final_mm = sum(s.final.matmul_tp for s in stages if s.final is not None)
+        working = pr.working * (kinds.get("none", 0) * block.matmul_tp + final_mm)
+    else:
+        working = 0
+
+    moments: dict[str, Moment] = {}
+    loss = loss_bytes_per_token(shape, lay) * T if has_last else 0
+    moments["loss"] = Moment(grads_early, working, activations, loss)
+
+    if autocast:  # the end of the forward: autocast's cache holds every bf16 weight copy
+        logits = pr.compute * shape.vocab_size / lay.tp * T if has_last else 0
+        all_mm = sum(s.block.matmul_tp * s.layers + (s.final.matmul_tp if s.final else 0) for s in stages)
+        moments["forward"] = Moment(grads_early, pr.working * all_mm, activations, logits)
+
+    if checkpointed:  # a checkpointed block recomputed in backward, at the first and at the last one
+        recompute = (block_bytes_per_token(shape, lay, "none") + block_backward_bytes_per_token(shape, lay)) * T
+        if autocast:
+            recompute += pr.working * block.matmul_tp
+        others = activations - chunk  # other microbatches still in flight
+        kept = _saved_blocks(shape, lay, checkpointed) * T
+        first_in = max(block_bytes_per_token(shape, lay, k) for k in checkpointed) * T
+        if lay.fsdp and not pp_fsdp:  # FSDP reduces the root's (unsharded) gradients at the very end
+            root_grads = pr.compute * root.tp
+        else:
+            root_grads = 4 * root.local
+        if grads_early:
+            top = bottom = grads_early + (root_grads if lay.fsdp and not pp_fsdp else 0)
+        else:
+            top, bottom = root_grads, root_grads + 4 * block.local * max(n_blocks - 1, 0)
+        at_top = Moment(top, working, others + kept, recompute)
+        at_bottom = Moment(bottom, working, others + first_in, recompute)
+        moments["recompute"] = max(at_top, at_bottom, key=lambda m: m.total)
+
+    if pp_fsdp:
+        moments["backward end"] = Moment(grads, working, 0, 4 * block.tp)
+    elif lay.fsdp:  # the root's unsharded bf16 params and grads, and the fp32 copy it reduce-scatters
+        moments["backward end"] = Moment(grads, pr.working * root.tp, 0, (pr.compute + 4) * root.tp)
+    else:
+        moments["backward end"] = Moment(grads)
+
+    phase = max(moments, key=lambda k: moments[k].total)
+    return MemoryEstimate(params, grads, optimizer, moments, phase)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Rows of the per-rank table (shared with the dry run)
+# --------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class RankRow:
+    """One pipeline rank of the table."""
+
+    pp_rank: int
+    rank: int
+    """A global rank of this pipeline stage (the one the dry run built)."""
+    stages: list[StageParams]
+    estimate: MemoryEstimate
+
+
+def analytic_stages(cfg, dims, shape: ModelShape, pp_rank: int) -> list[StageParams]:
+    """The stages of pipeline rank ``pp_rank`` and their parameter sizes, from the shapes alone."""
+    from parallelize import pipeline
+
+    p = cfg.parallelism
+    if dims.pp == 1:
+        return [stage_params(shape, 0, 1, shape.n_layers, dims.tp, dims.dp_shard * dims.cp)]
+    n = pipeline.num_stages(dims.pp, p.pp_schedule, p.pp_virtual_stages, p.pp_schedule_csv)
+    ids = pipeline.stage_ids(pp_rank, dims.pp, p.pp_schedule, p.pp_virtual_stages, p.pp_schedule_csv)
+    layers = pipeline.split_layers(shape.n_layers, n, p.pp_layers_per_stage or None)
+    return [stage_params(shape, i, n, len(layers[i]), dims.tp, dims.dp_shard * dims.cp) for i in ids]
+
+
+def first_rank_of_stage(dims, pp_rank: int) -> int:
+    """The global rank at pipeline coordinate ``pp_rank`` and 0 in every other dimension (pp is outermost)."""
+    return pp_rank * (dims.world_size // dims.pp)
+
+
+def analytic_rows(cfg, dims, shape: ModelShape) -> list[RankRow]:
+    rows = []
+    for pp_rank in range(dims.pp):
+        stages = analytic_stages(cfg, dims, shape, pp_rank)
+        rows.append(RankRow(pp_rank, first_rank_of_stage(dims, pp_rank), stages,
+                            estimate(shape, stages, rank_layout(cfg, dims, pp_rank))))
+    return rows
+
+
+def _gib(n: float) -> str:
+    return f"{n / GIB:.2f}"
+
+
+def format_table(rows: list[RankRow], gpu_memory_gib: float) -> str:
+    """The per-rank table: one row per pipeline rank; sizes in GiB."""
+    header = ["pp_rank", "rank", "stages", "layers", "params", "grads", "optim", "working", "activ", "other",
+              "peak", "at", "fits"]
+    lines = []
+    for row in rows:
+        e = row.estimate
+        fits = "yes" if e.peak <= gpu_memory_gib * GIB else "NO"
+        lines.append([
+            str(row.pp_rank), str(row.rank), ",".join(str(s.stage) for s in row.stages),
+            ",".join(str(s.layers) for s in row.stages), _gib(e.params), _gib(e.grads), _gib(e.optimizer),
+            _gib(e.at_peak.working), _gib(e.at_peak.activations), _gib(e.at_peak.other), _gib(e.peak), e.phase, fits,
+        ])
+    widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(header)]
+    out = ["  ".join(h.rjust(w) for h, w in zip(header, widths))]
+    out += ["  ".join(v.rjust(w) for v, w in zip(line, widths)) for line in lines]
+    worst = max(rows, key=lambda r: r.estimate.peak)
+    verdict = "fits" if worst.estimate.peak <= gpu_memory_gib * GIB else "does NOT fit"
+    out.append(
+        f"largest peak: {worst.estimate.peak / GIB:.2f} GiB on pp_rank {worst.pp_rank} ({worst.estimate.phase}); "
+        f"{verdict} in {gpu_memory_gib:g} GiB per GPU"
+    )
+    return "\n".join(out)
+
+
+def describe_layout(cfg, dims) -> str:
+    """One line: precision, AC, batch, pipeline."""
+    from engine.config import grad_accumulation_steps, pp_microbatches
+
+    t, ac = cfg.training, cfg.activation_checkpoint
+    pr = precision_for(t.mixed_precision_param, dims.data_parallel)
+    ac_text = ac.mode if ac.mode != "selective" else f"selective ({ac.selective_option})"
+    text = (f"compute {pr.name}; activation checkpointing {ac_text}; seq_len {t.seq_len}, local batch "
+            f"{t.local_batch_size}, grad accumulation {grad_accumulation_steps(cfg, dims.dp)}")
+    if dims.pp > 1:
+        text += f"; pipeline {cfg.parallelism.pp_schedule}, {pp_microbatches(cfg, dims)} microbatches"
+    return text
+
+
+# --------------------------------------------------------------------------------------------------------
+# Validation of a layout without the data files
+# --------------------------------------------------------------------------------------------------------
+
+
+def copy_config(cfg):
+    """A copy of a Config whose sections can be changed without touching ``cfg`` (cheaper than deepcopy)."""
+    sections = {f.name: dataclasses.replace(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
+    copied = type(cfg)(**sections)
+    copied.parallelism.pp_layers_per_stage = list(cfg.parallelism.pp_layers_per_stage)
+    return copied
+
+
+def validate_layout(cfg, world_size: int):
+    """``engine.config.validate`` on a copy without the tokenizer and data paths (which a layout does not
+    depend on, and which a planning machine may lack); returns the ParallelDims. Raises ConfigError."""
+    from engine.config import validate
+    from parallelize.mesh import ParallelDims
+
+    probe = copy_config(cfg)
+    probe.model.hf_assets_path = ""
+    probe.data.tokenizer = ""
+    probe.data.path = ""
+    validate(probe, world_size)
+    return ParallelDims.from_config(cfg.parallelism, world_size)
+
+
+def model_shape(cfg) -> ModelShape:
+    """The shape of ``cfg``'s model; the vocabulary from model.vocab_size or the flavor (4,096, the built-in
+    tokenizer's size, for a flavor without one)."""
+    from models import get_model_spec
+
+    if cfg.model.name != "llama3":
+        raise ValueError(f"model.name: the memory estimate knows the llama3 family only, not {cfg.model.name!r}")
+    args = get_model_spec(cfg.model.name).flavors[cfg.model.flavor]
+    vocab = cfg.model.vocab_size if cfg.model.vocab_size != -1 else args.vocab_size
+    if vocab == -1:
+        vocab = 4096
+    return ModelShape.from_args(args.update_from_config(cfg.model, vocab, cfg.training.seq_len))
+
+
+def gpu_memory_from_env() -> float:
+    value = os.environ.get("GPU_MEMORY_GIB", str(DEFAULT_GPU_MEMORY_GIB))
+    try:
+        gib = float(value)
+    except ValueError:
+        gib = -1.0
+    if not gib > 0:
+        raise ValueError(f"GPU_MEMORY_GIB: expected a positive number of GiB, got {value!r}")
+    return gib
+
+
+# --------------------------------------------------------------------------------------------------------
+# Command line
+# --------------------------------------------------------------------------------------------------------
+
+USAGE = """usage: python -m engine.tools.memory --config FILE [--ngpu W] [--gpu-memory-gib G] [--section.key value ...]
+
+Estimates each pipeline rank's peak GPU memory for the layout of FILE on W GPUs (default 1) without
+building anything; G is the memory of one GPU (default 80, or env GPU_MEMORY_GIB)."""
+
+
+def _take(argv: list[str], flag: str) -> Optional[str]:
+    """Remove ``flag VALUE`` or ``flag=VALUE`` from argv; returns VALUE (None when absent)."""
+    for i, arg in enumerate(argv):
+        if arg == flag:
+            if i + 1 >= len(argv):
+                raise ValueError(f"{flag}: expects a value")
+            value = argv[i + 1]
+            del argv[i:i + 2]
+            return value
+        if arg.startswith(flag + "="):
+            del argv[i]
+            return arg.split("=", 1)[1]
+    return None
+
+
+def _positive_number(flag: str, value: Optional[str], default: float, kind=float):
+    if value is None:
+        return default
+    try:
+        number = kind(value)
+    except ValueError:
+        number = -1
+    if not number > 0:
+        raise ValueError(f"{flag}: expected a positive {'integer' if kind is int else 'number'}, got {value!r}")
+    return number
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--help" in argv or "-h" in argv:
+        print(USAGE)
+        return 0
+    try:
+        from engine.config import parse_args
+
+        world = _positive_number("--ngpu", _take(argv, "--ngpu"), 1, int)
+        gpu_gib = _positive_number("--gpu-memory-gib", _take(argv, "--gpu-memory-gib"), gpu_memory_from_env())
+        cfg = parse_args(argv)
+        dims = validate_layout(cfg, world)
+        shape = model_shape(cfg)
+        rows = analytic_rows(cfg, dims, shape)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
+    print(f"memory estimate: {cfg.model.name}/{cfg.model.flavor} on {world} GPU(s), layout {dims.describe()}")
+    print(describe_layout(cfg, dims))
+    print(format_table(rows, gpu_gib))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

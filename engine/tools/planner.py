@@ -1,0 +1,449 @@
+"""Layout planner: which parallel layout to train a model with on a given number of GPUs.
+
+    python -m engine.tools.planner --model llama3 --flavor 70B --gpus 256 --gpu-memory-gib 80 \\
+        --seq-len 8192 --global-batch 256 [--gpus-per-node 8] [--out best.toml] [--top 15]
+
+Enumerates layouts: degrees (dp_replicate, dp_shard, cp, tp, pp), activation checkpointing (none, selective
+op, full), the local batch (and so gradient accumulation) and, with pp > 1, the pipeline schedule (1F1B or
+Interleaved1F1B with 2 stages per rank) and its microbatches. Each candidate is a full Config (the model's
+train_configs TOML with the layout's fields overridden); it is dropped when ``engine.config.validate`` rejects
+it (engine.tools.memory.validate_layout: every launch rule, without the tokenizer/data files) or when the
+largest per-rank peak of engine/tools/memory.py exceeds the usable memory (``--gpu-memory-gib`` minus
+``--memory-margin``, default 10%, left to the allocator's fragmentation, the CUDA context and NCCL). The rest
+are ranked by the step time of this cost model (per GPU, per optimizer step):
+
+    compute   = FLOPs per token x tokens per step / GPUs x (1 + recompute) / (peak FLOP/s x MFU)
+                FLOPs per token: the model spec's count (6 N + 12 L H D S, as the metrics' MFU); recompute:
+                full AC 1/3 (the forward again), selective op 0.07 (the anchor's measured no-AC/op-AC ratio);
+                MFU: --mfu (default 0.40: 43.5% was measured for 8B_L8 bf16 eager with op AC on one H100, see
+                ../shared/bench/anchor; multi-GPU runs rarely do better); peak: --peak-tflops (989, H100 bf16)
+    bubble    = compute x (pp - 1) / (microbatches x stages per rank)      pipeline fill and drain
+    tp        = per block and pass, 4 all-gathers/reduce-scatters of the T x d activations forward and 4 in
+                backward (and the forward's 4 again with full AC): (tp - 1) / tp x T d x 2 bytes each; on the
+                critical path
+    cp        = per block and pass, the k/v all-gather forward, again in backward plus the fp32 dk/dv
+                reduce-scatter (and the forward's again with full AC): (cp - 1) x T x 2 hkv / tp x (2 + 2 + 4)
+                bytes; on the critical path
+    pp p2p    = per microbatch and local stage, the activation forward and its gradient back: 2 x T d / tp x 2
+    fsdp      = per pass, the bf16 all-gather of the stage's parameters forward and backward and the fp32
+                reduce-scatter of their gradients (once per step under PP, which accumulates unsharded):
+                (n - 1) / n x params after TP x (2 + 2 + 4) bytes, n = dp_shard x cp
+    replicate = HSDP/DDP: all-reduce of the gradient shards over dp_replicate: 2 (r - 1) / r x 4 bytes each
+    step      = compute + bubble + tp + cp + pp p2p + max(0, fsdp + replicate - overlap x compute)
+FSDP and replicate traffic is prefetched and overlaps the compute (``--dp-overlap``, default 0.8 of it);
+TP, CP and PP transfers are waited on. Each transfer takes volume / bandwidth, where the bandwidth is
+``--intra-node-gbps`` (default 450 GB/s, NVLink on H100) when the dimension's group lies within one node and
+``--inter-node-gbps`` (default 50 GB/s per GPU, 400 Gb/s InfiniBand) when it does not. The mesh order
+decides: tp is innermost (stride 1), then cp, dp_shard, dp_replicate, and pp outermost; a group of size k and
+stride s fits in a node when s x k <= --gpus-per-node. tokens/s/GPU = global batch x seq_len / step / GPUs.
+
+The best layout is written as a TOML (``--out``) that ``./run_train.sh --config`` takes: the base TOML
+(``--config``, default the train_configs file of the model and flavor) with the chosen fields set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+from engine.tools import memory
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+AC_MODES = (("none", "op"), ("selective", "op"), ("full", "op"))
+RECOMPUTE = {"none": 0.0, "selective": 0.07, "full": 1.0 / 3.0}
+SCHEDULES = ("1F1B", "Interleaved1F1B")
+
+
+@dataclass
+class CostModel:
+    """The stated constants of the cost model (see the module docstring)."""
+
+    peak_tflops: float = 989.0
+    mfu: float = 0.40
+    intra_node_gbps: float = 450.0
+    inter_node_gbps: float = 50.0
+    gpus_per_node: int = 8
+    dp_overlap: float = 0.8
+
+
+@dataclass
+class Candidate:
+    """One layout with its memory and cost."""
+
+    cfg: object
+    dims: object
+    peak_gib: float
+    step_s: float
+    tokens_per_s_per_gpu: float
+    costs: dict[str, float] = field(default_factory=dict)
+    """Seconds per step by part: compute, bubble, tp, cp, pp, dp (exposed); and "dp traffic" (all of it)."""
+    links: dict[str, str] = field(default_factory=dict)
+    """For each communicating dimension: NVLink (in a node) or network."""
+
+    @property
+    def reason(self) -> str:
+        """The step's largest costs besides compute, in words."""
+        parts = [f"compute {self.costs['compute']:.2f}s"]
+        for name in ("bubble", "tp", "cp", "pp"):
+            seconds = self.costs.get(name, 0.0)
+            if seconds >= 0.005 * self.step_s:
+                link = f" {self.links[name]}" if name in self.links else ""
+                parts.append(f"{name} {seconds:.2f}s{link}")
+        traffic = self.costs.get("dp traffic", 0.0)
+        if traffic >= 0.005 * self.step_s:
+            parts.append(f"dp {traffic:.2f}s {self.links['dp']} ({self.costs['dp']:.2f}s exposed)")
+        return ", ".join(parts)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Enumeration
+# --------------------------------------------------------------------------------------------------------
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def base_config_path(model: str, flavor: str) -> Optional[str]:
+    """The train_configs TOML whose [model] name and flavor match, if any."""
+    from engine.config import parse_args
+
+    for path in sorted(glob.glob(os.path.join(ROOT, "train_configs", "*.toml"))):
+        cfg = parse_args(["--config", path])
+        if cfg.model.name == model and cfg.model.flavor == flavor:
+            return path
+    return None
+
+
+def layouts(gpus: int, shape: memory.ModelShape, seq_len: int, gpus_per_node: int):
+    """Degrees (dp_replicate, dp_shard, cp, tp, pp) worth trying: tp within a node and dividing the KV heads,
+    cp and pp powers of two (pp at most half the layers), every dp_replicate that divides what is left."""
+    for tp in divisors(gpus):
+        if tp > gpus_per_node or shape.n_kv_heads % tp:
+            continue
+        for cp in (1, 2, 4, 8, 16):
+            if gpus % (tp * cp) or seq_len % (2 * cp * tp if cp > 1 else tp):
+                continue
+            for pp in (1, 2, 4, 8, 16, 32, 64):
+                if gpus % (tp * cp * pp) or pp > max(1, shape.n_layers // 2):
+                    continue
+                rest = gpus // (tp * cp * pp)
+                for dp_replicate in divisors(rest):
+                    yield dp_replicate, rest // dp_replicate, cp, tp, pp
+
+
+def batch_options(per_dp: int, pp: int) -> list[tuple[int, int, str]]:
+    """(local_batch_size, pipeline microbatches, schedule) for ``per_dp`` samples per data-parallel rank and
+    step: without PP a local batch of 1 to 8 samples (the rest by gradient accumulation); with PP a local
+    batch of up to 64 split into pp, 2 pp, 4 pp or 8 pp microbatches of at most 4 samples."""
+    options = []
+    for lbs in divisors(per_dp):
+        if pp == 1:
+            if lbs <= 8:
+                options.append((lbs, 1, ""))
+            continue
+        if lbs > 64:
+            continue
+        for m in (pp, 2 * pp, 4 * pp, 8 * pp):
+            if lbs % m or lbs // m > 4:
+                continue
+            options.extend((lbs, m, schedule) for schedule in SCHEDULES)
+    return options
+
+
+def candidate_config(base, dp_replicate, dp_shard, cp, tp, pp, lbs, micro, schedule, ac, seq_len, global_batch):
+    cfg = memory.copy_config(base)
+    p = cfg.parallelism
+    p.dp_replicate, p.dp_shard, p.cp, p.tp, p.pp = dp_replicate, dp_shard, cp, tp, pp
+    if pp > 1:
+        p.pp_schedule, p.pp_microbatches = schedule, micro
+        p.pp_virtual_stages = 2
+        p.pp_layers_per_stage = []
+    cfg.training.seq_len = seq_len
+    cfg.training.local_batch_size = lbs
+    cfg.training.global_batch_size = global_batch
+    cfg.activation_checkpoint.mode, cfg.activation_checkpoint.selective_option = ac
+    return cfg
+
+
+# --------------------------------------------------------------------------------------------------------
+# Cost
+# --------------------------------------------------------------------------------------------------------
+
+
+def _in_node(stride: int, size: int, gpus_per_node: int) -> bool:
+    return stride * size <= gpus_per_node
+
+
+def step_cost(cfg, dims, shape: memory.ModelShape, flops_per_token: float, rows: list[memory.RankRow],
+              model: CostModel) -> tuple[dict[str, float], dict[str, str]]:
+    """Seconds per optimizer step by part (see the module docstring), for the busiest pipeline rank."""
+    from engine.config import grad_accumulation_steps, pp_microbatches
+
+    t = cfg.training
+    gpus = dims.world_size
+    tokens_step = t.global_batch_size * t.seq_len
+    ga = grad_accumulation_steps(cfg, dims.dp)
+    micro = pp_microbatches(cfg, dims) if dims.pp > 1 else 1
+    local_stages = len(rows[0].stages)
+    T = t.local_batch_size // micro * t.seq_len // dims.cp  # tokens of one microbatch on a rank
+    passes = ga * micro  # forward/backward passes per step
+    layers = max(sum(s.layers for s in row.stages) for row in rows)
+    ac = cfg.activation_checkpoint.mode
+    G = model.gpus_per_node
+
+    def bandwidth(stride: int, size: int) -> tuple[float, str]:
+        if _in_node(stride, size, G):
+            return model.intra_node_gbps * 1e9, "NVLink"
+        return model.inter_node_gbps * 1e9, "network"
+
+    costs: dict[str, float] = {}
+    links: dict[str, str] = {}
+    compute = flops_per_token * tokens_step / gpus * (1 + RECOMPUTE[ac]) / (model.peak_tflops * 1e12 * model.mfu)
+    costs["compute"] = compute
+    costs["bubble"] = compute * (dims.pp - 1) / (micro * local_stages) if dims.pp > 1 else 0.0
+
+    tp, cp = dims.tp, dims.cp
+    if tp > 1:
+        ops = 8 + (4 if ac == "full" else 0)
+        volume = ops * (tp - 1) / tp * T * shape.dim * 2 * layers * passes
+        bw, links["tp"] = bandwidth(1, tp)
+        costs["tp"] = volume / bw
+    if cp > 1:
+        per_layer = (cp - 1) * T * 2 * shape.hkv / tp * (2 + 2 + 4 + (2 if ac == "full" else 0))
+        bw, links["cp"] = bandwidth(tp, cp)
+        costs["cp"] = per_layer * layers * passes / bw
+    if dims.pp > 1:
+        volume = 2 * T * shape.dim / tp * 2 * micro * local_stages * ga
+        bw, links["pp"] = bandwidth(tp * cp * dims.dp_shard * dims.dp_replicate, dims.pp)
+        costs["pp"] = volume / bw
+    held = max((sum((s.total for s in row.stages), memory.PartSizes()) for row in rows), key=lambda p: p.tp)
+    dp_time = 0.0
+    n = dims.dp_shard * cp
+    if n > 1:
+        reduces = ga if dims.pp == 1 else 1
+        volume = (n - 1) / n * held.tp * (4 * passes + 4 * reduces)
+        bw, links["dp"] = bandwidth(tp, n)
+        dp_time += volume / bw
+    r = dims.dp_replicate
+    if r > 1:
+        reduces = ga if dims.pp == 1 else 1
+        volume = 2 * (r - 1) / r * held.local * 4 * reduces
+        bw, link = bandwidth(tp * n, r)
+        links["dp"] = link if links.get("dp", "NVLink") == "NVLink" else links["dp"]
+        dp_time += volume / bw
+    costs["dp"] = max(0.0, dp_time - model.dp_overlap * compute)
+    costs["dp traffic"] = dp_time  # not part of the step: only its exposed share ("dp") is
+    return costs, links
+
+
+def step_time(costs: dict[str, float]) -> float:
+    """Seconds per step: compute, bubble, tp, cp, pp and the exposed data-parallel traffic."""
+    return sum(v for k, v in costs.items() if k != "dp traffic")
+
+
+# --------------------------------------------------------------------------------------------------------
+# The search
+# --------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Plan:
+    candidates: list[Candidate]
+    """Layouts that validate and fit, best first."""
+    rejected_by_validation: int
+    rejected_by_memory: int
+    examined: int
+
+
+def plan(base, gpus: int, seq_len: int, global_batch: int, gpu_memory_gib: float, memory_margin: float,
+         model: CostModel) -> Plan:
+    """Every layout of ``base``'s model on ``gpus`` GPUs that validates and fits, ranked by step time."""
+    from engine.config import ConfigError
+    from models import get_model_spec
+
+    probe = memory.copy_config(base)
+    probe.training.seq_len = seq_len
+    shape = memory.model_shape(probe)
+    spec = get_model_spec(base.model.name)
+    args = spec.flavors[base.model.flavor].update_from_config(base.model, shape.vocab_size, seq_len)
+    flops_per_token = spec.flops_per_token(args, seq_len)
+    usable = gpu_memory_gib * (1 - memory_margin) * memory.GIB
+
+    candidates, by_validation, by_memory, examined = [], 0, 0, 0
+    for dp_replicate, dp_shard, cp, tp, pp in layouts(gpus, shape, seq_len, model.gpus_per_node):
+        dp = dp_replicate * dp_shard
+        if global_batch % dp:
+            by_validation += 1  # validation would refuse the global batch; no need to build it
+            examined += 1
+            continue
+        for lbs, micro, schedule in batch_options(global_batch // dp, pp):
+            for ac in AC_MODES:
+                examined += 1
+                cfg = candidate_config(base, dp_replicate, dp_shard, cp, tp, pp, lbs, micro, schedule, ac,
+                                       seq_len, global_batch)
+                try:
+                    dims = memory.validate_layout(cfg, gpus)
+                except ConfigError:
+                    by_validation += 1
+                    continue
+                rows = memory.analytic_rows(cfg, dims, shape)
+                peak = max(row.estimate.peak for row in rows)
+                if peak > usable:
+                    by_memory += 1
+                    continue
+                costs, links = step_cost(cfg, dims, shape, flops_per_token, rows, model)
+                step = step_time(costs)
+                candidates.append(Candidate(cfg, dims, peak / memory.GIB, step,
+                                            global_batch * seq_len / step / gpus, costs, links))
+    candidates.sort(key=lambda c: (c.step_s, c.peak_gib))
+    return Plan(candidates, by_validation, by_memory, examined)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Output
+# --------------------------------------------------------------------------------------------------------
+
+
+def _ac_text(cfg) -> str:
+    ac = cfg.activation_checkpoint
+    return "op" if ac.mode == "selective" else ac.mode
+
+
+def format_plan(result: Plan, top: int) -> str:
+    header = ["#", "dp_rep", "dp_shard", "cp", "tp", "pp", "schedule", "micro", "lbs", "accum", "AC", "mem GiB",
+              "step s", "tok/s/GPU", "reason"]
+    from engine.config import grad_accumulation_steps
+
+    lines = []
+    for i, c in enumerate(result.candidates[:top], 1):
+        d, p = c.dims, c.cfg.parallelism
+        lines.append([
+            str(i), str(d.dp_replicate), str(d.dp_shard), str(d.cp), str(d.tp), str(d.pp),
+            p.pp_schedule if d.pp > 1 else "-", str(p.pp_microbatches) if d.pp > 1 else "-",
+            str(c.cfg.training.local_batch_size), str(grad_accumulation_steps(c.cfg, d.dp)), _ac_text(c.cfg),
+            f"{c.peak_gib:.1f}", f"{c.step_s:.2f}", f"{c.tokens_per_s_per_gpu:,.0f}", c.reason,
+        ])
+    if not lines:
+        return "no layout fits: add GPUs, shorten seq_len or lower the global batch"
+    widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(header)]
+    out = ["  ".join(h.rjust(w) if i < len(header) - 1 else h for i, (h, w) in enumerate(zip(header, widths)))]
+    for line in lines:
+        out.append("  ".join(v.rjust(w) if i < len(line) - 1 else v for i, (v, w) in enumerate(zip(line, widths))))
+    return "\n".join(out)
+
+
+def write_toml(best: Candidate, base_path: Optional[str], path: str, summary: str) -> None:
+    """The base TOML with the chosen layout's fields set; run_train.sh takes it as --config."""
+    import tomli_w
+
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pragma: no cover - Python 3.10
+        import tomli as tomllib
+
+    data: dict = {}
+    if base_path:
+        with open(base_path, "rb") as f:
+            data = tomllib.load(f)
+    cfg = best.cfg
+    p, t, ac = cfg.parallelism, cfg.training, cfg.activation_checkpoint
+    data.setdefault("model", {}).update(name=cfg.model.name, flavor=cfg.model.flavor)
+    par = data.setdefault("parallelism", {})
+    par.update(dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, cp=p.cp, tp=p.tp, pp=p.pp)
+    if p.pp > 1:
+        par.update(pp_schedule=p.pp_schedule, pp_microbatches=p.pp_microbatches,
+                   pp_virtual_stages=p.pp_virtual_stages)
+    data.setdefault("training", {}).update(seq_len=t.seq_len, local_batch_size=t.local_batch_size,
+                                           global_batch_size=t.global_batch_size)
+    data["activation_checkpoint"] = {"mode": ac.mode, "selective_option": ac.selective_option}
+    header = "".join(f"# {line}\n" for line in summary.splitlines())
+    with open(path, "w") as f:
+        f.write(header + tomli_w.dumps(data))
+
+
+# --------------------------------------------------------------------------------------------------------
+# Command line
+# --------------------------------------------------------------------------------------------------------
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m engine.tools.planner", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="llama3", help="model.name (default llama3)")
+    p.add_argument("--flavor", required=True, help="model.flavor, e.g. 8B, 70B, 405B")
+    p.add_argument("--gpus", type=int, required=True, help="GPUs in the job")
+    p.add_argument("--gpu-memory-gib", type=float, default=80.0, help="memory of one GPU (default 80)")
+    p.add_argument("--memory-margin", type=float, default=0.10,
+                   help="fraction of the GPU memory kept free (fragmentation, CUDA context, NCCL; default 0.10)")
+    p.add_argument("--seq-len", type=int, required=True, help="training.seq_len")
+    p.add_argument("--global-batch", type=int, required=True, help="training.global_batch_size (samples)")
+    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--mfu", type=float, default=0.40, help="model FLOPs utilization of the compute (default 0.40)")
+    p.add_argument("--peak-tflops", type=float, default=989.0, help="peak bf16 TFLOP/s of one GPU (H100: 989)")
+    p.add_argument("--intra-node-gbps", type=float, default=450.0, help="GB/s per GPU within a node (NVLink)")
+    p.add_argument("--inter-node-gbps", type=float, default=50.0, help="GB/s per GPU between nodes")
+    p.add_argument("--dp-overlap", type=float, default=0.8,
+                   help="fraction of the compute time that hides FSDP/HSDP/DDP traffic (default 0.8)")
+    p.add_argument("--config", default="", help="base TOML (default: the train_configs file of the model/flavor)")
+    p.add_argument("--top", type=int, default=15, help="rows of the table (default 15)")
+    p.add_argument("--out", default="", help="write the best layout as a TOML here")
+    return p
+
+
+def _check_args(a) -> None:
+    from engine.config import ConfigError
+
+    for name in ("gpus", "seq_len", "global_batch", "gpus_per_node", "top"):
+        if getattr(a, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(a, name)}")
+    for name in ("gpu_memory_gib", "mfu", "peak_tflops", "intra_node_gbps", "inter_node_gbps"):
+        if not getattr(a, name) > 0:
+            raise ConfigError(f"--{name.replace('_', '-')}: must be > 0, got {getattr(a, name)}")
+    if not 0 <= a.memory_margin < 1 or not 0 <= a.dp_overlap <= 1 or a.mfu > 1:
+        raise ConfigError("--memory-margin must be in [0, 1), --dp-overlap in [0, 1] and --mfu in (0, 1]")
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    a = _parser().parse_args(argv)
+    start = time.perf_counter()
+    try:
+        from engine.config import ConfigError, parse_args
+
+        _check_args(a)
+        base_path = a.config or base_config_path(a.model, a.flavor)
+        base = parse_args(["--config", base_path] if base_path else [])
+        base.model.name, base.model.flavor = a.model, a.flavor
+        memory.validate_layout(candidate_config(base, 1, 1, 1, 1, 1, 1, 1, "", ("none", "op"), a.seq_len, -1), 1)
+        model = CostModel(a.peak_tflops, a.mfu, a.intra_node_gbps, a.inter_node_gbps, a.gpus_per_node, a.dp_overlap)
+        result = plan(base, a.gpus, a.seq_len, a.global_batch, a.gpu_memory_gib, a.memory_margin, model)
+    except (ConfigError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
+    print(f"planner: {a.model}/{a.flavor} on {a.gpus} GPUs ({a.gpus_per_node} per node, {a.gpu_memory_gib:g} GiB "
+          f"each, {a.memory_margin:.0%} kept free), seq_len {a.seq_len}, global batch {a.global_batch} samples")
+    print(f"cost model: MFU {a.mfu:.2f} of {a.peak_tflops:g} TFLOP/s; {a.intra_node_gbps:g} GB/s in a node, "
+          f"{a.inter_node_gbps:g} GB/s between nodes; data-parallel traffic hidden behind {a.dp_overlap:.0%} of "
+          f"the compute")
+    print(f"examined {result.examined} candidates: {result.rejected_by_validation} rejected by validation, "
+          f"{result.rejected_by_memory} do not fit, {len(result.candidates)} ranked "
+          f"({time.perf_counter() - start:.1f} s)")
+    print(format_plan(result, a.top))
+    if result.candidates and a.out:
+        best = result.candidates[0]
+        summary = (f"Planned by engine.tools.planner for {a.gpus} GPUs ({a.gpus_per_node} per node, "
+                   f"{a.gpu_memory_gib:g} GiB): {best.dims.describe()}, AC {_ac_text(best.cfg)}; estimated peak "
+                   f"{best.peak_gib:.1f} GiB,\nstep {best.step_s:.2f} s, {best.tokens_per_s_per_gpu:,.0f} tokens/s/GPU "
+                   f"({best.reason}).\nLaunch on {a.gpus} GPUs, e.g. DRY_RUN=1 NGPU={a.gpus} ./run_train.sh "
+                   f"--config {a.out} first.")
+        write_toml(best, base_path, a.out, summary)
+        print(f"best layout written to {a.out}")
+    return 0 if result.candidates else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,205 @@
+"""Dry runs at scale (fake process group, meta device) and the memory estimate they print."""
+
+import contextlib
+import dataclasses
+import os
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from engine.config import parse_args
+from engine.tools import dry_run, memory
+from models.llama3.flavors import llama3_flavors
+from models.llama3.model import Transformer, TransformerBlock, num_params, precompute_freqs_cis
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_dry(ngpu: int, *argv: str) -> tuple[subprocess.CompletedProcess, float]:
+    env = dict(os.environ, DRY_RUN="1", NGPU=str(ngpu), PYTHON=sys.executable)
+    start = time.perf_counter()
+    proc = subprocess.run(["./run_train.sh", *argv], cwd=ROOT, env=env, capture_output=True, text=True)
+    return proc, time.perf_counter() - start
+
+
+def table_rows(out: str) -> list[list[str]]:
+    """The rows of the per-rank table (lines starting with a pp rank number)."""
+    lines = out.split("pp_rank", 1)[1].splitlines()[1:]
+    return [line.split() for line in lines if re.match(r"\s*\d+\s+\d+\s", line)]
+
+
+def test_dry_run_405b_on_16384_ranks_under_a_minute():
+    """The shipped config as it is, on a machine without its tokenizer folder (noted, not fatal)."""
+    proc, seconds = run_dry(16384, "--config", "train_configs/llama3_405b.toml")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    assert "note: model.hf_assets_path './assets/hf/Llama-3.1-405B' not found" in out
+    assert "mesh: pp 8 x dp_replicate 1 x dp_shard 256 x cp 1 x tp 8 = 16384 ranks" in out
+    assert "views: dp 256, dp_shard_cp 256, dp_cp 256, tp 8, cp 1, pp 8; FSDP mesh: dp_shard 256" in out
+    rows = table_rows(out)
+    assert [int(r[0]) for r in rows] == list(range(8))
+    assert [int(r[1]) for r in rows] == [2048 * i for i in range(8)]  # one rank per pipeline stage
+    assert [r[3] for r in rows] == ["15"] + ["16"] * 6 + ["15"]  # 126 layers, lighter first and last stages
+    assert "warning" not in out  # built shard sizes == the formula's
+    assert all(r[-1] == "yes" for r in rows)  # the shipped layout fits 80 GiB
+    assert seconds < 60, f"dry run took {seconds:.1f} s"
+
+
+@pytest.mark.parametrize("ngpu, config, argv, layout", [
+    (8, "llama3_8b.toml", [], "pp 1 x dp_replicate 1 x dp_shard 8 x cp 1 x tp 1"),
+    (256, "llama3_70b.toml", ["--parallelism.tp", "8", "--parallelism.pp", "4", "--parallelism.cp", "2",
+                              "--training.local_batch_size", "8", "--parallelism.pp_schedule", "Interleaved1F1B",
+                              "--activation_checkpoint.mode", "selective"],
+     "pp 4 x dp_replicate 1 x dp_shard 4 x cp 2 x tp 8"),
+])
+def test_dry_run_prints_mesh_and_table(ngpu, config, argv, layout):
+    proc, seconds = run_dry(ngpu, "--config", f"train_configs/{config}", "--model.hf_assets_path=", *argv)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    assert f"mesh: {layout} = {ngpu} ranks" in out
+    rows = table_rows(out)
+    pp = int(layout.split()[1])
+    assert len(rows) == pp
+    assert "largest peak:" in out and "warning" not in out
+    if pp == 4:  # Interleaved1F1B: two stages per rank, r and r + 4
+        assert [r[2] for r in rows] == ["0,4", "1,5", "2,6", "3,7"]
+    assert seconds < 60
+
+
+def test_dry_run_user_error_is_one_line(monkeypatch, capsys):
+    monkeypatch.setenv("WORLD_SIZE", "16384")
+    rc = dry_run.main(["--config", "train_configs/llama3_405b.toml", "--model.hf_assets_path=",
+                       "--parallelism.tp", "3"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and err[0].startswith("error: parallelism."), err
+
+
+def test_dry_run_refuses_what_a_launch_refuses(monkeypatch, capsys):
+    """The shipped config names a tokenizer folder that is not here: a real launch stops there, so does this."""
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    rc = dry_run.main(["--config", "train_configs/llama3_8b.toml"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "model.hf_assets_path" in err[0], err
+
+
+# --------------------------------------------------------------------------------------------------------
+# The memory model
+# --------------------------------------------------------------------------------------------------------
+
+
+def test_stage_params_count_the_model():
+    """One stage without TP/FSDP holds every parameter; the measured sizes of a real (meta) model agree."""
+    args = dataclasses.replace(llama3_flavors["8B_L2"])
+    shape = memory.ModelShape.from_args(args)
+    stage = memory.stage_params(shape, 0, 1, args.n_layers, tp=1, fsdp_shard=1)
+    assert stage.total.local == stage.total.tp == num_params(args)
+    with torch.device("meta"):
+        model = Transformer(args)
+    assert dry_run.measure_stage(model, 0) == stage
+    # TP 8 and FSDP 16: wq keeps 4096 / 8 = 512 rows, of which a rank stores 32.
+    sharded = memory.stage_params(shape, 0, 1, args.n_layers, tp=8, fsdp_shard=16)
+    assert sharded.block.tp * 8 == stage.block.tp + 7 * 2 * 4096  # the two norms are replicated over TP
+    assert sharded.block.local == sum(-(-rows // 16) * cols for rows, cols, _ in memory.block_tensors(shape, 8))
+
+
+def _saved_activation_bytes(block, x, freqs, ctx) -> int:
+    """Bytes of the distinct tensors autograd saves in a block's forward, weights (and their casts) excluded."""
+    param_shapes = {tuple(p.shape) for p in block.parameters()} | {tuple(p.shape)[::-1] for p in block.parameters()}
+    storages = {}
+
+    def pack(t):
+        if t.dtype != torch.complex64 and tuple(t.shape) not in param_shapes:  # RoPE table, weight copies
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), ctx():
+        block(x, freqs)
+    return sum(storages.values())
+
+
+@pytest.mark.parametrize("precision", ["float32", "bfloat16"])
+def test_block_activation_formula_matches_autograd(precision):
+    """The 'none' formula against the tensors autograd really keeps: fp32, and bf16 autocast (on CPU)."""
+    args = dataclasses.replace(llama3_flavors["debugmodel"], vocab_size=512, n_heads=8, n_kv_heads=2)
+    block = TransformerBlock(0, args)
+    B, S = 3, 32  # T = 96 tokens: no activation has a weight's shape
+    x = torch.randn(B, S, args.dim, requires_grad=True)
+    freqs = precompute_freqs_cis(args.head_dim, S, args.rope_theta)
+    ctx = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if precision == "bfloat16" else contextlib.nullcontext
+    measured = _saved_activation_bytes(block, x, freqs, ctx)
+    shape = memory.ModelShape.from_args(args)
+    lay = memory.RankLayout(S, B, 1, 1, 1, 1, 0, "", 1, 1, False, "default", False, False, "none", "op",
+                            memory.precision_for(precision, data_parallel=False))
+    formula = memory.block_bytes_per_token(shape, lay, "none") * B * S
+    # On CPU RMSNorm is the composite op, which also keeps its normalized fp32 output (CUDA's fused kernel
+    # keeps the input and rstd only, as the formula says).
+    cpu_norms = 2 * args.dim * 4 * B * S
+    assert measured == formula + cpu_norms
+
+
+def test_selective_op_formula_matches_the_policy():
+    """'op' keeps the block input and the outputs of the ops the policy saves (parallelize/checkpointing.py)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from parallelize.checkpointing import _save_list
+
+    save = _save_list()
+
+    class Record(TorchDispatchMode):
+        bytes = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func in save:
+                first = out[0] if isinstance(out, (tuple, list)) else out
+                Record.bytes += first.numel() * first.element_size()
+                if func is not torch.ops.aten.mm.default:  # attention: the log-sum-exp too
+                    Record.bytes += out[1].numel() * out[1].element_size()
+            return out
+
+    args = dataclasses.replace(llama3_flavors["debugmodel"], vocab_size=512, n_heads=8, n_kv_heads=2)
+    block = TransformerBlock(0, args)
+    B, S = 3, 32
+    x = torch.randn(B, S, args.dim)
+    with Record():
+        block(x, precompute_freqs_cis(args.head_dim, S, args.rope_theta))
+    shape = memory.ModelShape.from_args(args)
+    lay = memory.RankLayout(S, B, 1, 1, 1, 1, 0, "", 1, 1, False, "default", False, False, "selective", "op",
+                            memory.precision_for("float32", data_parallel=False))
+    block_input = args.dim * 4 * B * S
+    assert Record.bytes + block_input == memory.block_bytes_per_token(shape, lay, "op") * B * S
+
+
+def _peak(argv, world=1):
+    cfg = parse_args(["--config", "train_configs/llama3_8b.toml", "--model.hf_assets_path=", *argv])
+    dims = memory.validate_layout(cfg, world)
+    return memory.analytic_rows(cfg, dims, memory.model_shape(cfg))
+
+
+def test_estimate_follows_checkpointing_sequence_and_pipeline():
+    base = ["--model.flavor", "8B_L8", "--training.seq_len", "8192"]
+    none, op, full = (_peak(base + ["--activation_checkpoint.mode", m])[0].estimate for m in ("none", "selective", "full"))
+    assert none.peak > op.peak > full.peak
+    assert none.params == op.params == full.params  # 2.8B parameters in fp32
+    assert abs(none.params / 4 - 2_795_000_000) < 1_000_000
+    # Saved activations grow linearly with the sequence (no S x S term with flash attention).
+    short = _peak(["--model.flavor", "8B_L8", "--training.seq_len", "4096"])[0].estimate
+    assert none.moments["loss"].activations == pytest.approx(2 * short.moments["loss"].activations)
+    # 1F1B: the first stage holds pp microbatches in flight, the last one.
+    rows = _peak(["--parallelism.pp", "4", "--training.local_batch_size", "4", "--parallelism.dp_shard", "2"], 8)
+    first, last = rows[0].estimate.moments["loss"], rows[-1].estimate.moments["loss"]
+    assert first.activations > 3 * last.activations
+
+
+def test_memory_command(capsys):
+    rc = memory.main(["--config", "train_configs/llama3_8b.toml", "--model.flavor", "8B_L8",
+                      "--activation_checkpoint.mode", "full", "--gpu-memory-gib", "80"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "fits in 80 GiB" in out and len(table_rows(out)) == 1
+    rc = memory.main(["--config", "train_configs/llama3_8b.toml", "--ngpu", "6", "--parallelism.tp", "4"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and err[0].startswith("error: parallelism.dp_shard"), err

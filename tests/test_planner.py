@@ -1,0 +1,96 @@
+"""The layout planner: only layouts that validate and fit, ranked by the cost model, the best as a TOML."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from engine.config import ConfigError, parse_args
+from engine.tools import memory, planner
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BASE = os.path.join(ROOT, "train_configs", "llama3_8b.toml")
+
+
+def _plan(gpus=8, gib=80.0, margin=0.1, batch=16, seq=8192):
+    return planner.plan(parse_args(["--config", BASE]), gpus, seq, batch, gib, margin, planner.CostModel())
+
+
+def _assert_valid_and_fits(result, gpus, usable_gib):
+    assert result.candidates
+    for c in result.candidates:
+        dims = memory.validate_layout(c.cfg, gpus)  # raises if validation would refuse it
+        rows = memory.analytic_rows(c.cfg, dims, memory.model_shape(c.cfg))
+        peak = max(r.estimate.peak for r in rows) / memory.GIB
+        assert peak == pytest.approx(c.peak_gib) and peak <= usable_gib
+    steps = [c.step_s for c in result.candidates]
+    assert steps == sorted(steps)
+
+
+def test_every_proposal_validates_and_fits():
+    result = _plan()
+    _assert_valid_and_fits(result, 8, 72.0)
+    assert result.rejected_by_memory > 0  # the 8B model without checkpointing does not fit every layout
+    # A tighter GPU drops more and still proposes only what fits.
+    small = _plan(gib=40.0)
+    _assert_valid_and_fits(small, 8, 36.0)
+    assert small.rejected_by_memory > result.rejected_by_memory
+
+
+def test_validation_decides(monkeypatch):
+    """Whatever validate refuses is never proposed (here: validation made to refuse tp 2)."""
+    real = memory.validate_layout
+
+    def refuse_tp2(cfg, world_size):
+        if cfg.parallelism.tp == 2:
+            raise ConfigError("parallelism.tp: refused by this test")
+        return real(cfg, world_size)
+
+    monkeypatch.setattr(memory, "validate_layout", refuse_tp2)
+    result = _plan()
+    assert result.rejected_by_validation > 0
+    assert all(c.dims.tp != 2 for c in result.candidates)
+    assert any(c.dims.tp == 4 for c in result.candidates)
+
+
+def test_cost_model_prefers_links_in_a_node():
+    """tp over the network costs more than the same tp over NVLink."""
+    result = _plan()
+    tp8 = next(c for c in result.candidates if c.dims.tp == 8)
+    cfg, dims = tp8.cfg, tp8.dims
+    shape = memory.model_shape(cfg)
+    rows = memory.analytic_rows(cfg, dims, shape)
+    flops = 1e9
+    in_node, _ = planner.step_cost(cfg, dims, shape, flops, rows, planner.CostModel(gpus_per_node=8))
+    across, links = planner.step_cost(cfg, dims, shape, flops, rows, planner.CostModel(gpus_per_node=4))
+    assert links["tp"] == "network" and across["tp"] == pytest.approx(in_node["tp"] * 450 / 50)
+
+
+def test_cli_writes_a_toml_the_launcher_accepts(tmp_path, capsys):
+    out = tmp_path / "best.toml"
+    rc = planner.main(["--model", "llama3", "--flavor", "8B", "--gpus", "8", "--seq-len", "8192",
+                       "--global-batch", "16", "--out", str(out), "--top", "5"])
+    text = capsys.readouterr().out
+    assert rc == 0 and "ranked" in text and out.exists()
+    cfg = parse_args(["--config", str(out)])
+    best_line = text.split("reason\n", 1)[1].splitlines()[0].split()
+    dims = memory.validate_layout(cfg, 8)
+    assert [str(v) for v in (dims.dp_replicate, dims.dp_shard, dims.cp, dims.tp, dims.pp)] == best_line[1:6]
+    assert cfg.training.global_batch_size == 16 and cfg.training.seq_len == 8192
+    assert cfg.data.dataset == "allenai/c4"  # the rest comes from the model's train_configs TOML
+    # The dry run (the real build path on 8 simulated ranks) takes it and agrees that it fits.
+    env = dict(os.environ, DRY_RUN="1", NGPU="8", PYTHON=sys.executable)
+    proc = subprocess.run(["./run_train.sh", "--config", str(out), "--model.hf_assets_path="], cwd=ROOT, env=env,
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "; fits in 80 GiB per GPU" in proc.stdout
+
+
+def test_cli_errors_are_one_line(capsys):
+    rc = planner.main(["--flavor", "13B", "--gpus", "8", "--seq-len", "8192", "--global-batch", "8"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and err[0].startswith("error: model.flavor"), err
+    rc = planner.main(["--flavor", "8B", "--gpus", "0", "--seq-len", "8192", "--global-batch", "8"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "--gpus" in err[0], err

@@ -1,0 +1,118 @@
+"""sbatch scripts: rendered for 4 nodes x 8 GPUs, valid bash, and the SIGTERM -> checkpoint -> requeue path."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from engine.tools import slurm
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def render_4x8(tmp_path, *train_args):
+    out = tmp_path / "job.sbatch"
+    with open(out, "w") as f:
+        proc = subprocess.run(
+            [sys.executable, "-m", "engine.tools.slurm", "--nodes", "4", "--gpus-per-node", "8", "--config",
+             "train_configs/debug_model.toml", "--job-name", "tessera-test", "--partition", "gpu", "--time",
+             "02:00:00", "--", *train_args], cwd=ROOT, stdout=f, stderr=subprocess.PIPE, text=True)
+    assert proc.returncode == 0, proc.stderr
+    return out
+
+
+def test_render_4_nodes_x_8_gpus(tmp_path):
+    script = render_4x8(tmp_path, "--training.steps", "100")
+    text = script.read_text()
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    for line in ["#SBATCH --job-name=tessera-test", "#SBATCH --nodes=4", "#SBATCH --gpus-per-node=8",
+                 "#SBATCH --ntasks-per-node=1", "#SBATCH --partition=gpu", "#SBATCH --time=02:00:00",
+                 "#SBATCH --signal=B:TERM@120", "#SBATCH --requeue", "GPUS_PER_NODE=${GPUS_PER_NODE:-8}",
+                 'scontrol show hostnames "$SLURM_JOB_NODELIST"', "--rdzv_backend=c10d",
+                 '--rdzv_endpoint="$HEAD_NODE:$MASTER_PORT"', '--nnodes="$NNODES"',
+                 "export NCCL_DEBUG=", "export TORCH_NCCL_ASYNC_ERROR_HANDLING=", 'scontrol requeue "$SLURM_JOB_ID"',
+                 'LOG_DIR="$DUMP_FOLDER/slurm/', "trap forward_term TERM", "--training.steps 100"]:
+        assert line in text, line
+    assert text.startswith("#!/bin/bash\n")
+
+
+def test_committed_templates_are_the_renderer_output():
+    for name, spec in slurm.TEMPLATES.items():
+        path = os.path.join(ROOT, "slurm", name)
+        with open(path) as f:
+            assert f.read() == slurm.render(spec), f"{path} is stale: python -m engine.tools.slurm --write-templates"
+        assert subprocess.run(["bash", "-n", path]).returncode == 0
+
+
+STUBS = {
+    # scontrol: record the call; `show hostnames` lists four nodes.
+    "scontrol": """#!/bin/bash
+echo "scontrol $*" >> "$CALLS"
+if [ "$1 $2" = "show hostnames" ]; then printf 'node-a\\nnode-b\\nnode-c\\nnode-d\\n'; fi
+""",
+    # srun: record the arguments, then become the task (everything from the first non-option on).
+    "srun": """#!/bin/bash
+echo "srun $*" >> "$CALLS"
+while [ "${1#--}" != "$1" ]; do shift; done
+exec "$@"
+""",
+    # PYTHON: a stand-in for `-m torch.distributed.run`, the real interpreter for everything else.
+    "python-stub": """#!/bin/bash
+if [ "$1 $2" = "-m torch.distributed.run" ]; then exec "$REAL_PYTHON" "$STUB_DIR/fake_torchrun.py"; fi
+exec "$REAL_PYTHON" "$@"
+""",
+    # torchrun stand-in: starts one training process and returns its exit status; records a SIGTERM to itself.
+    "fake_torchrun.py": """import os, signal, subprocess, sys
+def told(*_):
+    open(os.environ["CALLS"], "a").write("torchrun got SIGTERM\\n")
+    sys.exit(1)
+signal.signal(signal.SIGTERM, told)
+worker = subprocess.Popen([sys.executable, os.path.join(os.environ["STUB_DIR"], "fake_worker.py")])
+sys.exit(worker.wait())
+""",
+    # training process stand-in: on SIGTERM "saves" and exits 0; otherwise it would time out with status 3.
+    "fake_worker.py": """import os, signal, sys, time
+def done(*_):
+    open(os.environ["CALLS"], "a").write("worker got SIGTERM, saved\\n")
+    sys.exit(0)
+signal.signal(signal.SIGTERM, done)
+open(os.environ["CALLS"], "a").write("worker running\\n")
+time.sleep(60)
+sys.exit(3)
+""",
+}
+
+
+def test_sigterm_is_forwarded_then_the_job_requeued(tmp_path):
+    """Run the rendered script with stub srun/scontrol and a stand-in torchrun: SIGTERM to the batch shell
+    reaches the training process (torchrun's child), which exits 0 as after its checkpoint; torchrun itself is
+    not signalled and exits 0; the job is requeued."""
+    stub_dir = tmp_path / "bin"
+    stub_dir.mkdir()
+    for name, text in STUBS.items():
+        (stub_dir / name).write_text(text)
+        os.chmod(stub_dir / name, 0o755)
+    calls = tmp_path / "calls.txt"
+    script = render_4x8(tmp_path)
+    env = dict(os.environ, PATH=f"{stub_dir}:{os.environ['PATH']}", CALLS=str(calls), STUB_DIR=str(stub_dir),
+               REAL_PYTHON=sys.executable, PYTHON=str(stub_dir / "python-stub"), SLURM_JOB_ID="4242",
+               SLURM_NNODES="4", SLURM_JOB_NODELIST="node-[a-d]", SLURM_SUBMIT_DIR=ROOT,
+               DUMP_FOLDER=str(tmp_path / "run"), VIRTUAL_ENV="set")
+    proc = subprocess.Popen(["bash", str(script)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    deadline = time.time() + 90
+    while time.time() < deadline and proc.poll() is None and not (calls.exists() and "worker running" in calls.read_text()):
+        time.sleep(0.2)
+    assert calls.exists() and "worker running" in calls.read_text(), proc.communicate()[0]
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, out
+    log = calls.read_text()
+    srun = next(line for line in log.splitlines() if line.startswith("srun "))
+    assert "--rdzv_endpoint=node-a:29500" in srun and "--nnodes=4" in srun and "--nproc_per_node=8" in srun
+    assert f"--job.dump_folder {tmp_path / 'run'}" in srun
+    assert "worker got SIGTERM, saved" in log and "torchrun got SIGTERM" not in log
+    assert "training stopped with status 0 after SIGTERM" in out
+    assert log.strip().splitlines()[-1] == "scontrol requeue 4242"
+    assert (tmp_path / "run" / "slurm" / "4242_0" / "launch_node.sh").is_file()

@@ -1,0 +1,92 @@
+"""The sweep tool: a CPU smoke of tp 1, 2 over gloo (2 ranks; tp 1, 2, 4 on 4 ranks works the same at twice
+the CI time), its CSV and plots; errors before anything runs."""
+
+import csv
+import json
+import os
+
+import pytest
+
+from engine.tools import sweep
+
+SMALL = ["--training.seq_len", "64", "--training.local_batch_size", "2", "--lr_scheduler.warmup_steps", "1",
+         "--metrics.log_freq", "1", "--metrics.peak_flops", "1e11"]
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def test_cpu_sweep_of_tp(tmp_path, capsys):
+    out = tmp_path / "sweep"
+    rc = sweep.main(["--config", "train_configs/debug_model.toml", "--dim", "parallelism.tp", "--values", "1,2",
+                     "--ngpu", "2", "--steps", "3", "--warmup", "1", "--out", str(out), *SMALL])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    with open(out / "sweep.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [r["value"] for r in rows] == ["1", "2"]
+    for row, dp_shard in zip(rows, (2, 1)):
+        assert row["status"] == "ok" and row["dim"] == "parallelism.tp" and row["world_size"] == "2"
+        assert f"dp_shard {dp_shard} x cp 1 x tp {row['value']}" in row["layout"]  # dp_shard = -1 took the rest
+        assert row["steps_measured"] == "2-3"
+        for key in ("tps", "tps_per_gpu", "tflops", "mfu", "memory_gib", "last_loss"):
+            assert float(row[key]) > 0, (key, row)
+        assert float(row["tps"]) == pytest.approx(2 * float(row["tps_per_gpu"]))
+    for name in ("tps_per_gpu.png", "mfu.png", "memory.png"):
+        assert (out / name).read_bytes()[:8] == PNG
+    with open(out / "configs" / "2.toml") as f:
+        assert "tp = 2" in f.read()
+    # --collect gathers the same numbers again.
+    assert sweep.main(["--collect", "--out", str(out), "--warmup", "1"]) == 0
+    with open(out / "sweep.csv") as f:
+        assert list(csv.DictReader(f)) == rows
+
+
+def test_an_impossible_value_stops_before_any_run(tmp_path, capsys):
+    out = tmp_path / "sweep"
+    rc = sweep.main(["--dim", "parallelism.tp", "--values", "1,3", "--ngpu", "4", "--out", str(out)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and err[0].startswith("error: parallelism.tp = 3: parallelism"), err
+    assert not (out / "1").exists() and not (out / "sweep.json").exists()
+
+
+def test_summary_is_the_median_after_warmup(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    records = [{"step": s, "loss": 10.0 - s, "tps": 100.0 * s, "tps_per_gpu": 50.0 * s, "tflops": 1.0, "mfu": None,
+                "memory_gib": 1.0 + s / 10} for s in range(1, 11)]
+    with open(run / "metrics.jsonl", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in records)
+    s = sweep.summarize_run(str(run), warmup=None)  # default: the first 5 of 10 steps left out
+    assert s["steps_measured"] == "6-10"
+    assert s["tps"] == 800.0 and s["tps_per_gpu"] == 400.0 and s["mfu"] is None
+    assert s["memory_gib"] == 2.0 and s["last_loss"] == 0.0
+    assert sweep.summarize_run(str(tmp_path / "missing"), warmup=None) == {}
+
+
+def test_sbatch_launcher_submits_then_collects(tmp_path, monkeypatch, capsys):
+    """--launcher sbatch renders one script per value and submits it; --collect gathers whatever has finished."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "sbatch").write_text(f'#!/bin/bash\necho "$*" >> {tmp_path}/sbatch.txt\necho 77$RANDOM\n')
+    (bin_dir / "sbatch").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    out = tmp_path / "sweep"
+    rc = sweep.main(["--dim", "parallelism.tp", "--values", "1,2", "--ngpu", "8", "--nodes", "2",
+                     "--launcher", "sbatch", "--out", str(out), "--job-name", "tp"])
+    assert rc == 0, capsys.readouterr()
+    submitted = (tmp_path / "sbatch.txt").read_text().splitlines()
+    assert submitted == [f"--parsable {out}/sbatch/1.sbatch", f"--parsable {out}/sbatch/2.sbatch"]
+    script = (out / "sbatch" / "2.sbatch").read_text()
+    assert "#SBATCH --nodes=2" in script and "#SBATCH --gpus-per-node=8" in script
+    assert "#SBATCH --job-name=tp-2" in script and str(out / "configs" / "2.toml") in script
+    meta = json.loads((out / "sweep.json").read_text())
+    assert all(r["status"].startswith("submitted (job 77") for r in meta["runs"])
+    assert meta["runs"][1]["layout"] == "pp 1 x dp_replicate 1 x dp_shard 8 x cp 1 x tp 2"  # 16 ranks
+    # One run has finished: --collect puts it in the CSV, the other as "no metrics".
+    (out / "1").mkdir()
+    (out / "1" / "metrics.jsonl").write_text(json.dumps(
+        {"step": 1, "loss": 5.0, "tps": 160.0, "tps_per_gpu": 10.0, "tflops": 1.0, "mfu": 2.0, "memory_gib": 3.0}) + "\n")
+    assert sweep.main(["--collect", "--out", str(out)]) == 0
+    with open(out / "sweep.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["value"], r["status"], r["tps_per_gpu"]) for r in rows] == [("1", "ok", "10.0"), ("2", "no metrics", "")]
+    assert (out / "memory.png").read_bytes()[:8] == PNG
