@@ -81,6 +81,11 @@ class Data:
     """Stream Hugging Face and local datasets instead of loading them into memory first."""
     tokenizer: str = ""
     """Path to a Hugging Face tokenizer.json; empty uses model.hf_assets_path, else the built-in tokenizer."""
+    num_shards: int = -1
+    """Logical shards the dataset is split into; each data-parallel rank reads its shards in turn. -1 means
+    one per data-parallel rank. A checkpoint keeps its shard count, so a run can resume on another
+    data-parallel degree (up to num_shards) without repeating or skipping samples: set it to a multiple of
+    every dp degree you may resume on (e.g. 64)."""
 
 
 @dataclass
@@ -162,6 +167,28 @@ class Compile:
 
 
 @dataclass
+class Float8:
+    enable: bool = False
+    """Run the matmuls of the transformer blocks' linear layers in float8 (torchao Float8Linear; needs torchao,
+    pip install 'tessera[float8]', and a GPU of compute capability >= 8.9 such as the H100, or emulate)."""
+    recipe: str = "tensorwise"
+    """Scaling recipe: tensorwise (one dynamic scale per tensor; fastest) or rowwise (one per row, power-of-two
+    scales; more accurate, slower)."""
+    emulate: bool = False
+    """Emulate the float8 matmuls in float32 on the float8-rounded values: float8 numerics on a CPU or a GPU
+    without float8 (tests), no speed-up."""
+    filter_fqns: list[str] = field(default_factory=list)
+    """Linear layers kept in high precision, by substring of their name (e.g. attention.wk,feed_forward). The
+    output layer and layers whose dimensions (per TP rank) are not multiples of 16 are never converted."""
+    fsdp_float8_all_gather: bool = False
+    """tensorwise with FSDP: cast the weights to float8 before FSDP's all-gather (half the bytes of bf16);
+    ignored without data parallelism."""
+    precompute_scale: bool = False
+    """With fsdp_float8_all_gather: compute every float8 weight's scale in one all-reduce after each optimizer
+    step, instead of one all-reduce per layer during the forward."""
+
+
+@dataclass
 class Optimizer:
     name: str = "AdamW"
     """Optimizer: AdamW or Adam."""
@@ -212,6 +239,51 @@ class Metrics:
 
 
 @dataclass
+class Validation:
+    enable: bool = False
+    """Every validation.freq steps, compute the loss of validation.steps batches without gradients (through
+    the whole pipeline with PP), on the same batches each time; logged as validation_loss."""
+    freq: int = 100
+    """Validate every this many optimizer steps."""
+    steps: int = 4
+    """Batches (of training.local_batch_size samples per data-parallel rank) per validation."""
+    dataset: str = ""
+    """Validation data: a built-in or Hugging Face dataset; empty takes data.dataset."""
+    path: str = ""
+    """Validation data: a local file or folder; empty takes data.path (when validation.dataset is empty)."""
+    split: str = ""
+    """Split to read; empty takes data.split. With the training data and split, validation reads the first
+    batches of the training order: a fixed probe set, not held-out data."""
+
+
+@dataclass
+class Checkpoint:
+    enable: bool = False
+    """Save checkpoints and resume from the newest complete one found in checkpoint.folder."""
+    folder: str = "checkpoint"
+    """Where the step-N folders go; relative paths are inside job.dump_folder."""
+    interval: int = 500
+    """Save every this many steps (and at the last step)."""
+    keep_latest_k: int = 0
+    """Keep only the newest k complete checkpoints (0 keeps all); an incomplete one never counts."""
+    load_step: int = -1
+    """Resume from this step's checkpoint; -1 takes the newest complete one, 0 starts fresh."""
+    async_mode: str = "disabled"
+    """disabled (training waits for the save), async (written by a background thread while training goes
+    on), or async_with_pinned_mem (async, staged through pinned host memory on CUDA)."""
+    last_save_model_only: bool = False
+    """The save at the last step holds the model weights only, in checkpoint.export_dtype (for inference
+    or fine-tuning)."""
+    export_dtype: str = "float32"
+    """dtype of a model-only save: float32, bfloat16 or float16."""
+    initial_load_path: str = ""
+    """When no checkpoint of this run exists yet, start from these weights: a Tessera step folder (e.g. a
+    seed checkpoint) or a Hugging Face folder (config.json + safetensors). The model only."""
+    create_seed_checkpoint: bool = False
+    """Write the initialized model as step-0 (model only, for initial_load_path) and exit without training."""
+
+
+@dataclass
 class Debug:
     seed: int = 42
     """Random seed for weight initialization and dropout-free training; the data order is fixed by it too."""
@@ -228,9 +300,12 @@ class Config:
     parallelism: Parallelism = field(default_factory=Parallelism)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     compile: Compile = field(default_factory=Compile)
+    float8: Float8 = field(default_factory=Float8)
     optimizer: Optimizer = field(default_factory=Optimizer)
     lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
     metrics: Metrics = field(default_factory=Metrics)
+    validation: Validation = field(default_factory=Validation)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
     debug: Debug = field(default_factory=Debug)
 
     def to_dict(self) -> dict:
@@ -514,6 +589,7 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     _positive("training.max_norm", t.max_norm)
     _choice("training.mixed_precision_param", t.mixed_precision_param, ["bfloat16", "float32"])
     _choice("training.mixed_precision_reduce", t.mixed_precision_reduce, ["float32", "bfloat16"])
+    _validate_float8(cfg)
 
     # optimizer
     o = cfg.optimizer
@@ -539,6 +615,34 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     _choice("lr_scheduler.decay_type", s.decay_type, ["linear", "cosine", "sqrt"])
     if not 0.0 <= s.min_lr_factor <= 1.0:
         raise ConfigError(f"lr_scheduler.min_lr_factor: must be in [0, 1], got {s.min_lr_factor}")
+
+    # validation
+    v = cfg.validation
+    _positive("validation.freq", v.freq)
+    _positive("validation.steps", v.steps)
+    if v.path and not os.path.exists(v.path):
+        raise ConfigError(f"validation.path: '{v.path}' not found; give a json, jsonl, parquet or txt file or folder")
+
+    # checkpoint
+    c = cfg.checkpoint
+    _positive("checkpoint.interval", c.interval)
+    if c.keep_latest_k < 0:
+        raise ConfigError(f"checkpoint.keep_latest_k: must be >= 0 (0 keeps all), got {c.keep_latest_k}")
+    if c.load_step < -1:
+        raise ConfigError(f"checkpoint.load_step: must be >= 0, or -1 for the newest, got {c.load_step}")
+    _choice("checkpoint.async_mode", c.async_mode, ["disabled", "async", "async_with_pinned_mem"])
+    _choice("checkpoint.export_dtype", c.export_dtype, ["float32", "bfloat16", "float16"])
+    if not c.folder.strip():
+        raise ConfigError("checkpoint.folder: must not be empty")
+    if c.initial_load_path and not os.path.isdir(c.initial_load_path):
+        raise ConfigError(f"checkpoint.initial_load_path: folder '{c.initial_load_path}' not found")
+    if c.create_seed_checkpoint and world_size != 1:
+        raise ConfigError("checkpoint.create_seed_checkpoint: run it with one process (NGPU=1); the seed "
+                          "checkpoint loads on any layout")
+    if cfg.data.num_shards != -1:
+        _positive("data.num_shards", cfg.data.num_shards)
+        if cfg.data.num_shards < dp:
+            raise ConfigError(f"data.num_shards: {cfg.data.num_shards} is fewer than the data-parallel degree {dp}")
 
     # metrics, debug
     _positive("metrics.log_freq", cfg.metrics.log_freq)
@@ -604,6 +708,30 @@ def validate_parallelism(cfg: Config, world_size: int, spec):
                 f"positive integer N (checkpoint every N-th block)"
             )
     return dims
+
+
+def _validate_float8(cfg: Config) -> None:
+    """float8: the recipe and its options, then whether this machine can run it (torchao installed; a GPU
+    with float8 matmuls, unless emulated)."""
+    f8 = cfg.float8
+    _choice("float8.recipe", f8.recipe, ["tensorwise", "rowwise"])
+    if any(not name.strip() for name in f8.filter_fqns):
+        raise ConfigError("float8.filter_fqns: an empty name would match every layer; list layer names such as attention.wk")
+    if not f8.enable:
+        return
+    if f8.fsdp_float8_all_gather and f8.recipe != "tensorwise":
+        raise ConfigError(
+            f"float8.fsdp_float8_all_gather: the FSDP float8 all-gather needs float8.recipe = tensorwise (got "
+            f"{f8.recipe}); turn it off for {f8.recipe}"
+        )
+    if f8.precompute_scale and not f8.fsdp_float8_all_gather:
+        raise ConfigError(
+            "float8.precompute_scale: it precomputes the scales of the FSDP float8 all-gather; set "
+            "float8.fsdp_float8_all_gather = true, or turn it off"
+        )
+    from parallelize.float8 import check_float8_supported
+
+    check_float8_supported(f8.emulate)
 
 
 def _validate_pipeline(cfg: Config, dims, args) -> None:

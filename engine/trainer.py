@@ -8,6 +8,7 @@ accumulation and data parallelism give exactly the gradient of the mean loss ove
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import time
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ from torch import nn
 
 import torch.distributed as dist
 
+from engine.checkpoint import Checkpointer, fault_point, find_resume_point, inspect_checkpoint
 from engine.config import Config, dump, grad_accumulation_steps, pp_microbatches, to_toml
 from engine.data.loader import build_dataloader
 from engine.data.tokenizer import build_tokenizer
@@ -29,6 +31,7 @@ from parallelize import pipeline
 from parallelize.compile import compile_loss
 from parallelize.context import shard_sequence
 from parallelize.data import gradient_divide_factor
+from parallelize.float8 import float8_after_optimizer_step
 from parallelize.init import materialize
 from parallelize.mesh import ParallelDims
 from parallelize.tensor import loss_context, to_local_scalar
@@ -113,6 +116,12 @@ class Trainer:
         self.grad_accum = grad_accumulation_steps(cfg, self.dp_size)
         self.loss_group = self.dims.group("dp_cp")  # ranks holding different tokens
 
+        # The checkpoint to resume from, checked now: a bad one stops the run before anything is built.
+        self.resume_from = find_resume_point(cfg)
+        init_path = cfg.checkpoint.initial_load_path
+        if self.resume_from is None and init_path and not os.path.isfile(os.path.join(init_path, "config.json")):
+            inspect_checkpoint(init_path, "checkpoint.initial_load_path", cfg)
+
         # Tokenizer and data (cheap to build; their errors are user errors).
         self.tokenizer = build_tokenizer(cfg)
         self.dataloader = build_dataloader(cfg, self.tokenizer, self.dp_rank, self.dp_size)
@@ -153,10 +162,16 @@ class Trainer:
 
         self.optimizer = build_optimizer(self.model, cfg.optimizer, self.device)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.training.steps)
+        # The training state so far: a checkpoint of this run, or initial weights, or a fresh start.
+        self.step = 0
+        self.checkpointer = Checkpointer(cfg, self)
+        if self.resume_from is not None:
+            self.step = self.checkpointer.load(self.resume_from)
+        elif init_path:
+            self.checkpointer.load_model_only(init_path)
         if world.is_main:
             _set_aside_old_metrics(cfg.job.dump_folder)
         self.metrics = MetricsLogger(cfg, world.rank, world.world_size, self.num_flops_per_token, self.device)
-        self.step = 0
 
         # bf16 autocast on CUDA unless FSDP2's mixed precision casts the parameters already.
         use_bf16 = (
@@ -177,6 +192,10 @@ class Trainer:
             )
 
     # ----------------------------------------------------------------------------------------------------
+    def rebuild_dataloader(self, num_shards: int) -> None:
+        """The loader over ``num_shards`` logical data shards (a checkpoint's count, to resume on it)."""
+        self.dataloader = build_dataloader(self.cfg, self.tokenizer, self.dp_rank, self.dp_size, num_shards)
+
     def _pipeline_schedule(self):
         p = self.cfg.parallelism
 
@@ -211,7 +230,8 @@ class Trainer:
 
     def forward_backward(self, microbatches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
         """Gradients of the step's mean loss; returns this rank's share of that loss (a device scalar)."""
-        microbatches = [self._shard_context(mb) for mb in microbatches]
+        microbatches = [self._shard_context({k: v for k, v in mb.items() if k != "sample_ids"})
+                        for mb in microbatches]
         num_targets = self._global_num_targets(microbatches)
         assert num_targets > 0, "a step without target tokens"
         total_loss = torch.zeros((), device=self.device)
@@ -245,9 +265,11 @@ class Trainer:
     def train_step(self, microbatches: list[dict[str, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step over ``microbatches``; returns (mean loss, grad norm) as device tensors."""
         loss = self.forward_backward(microbatches)
+        fault_point(self.step, "sigterm")  # tests: a preemption signal arriving mid-step
         grad_norm = clip_grad_norm_(self.model.parameters(), self.cfg.training.max_norm, self.dims.group("pp")
                                     if self.dims.pp_enabled else None)
         self.optimizer.step()
+        float8_after_optimizer_step(self.model_parts, self.cfg.float8)  # precomputed float8 scales for FSDP
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.dims.pp_enabled:
@@ -256,12 +278,64 @@ class Trainer:
             dist.all_reduce(loss, group=self.loss_group)  # the shares add up to the global mean
         return loss, grad_norm
 
+    @torch.no_grad()
+    def evaluate(self, microbatches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+        """The mean loss over the target tokens of ``microbatches`` (every data-parallel rank's), without
+        gradients; with PP the batches go through every stage in turn. A device scalar, the same on every rank."""
+        microbatches = [self._shard_context({k: v for k, v in mb.items() if k != "sample_ids"})
+                        for mb in microbatches]
+        num_targets = self._global_num_targets(microbatches)
+        total = torch.zeros((), device=self.device)
+        p = self.cfg.parallelism
+        for mb in microbatches:
+            mb = self._to_device(mb)
+            with self.autocast(), loss_context(self.loss_parallel):
+                if self.dims.pp_enabled:
+                    owners = pipeline.stage_owners(self.dims.pp, p.pp_schedule, p.pp_virtual_stages, p.pp_schedule_csv)
+                    logits = pipeline.forward_only(self.model_parts, self.pp_stage_ids, self.pp_stage_count, owners,
+                                                   self.dims.coordinate("pp")[0], self.dims.group("pp"),
+                                                   mb["input_ids"])
+                else:
+                    logits = self.model(mb["input_ids"], doc_ids=mb["doc_ids"] if self.doc_masking else None)
+                if logits is not None:
+                    total += to_local_scalar(self.loss_fn(logits, mb["labels"]))
+        if self.dims.pp_enabled:
+            dist.all_reduce(total, group=self.dims.group("pp"))
+        if self.loss_group is not None:
+            dist.all_reduce(total, group=self.loss_group)
+        return total / num_targets
+
+    def _validate(self) -> float:
+        """validation.steps batches of the validation data, the same ones each time."""
+        v = self.cfg.validation
+        if self._val_loader is None:
+            vcfg = copy.deepcopy(self.cfg)
+            if v.dataset:
+                vcfg.data.dataset, vcfg.data.path = v.dataset, ""
+            elif v.path:
+                vcfg.data.path = v.path
+            if v.split:
+                vcfg.data.split = v.split
+            vcfg.data.num_shards = -1
+            self._val_loader = build_dataloader(vcfg, self.tokenizer, self.dp_rank, self.dp_size)
+            self._val_start = self._val_loader.state_dict()
+        self._val_loader.load_state_dict(self._val_start)
+        batches = [next(self._val_loader) for _ in range(v.steps)]
+        return float(self.evaluate(batches))
+
     def _should_log(self, step: int) -> bool:
         return step == 1 or step % self.cfg.metrics.log_freq == 0 or step == self.cfg.training.steps
 
     def train(self) -> list[dict]:
         """Run to training.steps; returns the logged metrics (rank 0's view)."""
         cfg = self.cfg
+        ckpt = self.checkpointer
+        if cfg.checkpoint.create_seed_checkpoint:
+            ckpt.save(0, model_only=True, dtype="float32")
+            ckpt.close()
+            return []
+        if cfg.checkpoint.enable:
+            ckpt.install_sigterm_handler()
         tokens_per_step = cfg.training.local_batch_size * cfg.training.seq_len * self.grad_accum * self.dp_size
         data_iter = iter(self.dataloader)
         logged = []
@@ -270,6 +344,8 @@ class Trainer:
         window_start = time.perf_counter()
         window_tokens, window_data_wait, window_steps = 0, 0.0, 0
         window_loss = torch.zeros((), device=self.device)
+        self._val_loader = None
+        validation: dict = {}
         while self.step < cfg.training.steps:
             self.step += 1
             t0 = time.perf_counter()
@@ -281,6 +357,12 @@ class Trainer:
             window_tokens += tokens_per_step
             window_loss += loss
             window_steps += 1
+            if cfg.validation.enable and self.step % cfg.validation.freq == 0:
+                t_val = time.perf_counter()
+                validation = {"validation_loss": self._validate(), "validation_step": self.step}
+                window_start += time.perf_counter() - t_val  # not training time
+                if self.world.is_main:
+                    print(f"validation: step {self.step}  loss: {validation['validation_loss']:.4f}", flush=True)
 
             if self._should_log(self.step):
                 # The one host sync per log.
@@ -288,12 +370,29 @@ class Trainer:
                 elapsed = time.perf_counter() - window_start
                 logged.append(
                     self.metrics.log(
-                        self.step, loss_value, grad_norm_value, lr, window_tokens, elapsed, window_data_wait
+                        self.step, loss_value, grad_norm_value, lr, window_tokens, elapsed, window_data_wait,
+                        extra=validation,
                     )
                 )
                 window_start = time.perf_counter()
                 window_tokens, window_data_wait, window_steps = 0, 0.0, 0
                 window_loss.zero_()
+                validation = {}
+
+            # Checkpoints: commit a finished background save; save on the interval; on SIGTERM save, stop.
+            ckpt.poll()
+            last = self.step == cfg.training.steps
+            saved = ckpt.should_save(self.step)
+            if saved:
+                ckpt.save(self.step, model_only=last and cfg.checkpoint.last_save_model_only)
+            if cfg.checkpoint.enable and not last and ckpt.stop_requested():
+                if not saved:
+                    ckpt.save(self.step, force_sync=True)
+                ckpt.wait()
+                if self.world.is_main:
+                    print(f"SIGTERM: checkpoint of step {self.step} saved; exiting", flush=True)
+                break
+        ckpt.close()
         self.metrics.close()
         if self.world.is_main:
             self._plot()

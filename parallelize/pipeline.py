@@ -15,6 +15,8 @@ from __future__ import annotations
 import copy
 from typing import Callable
 
+import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import (
@@ -113,3 +115,59 @@ def build_schedule(stages: list[PipelineStage], schedule: str, n_microbatches: i
         assert len(stages) == 1
         return cls(stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
     return cls(stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Forward only (evaluation)
+# ------------------------------------------------------------------------------------------------------------
+
+_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64]
+_HEADER = 8  # ndim, dtype index, up to 6 sizes
+
+
+def _send(x: torch.Tensor, dst: int, group) -> None:
+    assert x.ndim <= _HEADER - 2, x.shape
+    header = torch.tensor([x.ndim, _DTYPES.index(x.dtype), *x.shape] + [0] * (_HEADER - 2 - x.ndim),
+                          dtype=torch.int64, device=x.device)
+    dist.send(header, group_dst=dst, group=group)
+    dist.send(x.contiguous(), group_dst=dst, group=group)
+
+
+def _recv(src: int, group, device) -> torch.Tensor:
+    header = torch.empty(_HEADER, dtype=torch.int64, device=device)
+    dist.recv(header, group_src=src, group=group)
+    ndim, dtype = int(header[0]), _DTYPES[int(header[1])]
+    x = torch.empty([int(n) for n in header[2 : 2 + ndim]], dtype=dtype, device=device)
+    dist.recv(x, group_src=src, group=group)
+    return x
+
+
+@torch.no_grad()
+def forward_only(parts: list[nn.Module], ids: list[int], n_stages: int, owners: list[int], pp_rank: int,
+                 pp_group, inputs: torch.Tensor) -> torch.Tensor | None:
+    """One batch through every stage without gradients, stage after stage (no overlap: for evaluation).
+
+    ``owners[s]`` is the pp rank holding stage ``s``; ``parts``/``ids`` are this rank's stages. Returns the
+    last stage's output (the logits) on the rank holding it, None on the others.
+    """
+    mine = dict(zip(ids, parts))
+    x = inputs
+    for s in range(n_stages):
+        if owners[s] != pp_rank:
+            continue
+        if s > 0 and owners[s - 1] != pp_rank:
+            x = _recv(owners[s - 1], pp_group, inputs.device)
+        x = mine[s](x)
+        if s < n_stages - 1 and owners[s + 1] != pp_rank:
+            _send(x, owners[s + 1], pp_group)
+    return x if owners[n_stages - 1] == pp_rank else None
+
+
+def stage_owners(pp: int, schedule: str, virtual_stages: int, csv: str = "") -> list[int]:
+    """The pp rank of every stage."""
+    owners = [-1] * num_stages(pp, schedule, virtual_stages, csv)
+    for rank in range(pp):
+        for s in stage_ids(rank, pp, schedule, virtual_stages, csv):
+            owners[s] = rank
+    assert -1 not in owners, owners
+    return owners
