@@ -79,11 +79,12 @@ def test_dry_run_user_error_is_one_line(monkeypatch, capsys):
 
 
 def test_dry_run_refuses_what_a_launch_refuses(monkeypatch, capsys):
-    """The shipped config names a tokenizer folder that is not here: a real launch stops there, so does this."""
+    """A file a launch needs and that is missing: a real launch stops there, so does the dry run. (A missing
+    tokenizer folder is only noted: the flavor gives the vocabulary; see the 405B test.)"""
     monkeypatch.setenv("WORLD_SIZE", "8")
-    rc = dry_run.main(["--config", "train_configs/llama3_8b.toml"])
+    rc = dry_run.main(["--config", "train_configs/llama3_8b.toml", "--data.tokenizer", "/nonexistent/tokenizer.json"])
     err = capsys.readouterr().err.strip().splitlines()
-    assert rc == 2 and len(err) == 1 and "model.hf_assets_path" in err[0], err
+    assert rc == 2 and len(err) == 1 and err[0].startswith("error: data.tokenizer"), err
 
 
 # --------------------------------------------------------------------------------------------------------

@@ -28,8 +28,6 @@ def evaluate(tmp: Path, name: str, nproc: int, *args: str) -> float:
 
 
 LAYOUTS = {
-    "pp2_1f1b": (2, ["--parallelism.pp", "2"]),
-    "pp2_interleaved": (2, ["--parallelism.pp", "2", "--parallelism.pp_schedule", "Interleaved1F1B"]),
     "pp2_dualpipev": (2, ["--parallelism.pp", "2", "--parallelism.pp_schedule", "DualPipeV"]),
     "pp2_tp2": (4, ["--parallelism.pp", "2", "--parallelism.tp", "2"]),
     "fsdp2_cp2": (4, ["--parallelism.dp_shard", "2", "--parallelism.cp", "2", "--training.local_batch_size", "2"]),

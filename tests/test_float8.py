@@ -204,14 +204,15 @@ def test_scales_are_precomputed_after_each_optimizer_step(tmp_path):
 
 
 # --------------------------------------------------------------------------------------------------------
-# Loss: float8 tracks float32 over 200 steps (acceptance 3; a shorter sequence and batch than the default run)
+# Loss: float8 tracks float32 (acceptance 3 asks 200 steps of the default debug run: bench/float8_loss.py, its
+# figures in docs/performance.md; CI runs 100 steps of a shorter sequence and batch)
 # --------------------------------------------------------------------------------------------------------
 
 # One 32-token sample per step: an emulated float8 step costs about the same at any small size (its casts of
 # the weights dominate), so the batch is as small as keeps the loss meaningful. bench/float8_loss.py runs the
 # default config (256 x 8) the same way.
-TRACK = ["--training.steps", "200", "--training.seq_len", "32", "--training.local_batch_size", "1",
-         "--metrics.log_freq", "20", "--lr_scheduler.warmup_steps", "10"]
+TRACK = ["--training.steps", "100", "--training.seq_len", "32", "--training.local_batch_size", "1",
+         "--metrics.log_freq", "10", "--lr_scheduler.warmup_steps", "10"]
 
 
 def _losses(dump):
@@ -219,14 +220,14 @@ def _losses(dump):
         return [json.loads(line)["loss"] for line in f]
 
 
-def test_float8_tracks_float32_loss_over_200_steps(tmp_path, capsys):
+def test_float8_tracks_float32_loss_over_100_steps(tmp_path, capsys):
     runs = {}
     for name, extra in (("fp32", []), ("float8", F8)):
         dump = str(tmp_path / name)
         assert train.main(["--job.dump_folder", dump, *TRACK, *extra]) == 0, capsys.readouterr().err
         runs[name] = _losses(dump)
     plain, f8 = runs["fp32"], runs["float8"]
-    assert len(plain) == len(f8) == 11  # steps 1, 20, 40, ..., 200
+    assert len(plain) == len(f8) == 11  # steps 1, 10, 20, ..., 100
     assert plain[-1] < plain[0] - 1.0  # it learned something
     assert f8[0] != plain[0]  # float8 really was on: rounding shows from the first step
     assert abs(f8[-1] - plain[-1]) / plain[-1] < 0.01, (plain, f8)
