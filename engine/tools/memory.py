@@ -643,14 +643,8 @@ def model_shape(cfg) -> ModelShape:
 
 
 def gpu_memory_from_env() -> float:
-    value = os.environ.get("GPU_MEMORY_GIB", str(DEFAULT_GPU_MEMORY_GIB))
-    try:
-        gib = float(value)
-    except ValueError:
-        gib = -1.0
-    if not gib > 0:
-        raise ValueError(f"GPU_MEMORY_GIB: expected a positive number of GiB, got {value!r}")
-    return gib
+    """GPU_MEMORY_GIB (GiB per GPU), default DEFAULT_GPU_MEMORY_GIB; ValueError naming it when not positive."""
+    return _positive_number("GPU_MEMORY_GIB", os.environ.get("GPU_MEMORY_GIB"), DEFAULT_GPU_MEMORY_GIB)
 
 
 # --------------------------------------------------------------------------------------------------------
