@@ -18,6 +18,7 @@ import sys
 import textwrap
 import typing
 from dataclasses import dataclass, field
+from typing import Optional
 from functools import lru_cache
 
 if sys.version_info >= (3, 11):
@@ -532,9 +533,43 @@ def _positive(key: str, value) -> None:
         raise ConfigError(f"{key}: must be > 0, got {value}")
 
 
-def validate(cfg: Config, world_size: int = 1) -> None:
-    """Check every rule that does not need the model or the data built. Raises ConfigError naming the field."""
+@dataclass(frozen=True)
+class Machine:
+    """What validation assumes about the GPUs a run will have: this machine's (a launch), or the cluster's (a
+    dry run, which plans on a CPU login node for GPUs it does not see)."""
+
+    cuda: bool
+    """CUDA GPUs are present."""
+    cuda_capability: Optional[tuple[int, int]]
+    """Their compute capability (float8 matmuls need >= 8.9); None without CUDA."""
+    flash_attn: bool
+    """The flash-attn package is installed."""
+
+    @staticmethod
+    def this() -> "Machine":
+        """This machine, as a launch here will find it."""
+        import importlib.util
+
+        import torch
+
+        from parallelize.float8 import cuda_capability
+
+        cuda = torch.cuda.is_available()
+        return Machine(cuda=cuda, cuda_capability=cuda_capability() if cuda else None,
+                       flash_attn=importlib.util.find_spec("flash_attn") is not None)
+
+
+# What a dry run plans for: Hopper GPUs (H100) with flash-attn installed.
+HOPPER = Machine(cuda=True, cuda_capability=(9, 0), flash_attn=True)
+
+
+def validate(cfg: Config, world_size: int = 1, machine: Optional[Machine] = None) -> None:
+    """Check every rule that does not need the model or the data built. Raises ConfigError naming the field.
+
+    ``machine``: the GPUs the run will have (default: this machine's)."""
     from models import get_model_spec, model_names  # local: models import torch
+
+    machine = machine or Machine.this()
 
     if not cfg.job.dump_folder.strip():
         raise ConfigError("job.dump_folder: must not be empty")
@@ -548,13 +583,9 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     if cfg.model.attn_mask == "block_causal" and cfg.model.attn != "flex":
         raise ConfigError("model.attn_mask: block_causal document masking needs model.attn = flex")
     if cfg.model.attn == "flash_attn":
-        import importlib.util
-
-        if importlib.util.find_spec("flash_attn") is None:
+        if not machine.flash_attn:
             raise ConfigError("model.attn: flash_attn is not installed; pip install flash-attn, or use model.attn = sdpa")
-        import torch
-
-        if not torch.cuda.is_available():
+        if not machine.cuda:
             raise ConfigError("model.attn: flash_attn needs a CUDA GPU; use model.attn = sdpa on this machine")
     if cfg.model.vocab_size != -1 and cfg.model.vocab_size <= 0:
         raise ConfigError(f"model.vocab_size: must be > 0 or -1, got {cfg.model.vocab_size}")
@@ -577,7 +608,7 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     _positive("training.steps", t.steps)
     _positive("training.seq_len", t.seq_len)
     _positive("training.local_batch_size", t.local_batch_size)
-    dims = validate_parallelism(cfg, world_size, spec)
+    dims = validate_parallelism(cfg, world_size, spec, machine)
     dp = dims.dp
     if t.global_batch_size != -1:
         _positive("training.global_batch_size", t.global_batch_size)
@@ -589,7 +620,7 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     _positive("training.max_norm", t.max_norm)
     _choice("training.mixed_precision_param", t.mixed_precision_param, ["bfloat16", "float32"])
     _choice("training.mixed_precision_reduce", t.mixed_precision_reduce, ["float32", "bfloat16"])
-    _validate_float8(cfg)
+    _validate_float8(cfg, machine)
 
     # optimizer
     o = cfg.optimizer
@@ -653,10 +684,8 @@ def validate(cfg: Config, world_size: int = 1) -> None:
         raise ConfigError(f"debug.seed: must be >= 0, got {cfg.debug.seed}")
 
 
-def validate_parallelism(cfg: Config, world_size: int, spec):
+def validate_parallelism(cfg: Config, world_size: int, spec, machine: Optional[Machine] = None):
     """The parallel layout: degrees, their product, and the model shapes they must divide."""
-    import torch
-
     from parallelize.mesh import ParallelDims
 
     p = cfg.parallelism
@@ -671,7 +700,7 @@ def validate_parallelism(cfg: Config, world_size: int, spec):
                     f"tensor parallelism gives each rank whole heads (KV heads are not replicated), so pick a tp "
                     f"that divides {args.n_kv_heads}"
                 )
-    cuda = torch.cuda.is_available()
+    cuda = (machine or Machine.this()).cuda
     if p.enable_async_tp:
         if dims.tp == 1 or not cfg.compile.enable or not cuda:
             raise ConfigError(
@@ -710,7 +739,7 @@ def validate_parallelism(cfg: Config, world_size: int, spec):
     return dims
 
 
-def _validate_float8(cfg: Config) -> None:
+def _validate_float8(cfg: Config, machine: Machine) -> None:
     """float8: the recipe and its options, then whether this machine can run it (torchao installed; a GPU
     with float8 matmuls, unless emulated)."""
     f8 = cfg.float8
@@ -731,7 +760,7 @@ def _validate_float8(cfg: Config) -> None:
         )
     from parallelize.float8 import check_float8_supported
 
-    check_float8_supported(f8.emulate)
+    check_float8_supported(f8.emulate, machine.cuda_capability)
 
 
 def _validate_pipeline(cfg: Config, dims, args) -> None:

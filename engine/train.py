@@ -14,13 +14,14 @@ import sys
 from engine.config import help_text, parse_args, validate
 
 
-def check(argv: list[str] | None = None):
-    """Parse and validate the configuration for this world; raises ConfigError."""
+def check(argv: list[str] | None = None, machine=None):
+    """Parse and validate the configuration for this world (and ``machine``, an engine.config.Machine: by
+    default this one's); raises ConfigError."""
     from engine.data.datasets import check_data_config
     from engine.distributed import world_size_from_env
 
     cfg = parse_args(argv)
-    validate(cfg, world_size_from_env())
+    validate(cfg, world_size_from_env(), machine)
     check_data_config(cfg)
     return cfg
 

@@ -12,6 +12,7 @@ import copy
 import os
 import time
 from dataclasses import dataclass
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -262,9 +263,14 @@ class Trainer:
             return torch.zeros((), device=self.device)
         return sum(to_local_scalar(loss.detach()) for loss in losses) / self.backward_scale
 
-    def train_step(self, microbatches: list[dict[str, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """One optimizer step over ``microbatches``; returns (mean loss, grad norm) as device tensors."""
+    def train_step(self, microbatches: list[dict[str, torch.Tensor]],
+                   after_backward: Optional[Callable[[], None]] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """One optimizer step over ``microbatches``; returns (mean loss, grad norm) as device tensors.
+        ``after_backward`` (if given) is called once the gradients are complete, before they are clipped:
+        a place to read or record them."""
         loss = self.forward_backward(microbatches)
+        if after_backward is not None:
+            after_backward()
         fault_point(self.step, "sigterm")  # tests: a preemption signal arriving mid-step
         grad_norm = clip_grad_norm_(self.model.parameters(), self.cfg.training.max_norm, self.dims.group("pp")
                                     if self.dims.pp_enabled else None)

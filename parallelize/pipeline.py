@@ -18,33 +18,31 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining.schedules import (
-    PipelineScheduleMulti,
-    PipelineScheduleSingle,
-    Schedule1F1B,
-    ScheduleDualPipeV,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-    ScheduleInterleavedZeroBubble,
-    ScheduleLoopedBFS,
-    ScheduleZBVZeroBubble,
-)
 
+# Schedule name -> (torch.distributed.pipelining.schedules class, whether it runs several stages per rank).
+# torch's pipelining package imports torch._dynamo (about a second per process), so it is imported only by a
+# run that builds a pipeline; tests/test_parallel.py checks the flags against torch's classes.
 SCHEDULES = {
-    "GPipe": ScheduleGPipe,
-    "1F1B": Schedule1F1B,
-    "Interleaved1F1B": ScheduleInterleaved1F1B,
-    "LoopedBFS": ScheduleLoopedBFS,
-    "InterleavedZeroBubble": ScheduleInterleavedZeroBubble,
-    "ZBVZeroBubble": ScheduleZBVZeroBubble,
-    "DualPipeV": ScheduleDualPipeV,
+    "GPipe": ("ScheduleGPipe", False),
+    "1F1B": ("Schedule1F1B", False),
+    "Interleaved1F1B": ("ScheduleInterleaved1F1B", True),
+    "LoopedBFS": ("ScheduleLoopedBFS", True),
+    "InterleavedZeroBubble": ("ScheduleInterleavedZeroBubble", True),
+    "ZBVZeroBubble": ("ScheduleZBVZeroBubble", True),
+    "DualPipeV": ("ScheduleDualPipeV", True),
 }
 V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
 
 
+def schedule_class(schedule: str) -> type:
+    """torch's class for the schedule named ``schedule`` (a key of SCHEDULES)."""
+    from torch.distributed.pipelining import schedules
+
+    return getattr(schedules, SCHEDULES[schedule][0])
+
+
 def is_multi_stage(schedule: str, csv: str = "") -> bool:
-    return bool(csv) or issubclass(SCHEDULES[schedule], PipelineScheduleMulti)
+    return bool(csv) or SCHEDULES[schedule][1]
 
 
 def num_stages(pp: int, schedule: str, virtual_stages: int, csv: str = "") -> int:
@@ -95,12 +93,15 @@ def stage_module(model: nn.Module, stage: int, n_stages: int, layers: range) -> 
     return part
 
 
-def build_stages(modules: list[nn.Module], ids: list[int], n_stages: int, pp_group, device) -> list[PipelineStage]:
+def build_stages(modules: list[nn.Module], ids: list[int], n_stages: int, pp_group, device) -> list:
+    """One torch PipelineStage per module of this rank."""
+    from torch.distributed.pipelining import PipelineStage
+
     return [PipelineStage(m, stage_index=i, num_stages=n_stages, device=device, group=pp_group)
             for m, i in zip(modules, ids)]
 
 
-def build_schedule(stages: list[PipelineStage], schedule: str, n_microbatches: int, loss_fn: Callable,
+def build_schedule(stages: list, schedule: str, n_microbatches: int, loss_fn: Callable,
                    csv: str = ""):
     """The schedule driving ``stages``. Gradients are not scaled by the microbatch count: the loss is
     already normalized by the global number of target tokens."""
@@ -110,8 +111,8 @@ def build_schedule(stages: list[PipelineStage], schedule: str, n_microbatches: i
         runtime = _PipelineScheduleRuntime(stages, n_microbatches, loss_fn=loss_fn, scale_grads=False)
         runtime._load_csv(csv)
         return runtime
-    cls = SCHEDULES[schedule]
-    if issubclass(cls, PipelineScheduleSingle):
+    cls = schedule_class(schedule)
+    if not is_multi_stage(schedule):
         assert len(stages) == 1
         return cls(stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
     return cls(stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)

@@ -8,6 +8,7 @@ plan and holds the pieces around it that are the same for every model.
 from __future__ import annotations
 
 import contextlib
+import warnings
 
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -35,4 +36,6 @@ def enable_async_tp(tp_mesh) -> None:
     from torch.distributed._symmetric_memory import enable_symm_mem_for_group
 
     inductor_config._micro_pipeline_tp = True
-    enable_symm_mem_for_group(tp_mesh.get_group().group_name)
+    with warnings.catch_warnings():  # needed on torch 2.11; newer torch deprecates it as a no-op
+        warnings.simplefilter("ignore", FutureWarning)
+        enable_symm_mem_for_group(tp_mesh.get_group().group_name)

@@ -1,11 +1,12 @@
 """A multi-rank harness: run N training steps of the debug model under several layouts and compare each with a
-single-process reference.
+single-process reference; ``run_jobs`` runs any other per-rank function the same way.
 
-Processes are spawned once per world size (gloo, CPU) and run every layout of that size in turn, on the same
-process group. Every run sees the same global batches: the reference reads them whole; a parallel run's
-data-parallel rank ``r`` takes its rows (and, with gradient accumulation, its microbatches) of the same batch,
-so the losses must agree to rounding. Results (per-step loss and gradient norm, the first step's full
-gradients) are written by rank 0 to ``<out>/<layout name>.pt``.
+Processes are started once per world size (gloo, CPU; forked from a forkserver that has torch and the engine
+imported already) and run every layout of that size in turn, on the same process group. Every run sees the
+same global batches: the reference reads them whole; a parallel run's data-parallel rank ``r`` takes its rows
+(and, with gradient accumulation, its microbatches) of the same batch, so the losses must agree to rounding.
+Results (per-step loss and gradient norm, the first step's full gradients) are written by rank 0 to
+``<out>/<layout name>.pt``.
 """
 
 from __future__ import annotations
@@ -64,6 +65,13 @@ def run_layout(args: list[str], world_size: int, rank: int, batches, dump: str) 
     accum = trainer.grad_accum
     local = cfg.training.local_batch_size
     losses, norms, grads = [], [], {}
+
+    def record_grads():  # the first step's gradients, complete and not yet clipped
+        for part in trainer.model_parts:  # with pipeline stages: only this rank's stages
+            for name, p in part.named_parameters():
+                g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+                grads[_strip(name)] = g.detach().clone()
+
     for step, batch in enumerate(batches):
         rows = batch["input_ids"].shape[0]
         assert rows == local * dp * accum, (rows, local, dp, accum)
@@ -72,31 +80,26 @@ def run_layout(args: list[str], world_size: int, rank: int, batches, dump: str) 
             {key: v[(k * dp + dp_rank) * local:(k * dp + dp_rank + 1) * local] for key, v in batch.items()}
             for k in range(accum)
         ]
-        if step == 0:
-            loss = trainer.forward_backward(micro)
-            for part in trainer.model_parts:  # with pipeline stages: only this rank's stages
-                for name, p in part.named_parameters():
-                    g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
-                    grads[_strip(name)] = g.detach().clone()
-            trainer.optimizer.zero_grad(set_to_none=True)
-        loss, norm = trainer.train_step(micro)
+        loss, norm = trainer.train_step(micro, after_backward=record_grads if step == 0 else None)
         losses.append(float(loss))
         norms.append(float(norm))
     trainer.metrics.close()
     return {"losses": losses, "grad_norms": norms, "grads": grads} if rank == 0 else None
 
 
-def _worker(rank: int, world_size: int, port: int, layouts: dict[str, list[str]], batches_by_name, out: str):
+def _worker(rank: int, world_size: int, port: int, fn, jobs: dict[str, tuple], out: str):
     import torch.distributed as dist
 
     os.chdir(ROOT)
+    torch.set_num_threads(1)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    if world_size > 1:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
-        for name, args in layouts.items():
+        for name, job in jobs.items():
             try:
-                result = run_layout(args, world_size, rank, batches_by_name[name], os.path.join(out, name))
+                result = fn(world_size, rank, *job)
             except Exception:
                 result = {"error": traceback.format_exc()}
                 if rank == 0:
@@ -104,16 +107,42 @@ def _worker(rank: int, world_size: int, port: int, layouts: dict[str, list[str]]
                 raise
             if rank == 0:
                 torch.save(result, os.path.join(out, f"{name}.pt"))
-            dist.barrier()
+            if world_size > 1:
+                dist.barrier()
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+# Modules every rank imports. A forkserver (one per test session) imports them once, and each rank is forked from
+# it ready to run, instead of every spawned rank importing torch and the engine again (seconds per rank on 2 cores).
+PRELOAD = ["torch", "torch.distributed.tensor", "engine.trainer", "engine.data.loader", "tests.parallel_harness"]
+
+
+def start_method() -> str:
+    """``forkserver`` with the engine preloaded (one thread per rank: the ranks share few cores)."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return "forkserver"
+
+
+def run_jobs(world_size: int, fn, jobs: dict[str, tuple], out: str) -> dict:
+    """Run ``fn(world_size, rank, *job)`` for every job in turn on ``world_size`` gloo ranks (one process group,
+    processes forked from the preloaded forkserver); returns rank 0's results by job name. ``fn`` must be a
+    module-level function of an importable module (the ranks import it by name)."""
+    os.makedirs(out, exist_ok=True)
+    mp.start_processes(_worker, args=(world_size, free_port(), fn, jobs, out), nprocs=world_size, join=True,
+                       start_method=start_method())
+    return {name: torch.load(os.path.join(out, f"{name}.pt"), weights_only=False) for name in jobs}
+
+
+def _run_layout_job(world_size: int, rank: int, args: list[str], batches, dump: str):
+    return run_layout(args, world_size, rank, batches, dump)
 
 
 def run_world(world_size: int, layouts: dict[str, list[str]], batches_by_name: dict, out: str) -> dict[str, dict]:
-    """Run every layout on ``world_size`` spawned gloo ranks; returns rank 0's results by layout name."""
-    os.makedirs(out, exist_ok=True)
-    mp.start_processes(
-        _worker, args=(world_size, free_port(), layouts, batches_by_name, out), nprocs=world_size,
-        join=True, start_method="spawn",
-    )
-    return {name: torch.load(os.path.join(out, f"{name}.pt")) for name in layouts}
+    """Train every layout on ``world_size`` gloo ranks; returns rank 0's results by layout name."""
+    jobs = {name: (args, batches_by_name[name], os.path.join(out, name)) for name, args in layouts.items()}
+    return run_jobs(world_size, _run_layout_job, jobs, out)

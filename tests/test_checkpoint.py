@@ -24,6 +24,7 @@ from engine.checkpoint import COMMIT_FILE, find_resume_point, inspect_checkpoint
 from engine.config import ConfigError, parse_args
 from engine.data.loader import build_dataloader
 from engine.data.tokenizer import build_tokenizer
+from tests.parallel_harness import run_jobs
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE = [
@@ -87,7 +88,9 @@ def test_kill_after_step_10_and_resume_is_bit_identical(reference, tmp_path):
 
 def test_kill_and_resume_is_bit_identical_under_fsdp2_tp2(tmp_path):
     whole, cut = tmp_path / "whole", tmp_path / "cut"
-    train(whole, *FSDP2_TP2, ngpu=4)
+    run = train(whole, *FSDP2_TP2, ngpu=4)  # also the plain run_train.sh check of 4 CPU ranks under torchrun
+    assert "dp_shard 2 x cp 1 x tp 2" in run.stdout
+    assert sorted(metrics(whole)) == list(range(1, 21)) and metrics(whole)[20]["loss"] < metrics(whole)[1]["loss"]
     killed = train(cut, *FSDP2_TP2, ngpu=4, fault="10:committed", check=False)
     assert killed.returncode != 0
     resumed = train(cut, *FSDP2_TP2, ngpu=4)
@@ -166,16 +169,40 @@ RESHARD = ["--training.steps", "8", "--checkpoint.interval", "4", "--training.gl
            "--data.num_shards", "4"]
 
 
-def probe(out: Path, dump: Path, nproc: int, *args: str) -> list[dict]:
-    cmd = [sys.executable, "tests/ckpt_probe.py", str(out), "2", *BASE, *RESHARD,
-           "--checkpoint.folder", str(dump / "checkpoint"), "--job.dump_folder", str(out.parent / out.stem), *args]
-    if nproc > 1:
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--rdzv_backend=c10d",
-               "--rdzv_endpoint=localhost:0", *cmd[1:]]
-    env = {k: v for k, v in os.environ.items() if k != "TESSERA_FAULT_AT"}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return json.loads(out.read_text())
+def resume_probe_job(world_size: int, rank: int, steps: int, argv: list[str]) -> list[dict]:
+    """On every rank: build the Trainer for ``argv``, which resumes from the run's newest checkpoint on this
+    layout; check that every model and optimizer value this rank holds equals the checkpoint's (read whole),
+    and draw the next ``steps`` steps' batches (without training) to record their sample ids. Returns what
+    every rank found."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from engine.config import validate
+    from engine.distributed import init_distributed
+    from engine.trainer import Trainer
+
+    cfg = parse_args(argv)
+    validate(cfg, world_size)
+    trainer = Trainer(cfg, init_distributed())
+    assert trainer.resume_from is not None, "the probe expects a checkpoint to resume from"
+    saved = read_full(trainer.resume_from.folder)
+    held = {**trainer.checkpointer.model_state(), **trainer.checkpointer.optimizer_state()[0]}
+    mismatched = []
+    for key, value in held.items():
+        whole = value.full_tensor() if isinstance(value, DTensor) else value
+        if not torch.equal(whole.detach().cpu(), saved[key]):
+            mismatched.append(key)
+    batches = iter(trainer.dataloader)
+    ids = [[int(i) for _ in range(trainer.grad_accum) for i in next(batches)["sample_ids"]] for _ in range(steps)]
+    mine = {"rank": rank, "dp_leader": trainer.dims.is_dp_leader(), "step": trainer.step, "keys": sorted(held),
+            "mismatched": mismatched, "ids": ids}
+    trainer.checkpointer.close()
+    trainer.metrics.close()
+    everyone = [mine]
+    if world_size > 1:
+        everyone = [None] * world_size
+        dist.all_gather_object(everyone, mine)
+    return everyone
 
 
 def test_resume_fsdp4_checkpoint_on_other_layouts(tmp_path):
@@ -192,19 +219,22 @@ def test_resume_fsdp4_checkpoint_on_other_layouts(tmp_path):
     all_keys = sorted(read_full(str(saved / "checkpoint" / "step-000004")))
 
     layouts = {
-        "fsdp2_tp2": (4, FSDP2_TP2),
-        "fsdp2": (2, []),
-        "one_rank": (1, []),
-        "pp2_fsdp2": (4, ["--parallelism.pp", "2", "--parallelism.dp_shard", "2"]),
+        4: {"fsdp2_tp2": FSDP2_TP2, "pp2_fsdp2": ["--parallelism.pp", "2", "--parallelism.dp_shard", "2"]},
+        2: {"fsdp2": []},
+        1: {"one_rank": []},
     }
-    for name, (nproc, args) in layouts.items():
-        ranks = probe(tmp_path / f"{name}.json", saved, nproc, *args)
-        assert all(r["step"] == 4 for r in ranks), name
-        assert not [r["mismatched"] for r in ranks if r["mismatched"]], name  # model and optimizer equal
-        assert sorted({k for r in ranks for k in r["keys"]}) == all_keys, name  # every value held somewhere
-        leaders = [r for r in ranks if r["dp_leader"]]
-        got = [sorted(i for r in leaders for i in r["ids"][step]) for step in range(2)]
-        assert got == expected, name  # the same samples: none repeated, none skipped
+    for world, jobs in layouts.items():
+        argv = [*BASE, *RESHARD, "--checkpoint.folder", str(saved / "checkpoint")]
+        results = run_jobs(world, resume_probe_job, {
+            name: (2, [*argv, "--job.dump_folder", str(tmp_path / name), *args]) for name, args in jobs.items()
+        }, str(tmp_path / f"world{world}"))
+        for name, ranks in results.items():
+            assert len(ranks) == world and all(r["step"] == 4 for r in ranks), name
+            assert not [r["mismatched"] for r in ranks if r["mismatched"]], name  # model and optimizer equal
+            assert sorted({k for r in ranks for k in r["keys"]}) == all_keys, name  # every value held somewhere
+            leaders = [r for r in ranks if r["dp_leader"]]
+            got = [sorted(i for r in leaders for i in r["ids"][step]) for step in range(2)]
+            assert got == expected, name  # the same samples: none repeated, none skipped
 
 
 # ------------------------------------------------------------------------------------------------------------

@@ -27,7 +27,7 @@ from parallelize.context import (
     shard_sequence,
     unshard_sequence,
 )
-from tests.parallel_harness import free_port
+from tests.parallel_harness import free_port, start_method
 
 B, HQ, HKV, D = 2, 4, 2, 16
 SEQ_LENS = {2: (32, 96), 4: (64, 128)}  # S = 2 * cp * chunk: chunks of 8 and a longer case
@@ -88,7 +88,7 @@ def _worker(rank: int, world_size: int, port: int) -> None:
 
 @pytest.mark.parametrize("cp", [2, 4])
 def test_ring_attention_matches_full_attention(cp):
-    mp.start_processes(_worker, args=(cp, free_port()), nprocs=cp, start_method="spawn")
+    mp.start_processes(_worker, args=(cp, free_port()), nprocs=cp, start_method=start_method())
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -204,3 +204,18 @@ def test_memory_command(capsys):
     rc = memory.main(["--config", "train_configs/llama3_8b.toml", "--ngpu", "6", "--parallelism.tp", "4"])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and err[0].startswith("error: parallelism.dp_shard"), err
+
+
+def test_dry_run_validates_for_the_cluster_gpus_not_this_cpu():
+    """float8, flash_attn and async TP are refused by a launch on this CPU machine, but a dry run plans for
+    Hopper GPUs: the same config is validated, built and tabled."""
+    argv = ["--config", "train_configs/llama3_8b.toml", "--model.hf_assets_path=", "--float8.enable",
+            "--parallelism.tp", "2", "--compile.enable", "--parallelism.enable_async_tp", "--model.attn", "sdpa"]
+    env = dict(os.environ, NGPU="8", PYTHON=sys.executable)
+    launch = subprocess.run(["./run_train.sh", *argv], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert launch.returncode == 2 and launch.stderr.startswith("error: parallelism.enable_async_tp: needs"), launch.stderr
+    proc, _ = run_dry(8, *argv)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "validated for CUDA GPUs of compute capability 9.0 with flash-attn" in proc.stdout
+    assert "mesh: pp 1 x dp_replicate 1 x dp_shard 4 x cp 1 x tp 2 = 8 ranks" in proc.stdout
+    assert "FutureWarning" not in proc.stderr

@@ -10,35 +10,47 @@ from pathlib import Path
 
 import pytest
 
+from tests.parallel_harness import run_jobs
+
 ROOT = Path(__file__).resolve().parents[1]
 BASE = ["--training.seq_len", "32", "--training.local_batch_size", "4", "--training.global_batch_size", "4",
         "--lr_scheduler.warmup_steps", "1", "--debug.deterministic", "--data.num_shards", "2"]
 
 
-def evaluate(tmp: Path, name: str, nproc: int, *args: str) -> float:
-    out = tmp / f"{name}.json"
-    cmd = [sys.executable, "tests/eval_probe.py", str(out), *BASE, "--job.dump_folder", str(tmp / name), *args]
-    if nproc > 1:
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--rdzv_backend=c10d",
-               "--rdzv_endpoint=localhost:0", *cmd[1:]]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env={k: v for k, v in os.environ.items() if k != "TESSERA_FAULT_AT"})
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return json.loads(out.read_text())["loss"]
+def evaluate_job(world_size: int, rank: int, argv: list[str]) -> float:
+    """On every rank: build the Trainer for ``argv`` and evaluate (no gradients) the first two batches of every
+    data-parallel rank; the loss, the same on every rank."""
+    from engine.config import parse_args, validate
+    from engine.distributed import init_distributed
+    from engine.trainer import Trainer
+
+    cfg = parse_args(argv)
+    validate(cfg, world_size)
+    trainer = Trainer(cfg, init_distributed())
+    batches = iter(trainer.dataloader)
+    loss = float(trainer.evaluate([next(batches) for _ in range(2)]))
+    trainer.metrics.close()
+    return loss
 
 
 LAYOUTS = {
-    "pp2_dualpipev": (2, ["--parallelism.pp", "2", "--parallelism.pp_schedule", "DualPipeV"]),
-    "pp2_tp2": (4, ["--parallelism.pp", "2", "--parallelism.tp", "2"]),
-    "fsdp2_cp2": (4, ["--parallelism.dp_shard", "2", "--parallelism.cp", "2", "--training.local_batch_size", "2"]),
+    2: {"pp2_dualpipev": ["--parallelism.pp", "2", "--parallelism.pp_schedule", "DualPipeV"]},
+    4: {
+        "pp2_tp2": ["--parallelism.pp", "2", "--parallelism.tp", "2"],
+        "fsdp2_cp2": ["--parallelism.dp_shard", "2", "--parallelism.cp", "2", "--training.local_batch_size", "2"],
+    },
 }
 
 
 def test_evaluation_matches_the_single_process_on_every_layout(tmp_path):
-    reference = evaluate(tmp_path, "single", 1)
+    def jobs(layouts):
+        return {name: ([*BASE, *args, "--job.dump_folder", str(tmp_path / name)],) for name, args in layouts.items()}
+
+    reference = run_jobs(1, evaluate_job, jobs({"single": []}), str(tmp_path))["single"]
     assert 5 < reference < 12  # an untrained model: about ln(vocab)
-    for name, (nproc, args) in LAYOUTS.items():
-        assert evaluate(tmp_path, name, nproc, *args) == pytest.approx(reference, rel=1e-5), name  # same samples
+    for world, layouts in LAYOUTS.items():
+        for name, loss in run_jobs(world, evaluate_job, jobs(layouts), str(tmp_path)).items():
+            assert loss == pytest.approx(reference, rel=1e-5), name  # the same samples
 
 
 def test_validation_during_training_is_logged(tmp_path):

@@ -102,7 +102,7 @@ def test_param_counts_small_flavors():
 
 def test_flops_per_token_8b_hand_count():
     # Published Llama 3 8B shapes.
-    dim, n_layers, n_heads, head_dim, vocab, seq_len = 4096, 32, 32, 128, 128256, 8192
+    n_layers, n_heads, head_dim, seq_len = 32, 32, 128, 8192  # dim 4096, vocabulary 128256
     embedding = 128256 * 4096
     per_layer = (
         4096 * 4096  # wq

@@ -139,3 +139,16 @@ def test_parallel_layouts_match_single_process(world_results, reference):
         except AssertionError as e:
             failures.append(f"{name}: {str(e)[:600]}")
     assert not failures, "\n".join(failures)
+
+
+def test_schedule_table_matches_torch():
+    """parallelize/pipeline.py names torch's schedule classes without importing them: the names exist and the
+    multi-stage flags agree with torch's class hierarchy."""
+    from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
+
+    from parallelize.pipeline import SCHEDULES, is_multi_stage, schedule_class
+
+    assert sorted(SCHEDULES) == sorted(PP_SCHEDULES)
+    for name in SCHEDULES:
+        cls = schedule_class(name)
+        assert issubclass(cls, PipelineScheduleMulti if is_multi_stage(name) else PipelineScheduleSingle), name

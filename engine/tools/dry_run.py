@@ -172,7 +172,7 @@ def run(argv: list[str]) -> int:
 
     import os
 
-    from engine.config import parse_args
+    from engine.config import HOPPER, parse_args
 
     start = time.perf_counter()
     # A planning machine may lack the tokenizer folder: the flavor then gives the vocabulary. Noted, not fatal.
@@ -182,7 +182,9 @@ def run(argv: list[str]) -> int:
         notes.append(f"note: model.hf_assets_path '{assets}' not found (a real launch stops there); the dry run "
                      "takes the vocabulary from the flavor")
         argv = [*argv, "--model.hf_assets_path="]
-    cfg = check(argv)  # the launch's own validation, for WORLD_SIZE ranks
+    # The launch's own validation, for WORLD_SIZE ranks of the cluster's GPUs (not this machine's): float8,
+    # flash_attn, async TP and CPU offload are planned here for Hopper GPUs even on a CPU login node.
+    cfg = check(argv, HOPPER)
     world_size = world_size_from_env()
     gpu_gib = memory.gpu_memory_from_env()
     spec = get_model_spec(cfg.model.name)
@@ -195,7 +197,8 @@ def run(argv: list[str]) -> int:
     dims = ParallelDims.from_config(cfg.parallelism, world_size)
 
     print(f"dry run: {cfg.model.name}/{cfg.model.flavor} on {world_size:,} simulated ranks (fake process group, "
-          f"meta device)")
+          f"meta device), validated for CUDA GPUs of compute capability "
+          f"{HOPPER.cuda_capability[0]}.{HOPPER.cuda_capability[1]} with flash-attn)")
     for note in notes:
         print(note)
     print(f"model: {n_params / 1e9:.2f}B parameters, {spec.flops_per_token(args, cfg.training.seq_len) / 1e9:,.1f} "
