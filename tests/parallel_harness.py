@@ -138,6 +138,20 @@ def run_jobs(world_size: int, fn, jobs: dict[str, tuple], out: str) -> dict:
     return {name: torch.load(os.path.join(out, f"{name}.pt"), weights_only=False) for name in jobs}
 
 
+def train_job(world_size: int, rank: int, argv: list[str]) -> None:
+    """A whole training run (``Trainer.train``) of ``argv`` on this rank, as ``./run_train.sh`` runs it: the debug
+    config unless ``argv`` names another; metrics.jsonl, checkpoints and plots in the run's dump folder."""
+    from engine.config import parse_args, validate
+    from engine.distributed import init_distributed
+    from engine.trainer import Trainer
+
+    if not any(a == "--config" or a.startswith("--config=") for a in argv):
+        argv = ["--config", "train_configs/debug_model.toml", *argv]
+    cfg = parse_args(argv)
+    validate(cfg, world_size)
+    Trainer(cfg, init_distributed()).train()
+
+
 def _run_layout_job(world_size: int, rank: int, args: list[str], batches, dump: str):
     return run_layout(args, world_size, rank, batches, dump)
 

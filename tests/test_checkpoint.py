@@ -24,7 +24,7 @@ from engine.checkpoint import COMMIT_FILE, find_resume_point, inspect_checkpoint
 from engine.config import ConfigError, parse_args
 from engine.data.loader import build_dataloader
 from engine.data.tokenizer import build_tokenizer
-from tests.parallel_harness import run_jobs
+from tests.parallel_harness import run_jobs, train_job
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE = [
@@ -88,11 +88,12 @@ def test_kill_after_step_10_and_resume_is_bit_identical(reference, tmp_path):
 
 def test_kill_and_resume_is_bit_identical_under_fsdp2_tp2(tmp_path):
     whole, cut = tmp_path / "whole", tmp_path / "cut"
-    run = train(whole, *FSDP2_TP2, ngpu=4)  # also the plain run_train.sh check of 4 CPU ranks under torchrun
-    assert "dp_shard 2 x cp 1 x tp 2" in run.stdout
+    # The uninterrupted run on 4 harness ranks; the interrupted one through run_train.sh (torchrun), which is
+    # also the plain check of a 4-rank CPU launch.
+    run_jobs(4, train_job, {"whole": ([*BASE, *FSDP2_TP2, "--job.dump_folder", str(whole)],)}, str(tmp_path / "jobs"))
     assert sorted(metrics(whole)) == list(range(1, 21)) and metrics(whole)[20]["loss"] < metrics(whole)[1]["loss"]
     killed = train(cut, *FSDP2_TP2, ngpu=4, fault="10:committed", check=False)
-    assert killed.returncode != 0
+    assert killed.returncode != 0 and "dp_shard 2 x cp 1 x tp 2" in killed.stdout
     resumed = train(cut, *FSDP2_TP2, ngpu=4)
     assert "resumed from step 10" in resumed.stdout
     assert curve(cut, range(11, 21)) == curve(whole, range(11, 21))
@@ -207,7 +208,8 @@ def resume_probe_job(world_size: int, rank: int, steps: int, argv: list[str]) ->
 
 def test_resume_fsdp4_checkpoint_on_other_layouts(tmp_path):
     saved = tmp_path / "fsdp4"
-    train(saved, *RESHARD, "--training.steps", "4", ngpu=4)
+    run_jobs(4, train_job, {"fsdp4": ([*BASE, *RESHARD, "--training.steps", "4", "--job.dump_folder", str(saved)],)},
+             str(tmp_path / "jobs"))
     # The samples the uninterrupted FSDP 4 run reads in steps 5 and 6.
     cfg = parse_args([*BASE, *RESHARD])
     tok = build_tokenizer(cfg)
@@ -377,9 +379,11 @@ def test_hf_export_and_import_start_a_run_from_the_same_weights(reference, tmp_p
     back = read_full(str(tmp_path / "back"), "model.")
     assert sorted(model) == sorted(back) and all(torch.equal(model[k], back[k]) for k in model)
     # Training from the HF folder starts from exactly the weights of training from the Tessera step.
-    one = ["--training.steps", "2", "--checkpoint.enable", "false"]
-    train(tmp_path / "from_hf", *one, "--checkpoint.initial_load_path", str(tmp_path / "hf"))
-    train(tmp_path / "from_step", *one, "--checkpoint.initial_load_path", str(step))
+    one = [*BASE, "--training.steps", "2", "--checkpoint.enable", "false"]
+    run_jobs(1, train_job, {
+        name: ([*one, "--checkpoint.initial_load_path", str(start), "--job.dump_folder", str(tmp_path / name)],)
+        for name, start in (("from_hf", tmp_path / "hf"), ("from_step", step))
+    }, str(tmp_path / "jobs"))
     assert curve(tmp_path / "from_hf", [1, 2]) == curve(tmp_path / "from_step", [1, 2])
     assert metrics(tmp_path / "from_hf")[1]["loss"] < metrics(reference)[1]["loss"] - 1  # trained weights
 
@@ -389,7 +393,9 @@ def test_seed_checkpoint_starts_any_layout_from_the_same_weights(tmp_path):
     train(seed, "--checkpoint.create_seed_checkpoint", "--debug.seed", "7")
     folder = seed / "checkpoint" / "step-000000"
     assert inspect_checkpoint(str(folder), "checkpoint").model_only
-    one = ["--training.steps", "2", "--checkpoint.enable", "false"]
-    train(tmp_path / "seeded", *one, "--checkpoint.initial_load_path", str(folder), ngpu=2)
-    train(tmp_path / "direct", *one, "--debug.seed", "7", ngpu=2)
+    one = [*BASE, "--training.steps", "2", "--checkpoint.enable", "false"]
+    run_jobs(2, train_job, {  # FSDP 2: both runs in one pair of ranks
+        "seeded": ([*one, "--checkpoint.initial_load_path", str(folder), "--job.dump_folder", str(tmp_path / "seeded")],),
+        "direct": ([*one, "--debug.seed", "7", "--job.dump_folder", str(tmp_path / "direct")],),
+    }, str(tmp_path / "jobs"))
     assert curve(tmp_path / "seeded", [1, 2]) == curve(tmp_path / "direct", [1, 2])
