@@ -51,7 +51,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from engine.config import Config, ConfigError
+from engine.config import Config, ConfigError, read_json_object
 
 COMMIT_FILE = "COMMITTED.json"
 TRAIN_STATE_FILE = "train_state.json"
@@ -114,20 +114,7 @@ class SafeFileSystemReader(FileSystemReader):
         return metadata
 
 
-def _read_json(path: str, what: str) -> dict:
-    try:
-        with open(path) as f:
-            data = json.load(f)
-    except FileNotFoundError:
-        raise ConfigError(f"{what}: {path} is missing") from None
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"{what}: {path} is not readable JSON ({e})") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{what}: {path} does not hold a JSON object")
-    return data
-
-
-def _write_json(path: str, data: dict) -> None:
+def write_json(path: str, data: dict) -> None:
     """Write atomically: a reader sees the old file or the whole new one."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = f"{path}.tmp{os.getpid()}"
@@ -136,6 +123,18 @@ def _write_json(path: str, data: dict) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def write_commit_marker(folder: str, step: int) -> dict[str, int]:
+    """Mark the step folder ``folder`` complete, once everything else in it is written: the marker lists every
+    file with its size, which inspect_checkpoint compares. Returns that list."""
+    files = {}
+    for dirpath, _, names in os.walk(folder):
+        for name in names:
+            path = os.path.join(dirpath, name)
+            files[os.path.relpath(path, folder)] = os.path.getsize(path)
+    write_json(os.path.join(folder, COMMIT_FILE), {"step": step, "files": files, "time": time.time()})
+    return files
 
 
 def is_complete(folder: str) -> bool:
@@ -184,7 +183,7 @@ def inspect_checkpoint(folder: str, field: str, cfg: Optional[Config] = None) ->
     if not is_complete(folder):
         raise ConfigError(f"{field}: {folder} is an incomplete checkpoint (no {COMMIT_FILE}: the save did not "
                           "finish); pick another step with checkpoint.load_step")
-    commit = _read_json(os.path.join(folder, COMMIT_FILE), field)
+    commit = read_json_object(os.path.join(folder, COMMIT_FILE), field)
     for rel, size in dict(commit.get("files", {})).items():
         path = os.path.join(folder, rel)
         if not os.path.isfile(path):
@@ -204,7 +203,7 @@ def inspect_checkpoint(folder: str, field: str, cfg: Optional[Config] = None) ->
         if isinstance(md, BytesStorageMetadata):
             raise ConfigError(f"{field}: {folder} holds a pickled object ({key}); Tessera does not load those")
         tensors[key] = md
-    state = _read_json(os.path.join(folder, TRAIN_STATE_FILE), field)
+    state = read_json_object(os.path.join(folder, TRAIN_STATE_FILE), field)
     if state.get("format") != FORMAT_VERSION:
         raise ConfigError(f"{field}: {folder}/{TRAIN_STATE_FILE} has format {state.get('format')}, expected {FORMAT_VERSION}")
     if cfg is not None and (state.get("model"), state.get("flavor")) != (cfg.model.name, cfg.model.flavor):
@@ -378,7 +377,7 @@ class Checkpointer:
     def _write_small_files(self, folder: str, step: int, model_only: bool, dtype: str) -> None:
         t = self.trainer
         if self.is_main:
-            _write_json(os.path.join(folder, TRAIN_STATE_FILE), {
+            write_json(os.path.join(folder, TRAIN_STATE_FILE), {
                 "format": FORMAT_VERSION,
                 "step": step,
                 "model_only": model_only,
@@ -394,20 +393,15 @@ class Checkpointer:
         if model_only:
             return
         if t.dims.is_dp_leader():  # one copy per data-parallel rank
-            _write_json(os.path.join(folder, "dataloader", f"dp-{t.dp_rank:05d}.json"), t.dataloader.state_dict())
-        _write_json(os.path.join(folder, "rng", f"rank-{self.rank:05d}.json"), rng_state())
+            write_json(os.path.join(folder, "dataloader", f"dp-{t.dp_rank:05d}.json"), t.dataloader.state_dict())
+        write_json(os.path.join(folder, "rng", f"rank-{self.rank:05d}.json"), rng_state())
 
     def _commit(self, step: int, folder: str, seconds: float, model_only: bool, overlapped: int = 0) -> None:
         """Every rank has written everything: rank 0 writes the marker listing every file, then retention."""
         self._barrier()
         if self.is_main:
-            files = {}
-            for dirpath, _, names in os.walk(folder):
-                for name in names:
-                    path = os.path.join(dirpath, name)
-                    files[os.path.relpath(path, folder)] = os.path.getsize(path)
             _fault(step, "before_commit")
-            _write_json(os.path.join(folder, COMMIT_FILE), {"step": step, "files": files, "time": time.time()})
+            files = write_commit_marker(folder, step)
             size = sum(files.values()) / 2**20
             how = f"in the background over {overlapped} training steps, " if overlapped else ""
             self._log(f"checkpoint: step {step} committed ({'model only, ' if model_only else ''}{size:.1f} MiB "
@@ -490,7 +484,7 @@ class Checkpointer:
         saved_layout = (info.train_state.get("world_size"), info.train_state.get("layout"))
         if saved_layout == (self.world_size, self.trainer.dims.describe()):
             rng_file = os.path.join(info.folder, "rng", f"rank-{self.rank:05d}.json")
-            set_rng_state(_read_json(rng_file, "checkpoint.folder"))
+            set_rng_state(read_json_object(rng_file, "checkpoint.folder"))
         self._log(f"checkpoint: resumed from step {info.step} ({info.folder}, saved on {saved_layout[1]}) in "
                   f"{time.perf_counter() - t0:.2f}s")
         return info.step
@@ -551,7 +545,7 @@ class Checkpointer:
         shards: dict[str, dict] = {}
         turn = 0
         for old_rank in sorted({s % old_dp for s in t.dataloader.shard_ids}):
-            saved = _read_json(os.path.join(info.folder, "dataloader", f"dp-{old_rank:05d}.json"), "checkpoint.folder")
+            saved = read_json_object(os.path.join(info.folder, "dataloader", f"dp-{old_rank:05d}.json"), "checkpoint.folder")
             shards.update(saved["shards"])
             turn = saved.get("turn", 0)
         t.dataloader.load_state_dict({"version": 1, "num_shards": num_shards, "turn": turn, "shards": shards})

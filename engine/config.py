@@ -31,6 +31,23 @@ class ConfigError(ValueError):
     """A user error in the configuration; the message names the offending field."""
 
 
+def read_json_object(path: str, field: str) -> dict:
+    """The JSON object in the file ``path`` (a checkpoint's or an HF folder's metadata); ConfigError naming
+    ``field`` when the file is missing, is not JSON, or holds something else."""
+    import json
+
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"{field}: {path} is missing") from None
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise ConfigError(f"{field}: cannot read '{path}' as JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{field}: '{path}' does not hold a JSON object")
+    return data
+
+
 # --------------------------------------------------------------------------------------------------------
 # Sections
 # --------------------------------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
+from engine.config import read_json_object
 from models import get_model_spec, model_names
 
 __all__ = ["export_hf", "load_hf", "MAX_SHARD_BYTES"]
@@ -183,21 +184,12 @@ def export_hf(
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def _read_json(path: str, field: str) -> Any:
-    """The contents of the JSON file ``path``; ``ValueError`` naming ``field`` when it is not valid JSON."""
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{field}: cannot read '{path}' as JSON ({e})") from None
-
-
 def _weight_files(folder: str, field: str) -> dict[str, Optional[list[str]]]:
     """The safetensors files of the checkpoint in ``folder``, each with the tensor names the index puts in it
     (None without an index: the single ``model.safetensors``)."""
     index_path = os.path.join(folder, INDEX_FILE)
     if os.path.isfile(index_path):
-        index = _read_json(index_path, field)
+        index = read_json_object(index_path, field)
         weight_map = index.get("weight_map") if isinstance(index, dict) else None
         if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
             raise ValueError(f"{field}: '{index_path}' has no weight_map object of tensor names to file names")
@@ -266,7 +258,7 @@ def load_hf(
             f"{field}: '{folder}' has no {CONFIG_FILE}; a Hugging Face checkpoint folder holds {CONFIG_FILE} and "
             f"{SINGLE_FILE} (or {INDEX_FILE} and its shards)"
         )
-    config = _read_json(config_path, field)
+    config = read_json_object(config_path, field)
     if not isinstance(config, dict):
         raise ValueError(f"{field}: '{config_path}' is not a JSON object")
     adapter = _adapter_for(args)

@@ -42,30 +42,25 @@ def to_hf(step_folder: str, out: str, dtype: str = "bfloat16", tokenizer: str = 
 
 
 def from_hf(hf_folder: str, out: str, flavor: str, model_name: str = "llama3") -> None:
-    import json
-
     import torch.distributed.checkpoint as dcp
 
-    from engine.checkpoint import COMMIT_FILE, FORMAT_VERSION, TRAIN_STATE_FILE, _write_json
+    from engine.checkpoint import FORMAT_VERSION, TRAIN_STATE_FILE, write_commit_marker, write_json
+    from engine.config import read_json_object
     from engine.hf import load_hf
 
     if os.path.exists(out) and os.listdir(out):
         raise ValueError(f"out: {out} exists and is not empty; give a new folder")
-    with open(os.path.join(hf_folder, "config.json")) as f:
-        vocab = int(json.load(f)["vocab_size"])
+    vocab = read_json_object(os.path.join(hf_folder, "config.json"), "hf_folder").get("vocab_size")
+    if not isinstance(vocab, int) or vocab <= 0:
+        raise ValueError(f"hf_folder: {hf_folder}/config.json has no positive integer vocab_size")
     args = _model_args(model_name, flavor, vocab)
     state = {f"model.{k}": v for k, v in load_hf(hf_folder, args, flavor=flavor, field="hf_folder").items()}
     dcp.save(state, checkpoint_id=out, no_dist=True)
-    _write_json(os.path.join(out, TRAIN_STATE_FILE), {
+    write_json(os.path.join(out, TRAIN_STATE_FILE), {
         "format": FORMAT_VERSION, "step": 0, "model_only": True, "model": model_name, "flavor": flavor,
         "dtype": "float32", "world_size": 1, "layout": "converted from Hugging Face", "source": hf_folder,
     })
-    files = {}
-    for dirpath, _, names in os.walk(out):
-        for name in names:
-            path = os.path.join(dirpath, name)
-            files[os.path.relpath(path, out)] = os.path.getsize(path)
-    _write_json(os.path.join(out, COMMIT_FILE), {"step": 0, "files": files})
+    write_commit_marker(out, 0)
     print(f"wrote {out} ({model_name}/{flavor}, model only, float32)")
 
 
