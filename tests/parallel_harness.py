@@ -11,9 +11,12 @@ Results (per-step loss and gradient norm, the first step's full gradients) are w
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import socket
 import traceback
+from typing import Optional
 
 import torch
 import torch.multiprocessing as mp
@@ -138,18 +141,28 @@ def run_jobs(world_size: int, fn, jobs: dict[str, tuple], out: str) -> dict:
     return {name: torch.load(os.path.join(out, f"{name}.pt"), weights_only=False) for name in jobs}
 
 
-def train_job(world_size: int, rank: int, argv: list[str]) -> None:
+def train_job(world_size: int, rank: int, argv: list[str], env: Optional[dict[str, str]] = None) -> str:
     """A whole training run (``Trainer.train``) of ``argv`` on this rank, as ``./run_train.sh`` runs it: the debug
-    config unless ``argv`` names another; metrics.jsonl, checkpoints and plots in the run's dump folder."""
+    config unless ``argv`` names another; metrics.jsonl, checkpoints and plots in the run's dump folder.
+    ``env`` sets (or, with an empty value, removes) environment variables first: the ranks inherit the
+    forkserver's environment, not the test's. Returns what the run printed."""
     from engine.config import parse_args, validate
     from engine.distributed import init_distributed
     from engine.trainer import Trainer
 
+    for key, value in (env or {}).items():
+        if value:
+            os.environ[key] = value
+        else:
+            os.environ.pop(key, None)
     if not any(a == "--config" or a.startswith("--config=") for a in argv):
         argv = ["--config", "train_configs/debug_model.toml", *argv]
     cfg = parse_args(argv)
     validate(cfg, world_size)
-    Trainer(cfg, init_distributed()).train()
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        Trainer(cfg, init_distributed()).train()
+    return printed.getvalue()
 
 
 def _run_layout_job(world_size: int, rank: int, args: list[str], batches, dump: str):

@@ -1,6 +1,8 @@
 """Checkpoints: stop and go bit-exact, kill -9 inside saves, resharding resume, async save, SIGTERM, bad input.
 
-Runs go through ./run_train.sh (one process, or torchrun on gloo) on the debug model with short sequences.
+Runs train the debug model with short sequences, as whole Trainer.train runs on ranks forked from the test
+harness's forkserver (tests/parallel_harness.py), and through ./run_train.sh (torchrun on gloo) where the
+launcher itself is under test: a 4-rank run SIGKILLed and resumed, SIGTERM forwarding, bad checkpoints.
 Faults are injected with TESSERA_FAULT_AT=<step>:<point> (engine/checkpoint.py), which kills the process
 with SIGKILL at that point of the save of that step.
 """
@@ -16,9 +18,11 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 import torch
+import torch.multiprocessing as mp
 
 from engine.checkpoint import COMMIT_FILE, find_resume_point, inspect_checkpoint, list_steps, read_full
 from engine.config import ConfigError, parse_args
@@ -35,16 +39,36 @@ BASE = [
 FSDP2_TP2 = ["--parallelism.dp_shard", "2", "--parallelism.tp", "2"]
 
 
-def train(dump: Path, *args: str, ngpu: int = 1, fault: str = "", check: bool = True, timeout: int = 300):
-    env = {**os.environ, "NGPU": str(ngpu), "PYTHON": sys.executable}
-    env.pop("TESSERA_FAULT_AT", None)
-    if fault:
-        env["TESSERA_FAULT_AT"] = fault
-    proc = subprocess.run(["./run_train.sh", *BASE, "--job.dump_folder", str(dump), *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+class Run(NamedTuple):
+    returncode: int
+    stdout: str
+    stderr: str = ""
+
+
+def train(dump: Path, *args: str, ngpu: int = 1, fault: str = "", check: bool = True, launcher: str = "harness"):
+    """Train ``BASE + args`` on ``ngpu`` ranks into ``dump``; TESSERA_FAULT_AT=``fault`` when given. The run goes
+    through ``./run_train.sh`` (torchrun for several ranks) with ``launcher="run_train.sh"``; by default its
+    ranks are forked from the test harness's preloaded forkserver (the same Trainer.train, seconds faster per
+    launch). A run killed by a signal returns that signal as a negative return code, like subprocess."""
+    argv = [*BASE, "--job.dump_folder", str(dump), *args]
+    if launcher == "run_train.sh":
+        env = {**os.environ, "NGPU": str(ngpu), "PYTHON": sys.executable}
+        env.pop("TESSERA_FAULT_AT", None)
+        if fault:
+            env["TESSERA_FAULT_AT"] = fault
+        proc = subprocess.run(["./run_train.sh", *argv], cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=300)
+        run = Run(proc.returncode, proc.stdout, proc.stderr)
+    else:
+        assert launcher == "harness", launcher
+        jobs = str(dump) + ".jobs"
+        try:
+            run = Run(0, run_jobs(ngpu, train_job, {"run": (argv, {"TESSERA_FAULT_AT": fault})}, jobs)["run"])
+        except mp.ProcessExitedException as e:  # killed by a signal: every rank dies at the fault point
+            run = Run(e.exit_code, "", str(e))
     if check:
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc
+        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    return run
 
 
 def metrics(dump: Path) -> dict[int, dict]:
@@ -88,11 +112,11 @@ def test_kill_after_step_10_and_resume_is_bit_identical(reference, tmp_path):
 
 def test_kill_and_resume_is_bit_identical_under_fsdp2_tp2(tmp_path):
     whole, cut = tmp_path / "whole", tmp_path / "cut"
-    # The uninterrupted run on 4 harness ranks; the interrupted one through run_train.sh (torchrun), which is
-    # also the plain check of a 4-rank CPU launch.
-    run_jobs(4, train_job, {"whole": ([*BASE, *FSDP2_TP2, "--job.dump_folder", str(whole)],)}, str(tmp_path / "jobs"))
+    # The uninterrupted run on 4 harness ranks; the interrupted one through run_train.sh (torchrun workers
+    # SIGKILLed), which is also the plain check of a 4-rank CPU launch.
+    train(whole, *FSDP2_TP2, ngpu=4)
     assert sorted(metrics(whole)) == list(range(1, 21)) and metrics(whole)[20]["loss"] < metrics(whole)[1]["loss"]
-    killed = train(cut, *FSDP2_TP2, ngpu=4, fault="10:committed", check=False)
+    killed = train(cut, *FSDP2_TP2, ngpu=4, fault="10:committed", check=False, launcher="run_train.sh")
     assert killed.returncode != 0 and "dp_shard 2 x cp 1 x tp 2" in killed.stdout
     resumed = train(cut, *FSDP2_TP2, ngpu=4)
     assert "resumed from step 10" in resumed.stdout
@@ -208,8 +232,7 @@ def resume_probe_job(world_size: int, rank: int, steps: int, argv: list[str]) ->
 
 def test_resume_fsdp4_checkpoint_on_other_layouts(tmp_path):
     saved = tmp_path / "fsdp4"
-    run_jobs(4, train_job, {"fsdp4": ([*BASE, *RESHARD, "--training.steps", "4", "--job.dump_folder", str(saved)],)},
-             str(tmp_path / "jobs"))
+    train(saved, *RESHARD, "--training.steps", "4", ngpu=4)
     # The samples the uninterrupted FSDP 4 run reads in steps 5 and 6.
     cfg = parse_args([*BASE, *RESHARD])
     tok = build_tokenizer(cfg)
