@@ -106,5 +106,15 @@ def clip_grad_norm_(parameters, max_norm: float, pp_group=None) -> torch.Tensor:
     if pp_group is not None:
         dist.all_reduce(total_sq, group=pp_group)
     total = total_sq.sqrt()
-    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
+    # Scale the local shards in place: multiplying by one scalar is the same on every placement (sharded,
+    # replicated or partial), and a foreach op on the DTensors themselves would cost DTensor's sharding
+    # propagation over every gradient at once (seconds per process on the first step).
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    by_device: dict = {}
+    with torch.no_grad():
+        for p in params:
+            g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            by_device.setdefault((g.device, g.dtype), []).append(g)
+        for (device, _), grads in by_device.items():
+            torch._foreach_mul_(grads, coef.to(device))
     return total

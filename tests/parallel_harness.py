@@ -28,6 +28,10 @@ BASE = [
     "--optimizer.lr", "5e-4",
     "--metrics.log_freq", "1",
     "--debug.deterministic",
+    # Per-tensor optimizer kernels: DTensor propagates the sharding of a foreach op over all of its tensors
+    # on first use (seconds per rank per layout on 2 cores, most of a 5-step run); for-loop steps cache it
+    # per shape. The numerics are the same; test_parallel keeps one layout on the default foreach kernels.
+    "--optimizer.implementation", "for-loop",
 ]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -119,7 +123,10 @@ def _worker(rank: int, world_size: int, port: int, fn, jobs: dict[str, tuple], o
 
 # Modules every rank imports. A forkserver (one per test session) imports them once, and each rank is forked from
 # it ready to run, instead of every spawned rank importing torch and the engine again (seconds per rank on 2 cores).
-PRELOAD = ["torch", "torch.distributed.tensor", "engine.trainer", "engine.data.loader", "tests.parallel_harness"]
+# datasets (the loader's) and torch._dynamo (torch.use_deterministic_algorithms imports it) are imported lazily by
+# the engine, so they are named here too.
+PRELOAD = ["torch", "torch.distributed.tensor", "torch._dynamo", "datasets", "engine.trainer", "engine.data.loader",
+           "tests.parallel_harness"]
 
 
 def start_method() -> str:

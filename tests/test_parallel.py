@@ -48,6 +48,8 @@ LAYOUTS = {
         "hsdp2x2": _layout(2, "--parallelism.dp_replicate", "2", "--parallelism.dp_shard", "2"),
         "tp4": _layout(8, "--parallelism.tp", "4"),
         "fsdp2_tp2": _layout(4, *FSDP2_TP2),
+        # The harness steps the optimizer per tensor (see BASE); this layout keeps the engine's CPU default.
+        "fsdp2_tp2_foreach_adamw": _layout(4, *FSDP2_TP2, "--optimizer.implementation", "foreach"),
         "ddp2_tp2": _layout(4, "--parallelism.dp_replicate", "2", "--parallelism.dp_shard", "1",
                             "--parallelism.tp", "2"),
         "fsdp4_ac_full": _layout(2, "--parallelism.dp_shard", "4", "--activation_checkpoint.mode", "full"),
