@@ -133,6 +133,11 @@ def lever_ce(reps: int) -> None:
     for chunks in (4, 8):
         row(f"chunked x{chunks}, logits recomputed in backward",
             lambda c=chunks: ChunkedLinearCrossEntropy.apply(h, w, labels, c).backward(), reps, flops)
+    from models.loss import linear_cross_entropy_sum  # training.loss_chunk_tokens
+
+    for tokens in (1024, 2048, 4096):
+        row(f"Tessera fused projection + loss, {tokens}-token chunks",
+            lambda t=tokens: linear_cross_entropy_sum(h[None], w, labels[None], t).backward(), reps, flops)
     try:
         from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
     except ImportError:

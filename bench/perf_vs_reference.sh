@@ -47,6 +47,11 @@ declare -A TESSERA=(
   [eager_ac_op]="--activation_checkpoint.mode selective"
   [noac_compile]="--compile.enable"
   [fullac_compile]="--compile.enable --activation_checkpoint.mode full"
+  # Speed levers, measured beside bf16_compile_ac_op (not in the default ONLY: a second call with
+  # ONLY="fused_loss cudnn_sdpa fused_loss_cudnn" ANCHOR=""):
+  [fused_loss]="--compile.enable --activation_checkpoint.mode selective --training.loss_chunk_tokens 2048"
+  [cudnn_sdpa]="--compile.enable --activation_checkpoint.mode selective --model.sdpa_backend cudnn"
+  [fused_loss_cudnn]="--compile.enable --activation_checkpoint.mode selective --training.loss_chunk_tokens 2048 --model.sdpa_backend cudnn"
 )
 declare -A REFERENCE=(
   [bf16_compile]="--compile.enable"
@@ -83,7 +88,7 @@ python3 -c "import torchao" 2>/dev/null || echo "warning: torchao missing (carry
 
 # Interleaved, so that each pair runs close in time; the acceptance pairs first.
 for pair in "bf16_compile bf16_compile_ac_op" "fp8_compile fp8_compile_ac_op" "eager eager_ac_op" \
-            "noac_compile noac_compile" "- fullac_compile"; do
+            "noac_compile noac_compile" "- fullac_compile" "- fused_loss" "- cudnn_sdpa" "- fused_loss_cudnn"; do
   set -- $pair
   [[ " $ANCHOR " == *" $1 "* ]] && [ -f .anchor/run_anchor.sh ] && reference "$1"
   [[ " $ONLY " == *" $2 "* ]] && tessera "$2"
@@ -97,7 +102,7 @@ fi
   echo
   echo "=== Tessera / reference, $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), $(python3 -c 'import torch; print("torch", torch.__version__)')"
   python3 bench/compare_reference.py --tessera "$OUT" --anchor "$ANCHOR_LOGS" --labels "$(echo $ONLY | tr ' ' ,)" \
-    --pairs bf16_compile_ac_op=bf16_compile,fp8_compile_ac_op=fp8_compile,eager_ac_op=eager,noac_compile=noac_compile \
+    --pairs bf16_compile_ac_op=bf16_compile,fp8_compile_ac_op=fp8_compile,eager_ac_op=eager,noac_compile=noac_compile,fused_loss=bf16_compile,cudnn_sdpa=bf16_compile,fused_loss_cudnn=bf16_compile \
     --json "$RET/summary.json"
   [ -n "$SKIPPED" ] && echo "skipped for the time budget:$SKIPPED"
   echo "elapsed $((SECONDS - START)) s"

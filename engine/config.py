@@ -74,6 +74,11 @@ class Model:
     flash-attn package, when installed)."""
     attn_mask: str = "causal"
     """Attention mask: causal, or block_causal (causal within each packed document; needs attn = flex)."""
+    sdpa_backend: str = "auto"
+    """With attn = sdpa: the kernel scaled_dot_product_attention may use: auto (torch's choice; flash on
+    Hopper), flash, cudnn or efficient (CUDA; K/V are repeated to the query heads for cudnn and efficient,
+    which lack grouped-query support), or math. Not with context parallelism (its ring calls its kernels
+    directly)."""
     hf_assets_path: str = ""
     """Folder with a Hugging Face tokenizer.json (and config.json); its tokenizer is used when
     data.tokenizer is empty."""
@@ -124,6 +129,11 @@ class Training:
     float32 regardless."""
     mixed_precision_reduce: str = "float32"
     """On CUDA: dtype of gradient reductions across data-parallel ranks."""
+    loss_chunk_tokens: int = 0
+    """Fuse the output projection with the cross-entropy over chunks of this many tokens: each chunk's logits,
+    loss and gradients are computed in the forward and the [tokens, vocabulary] logits never exist whole
+    (GiBs less peak memory at a 128k vocabulary, the same FLOPs). 0 = off (logits, then the loss). Needs
+    tp = 1 and pp = 1."""
 
 
 @dataclass
@@ -604,6 +614,14 @@ def validate(cfg: Config, world_size: int = 1, machine: Optional[Machine] = None
             raise ConfigError("model.attn: flash_attn is not installed; pip install flash-attn, or use model.attn = sdpa")
         if not machine.cuda:
             raise ConfigError("model.attn: flash_attn needs a CUDA GPU; use model.attn = sdpa on this machine")
+    _choice("model.sdpa_backend", cfg.model.sdpa_backend, ["auto", "flash", "cudnn", "efficient", "math"])
+    if cfg.model.sdpa_backend != "auto":
+        if cfg.model.attn != "sdpa":
+            raise ConfigError(f"model.sdpa_backend: picks the kernel of attn = sdpa, not of {cfg.model.attn}; "
+                              "leave it at auto")
+        if cfg.model.sdpa_backend in ("cudnn", "efficient") and not machine.cuda:
+            raise ConfigError(f"model.sdpa_backend: {cfg.model.sdpa_backend} needs a CUDA GPU; use auto, flash or "
+                              "math on this machine")
     if cfg.model.vocab_size != -1 and cfg.model.vocab_size <= 0:
         raise ConfigError(f"model.vocab_size: must be > 0 or -1, got {cfg.model.vocab_size}")
     if cfg.model.hf_assets_path and not os.path.isdir(cfg.model.hf_assets_path):
@@ -637,6 +655,11 @@ def validate(cfg: Config, world_size: int = 1, machine: Optional[Machine] = None
     _positive("training.max_norm", t.max_norm)
     _choice("training.mixed_precision_param", t.mixed_precision_param, ["bfloat16", "float32"])
     _choice("training.mixed_precision_reduce", t.mixed_precision_reduce, ["float32", "bfloat16"])
+    if t.loss_chunk_tokens < 0:
+        raise ConfigError(f"training.loss_chunk_tokens: must be >= 0 (0 = off), got {t.loss_chunk_tokens}")
+    if t.loss_chunk_tokens and (dims.tp > 1 or dims.pp > 1):
+        raise ConfigError("training.loss_chunk_tokens: the fused output loss needs tp = 1 and pp = 1 (tensor "
+                          "parallelism has loss parallel instead); set it to 0 for this layout")
     _validate_float8(cfg, machine)
 
     # optimizer
@@ -735,6 +758,9 @@ def validate_parallelism(cfg: Config, world_size: int, spec, machine: Optional[M
         check_cp_supported(cfg.model.attn_mask)
         if cfg.model.attn != "sdpa":
             raise ConfigError("model.attn: context parallelism runs its own ring attention; use model.attn = sdpa")
+        if cfg.model.sdpa_backend != "auto":
+            raise ConfigError("model.sdpa_backend: context parallelism's ring attention calls its kernels directly; "
+                              "leave it at auto")
     chunks = 2 * dims.cp * dims.tp if dims.cp > 1 else dims.tp
     if cfg.training.seq_len % chunks:
         raise ConfigError(

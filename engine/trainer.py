@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import torch.distributed as dist
@@ -28,6 +27,8 @@ from engine.distributed import World, set_determinism
 from engine.metrics import MetricsLogger
 from engine.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
 from models import get_model_spec
+from models.attention import select_sdpa_backend
+from models.loss import IGNORE_INDEX, cross_entropy_sum
 from parallelize import pipeline
 from parallelize.compile import compile_loss
 from parallelize.context import shard_sequence
@@ -36,15 +37,6 @@ from parallelize.float8 import float8_after_optimizer_step
 from parallelize.init import materialize
 from parallelize.mesh import ParallelDims
 from parallelize.tensor import loss_context, to_local_scalar
-
-IGNORE_INDEX = -100
-
-
-def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Sum of the token cross-entropies, computed in float32."""
-    return F.cross_entropy(
-        logits.flatten(0, 1).float(), labels.flatten(0, 1), reduction="sum", ignore_index=IGNORE_INDEX
-    )
 
 
 def _set_aside_old_metrics(folder: str) -> None:
@@ -127,7 +119,8 @@ class Trainer:
         self.tokenizer = build_tokenizer(cfg)
         self.dataloader = build_dataloader(cfg, self.tokenizer, self.dp_rank, self.dp_size)
 
-        # Model on the meta device: shapes and FLOPs without memory.
+        # Model on the meta device: shapes and FLOPs without memory; the attention kernel SDPA may use.
+        select_sdpa_backend(cfg.model.sdpa_backend)
         spec = get_model_spec(cfg.model.name)
         self.model_args = spec.flavors[cfg.model.flavor].update_from_config(
             cfg.model, self.tokenizer.vocab_size, cfg.training.seq_len
@@ -241,10 +234,19 @@ class Trainer:
             for mb in microbatches:
                 total_loss += self._pipeline_step(self._to_device(mb))
             return total_loss
+        chunk = self.cfg.training.loss_chunk_tokens
         for mb in microbatches:
             mb = self._to_device(mb)
+            doc_ids = mb["doc_ids"] if self.doc_masking else None
+            if chunk:  # the output projection fused with the loss, inside the model's forward
+                with self.autocast():
+                    loss = self.model(mb["input_ids"], doc_ids=doc_ids, labels=mb["labels"],
+                                      loss_chunk_tokens=chunk) / num_targets
+                (loss * self.backward_scale if self.backward_scale != 1 else loss).backward()
+                total_loss += loss.detach()
+                continue
             with self.autocast():
-                logits = self.model(mb["input_ids"], doc_ids=mb["doc_ids"] if self.doc_masking else None)
+                logits = self.model(mb["input_ids"], doc_ids=doc_ids)
             with loss_context(self.loss_parallel):
                 loss = self.loss_fn(logits, mb["labels"]) / num_targets
                 del logits
@@ -301,6 +303,10 @@ class Trainer:
                     logits = pipeline.forward_only(self.model_parts, self.pp_stage_ids, self.pp_stage_count, owners,
                                                    self.dims.coordinate("pp")[0], self.dims.group("pp"),
                                                    mb["input_ids"])
+                elif self.cfg.training.loss_chunk_tokens:
+                    total += self.model(mb["input_ids"], doc_ids=mb["doc_ids"] if self.doc_masking else None,
+                                        labels=mb["labels"], loss_chunk_tokens=self.cfg.training.loss_chunk_tokens)
+                    continue
                 else:
                     logits = self.model(mb["input_ids"], doc_ids=mb["doc_ids"] if self.doc_masking else None)
                 if logits is not None:

@@ -27,6 +27,8 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex
 
 __all__ = [
     "BACKENDS",
+    "SDPA_BACKENDS",
+    "select_sdpa_backend",
     "flash_attn_available",
     "attention",
     "flex_block_mask",
@@ -38,6 +40,36 @@ logger = logging.getLogger(__name__)
 
 BACKENDS = ("sdpa", "flex", "flash_attn")
 """Valid values of ``model.attn``."""
+
+SDPA_BACKENDS = ("auto", "flash", "cudnn", "efficient", "math")
+"""Valid values of ``model.sdpa_backend``: the kernel ``scaled_dot_product_attention`` may use."""
+
+# The kernels that take grouped-query attention (fewer K/V heads) directly; with the others K/V are repeated
+# to the query heads first (https://github.com/pytorch/pytorch/issues/139586: enable_gqa is a flash feature).
+_GQA_NATIVE = ("auto", "flash", "math")
+_sdpa_backend = "auto"
+
+
+def select_sdpa_backend(name: str) -> None:
+    """Let ``scaled_dot_product_attention`` use only the ``name`` kernel in this process (``auto``: any, torch's
+    own choice). torch keeps this choice per process (torch.backends.cuda.enable_*_sdp, which CPU SDPA
+    follows too), and so does this module: a kernel that lacks grouped-query support gets repeated K/V."""
+    global _sdpa_backend
+    if name not in SDPA_BACKENDS:
+        raise ValueError(f"model.sdpa_backend: unknown kernel {name!r}; choose one of {', '.join(SDPA_BACKENDS)}")
+    every = name == "auto"
+    torch.backends.cuda.enable_flash_sdp(every or name == "flash")
+    torch.backends.cuda.enable_cudnn_sdp(every or name == "cudnn")
+    torch.backends.cuda.enable_mem_efficient_sdp(every or name == "efficient")
+    torch.backends.cuda.enable_math_sdp(every or name == "math")
+    _sdpa_backend = name
+
+
+def _sdpa(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    if k.shape[1] != q.shape[1] and _sdpa_backend not in _GQA_NATIVE:
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
 
 _FLASH_MISSING = "model.attn: flash_attn is not installed; pip install flash-attn, or use model.attn = sdpa"
 
@@ -183,7 +215,7 @@ def attention(
             f"model.attn_mask: block_causal document masking needs model.attn = flex, not {backend!r}"
         )
     if backend == "sdpa":
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return _sdpa(q, k, v)
     if backend == "flash_attn":
         return _flash(q, k, v)
     raise ValueError(f"model.attn: unknown attention backend {backend!r}; choose one of {', '.join(BACKENDS)}")

@@ -175,6 +175,35 @@ def test_selective_op_formula_matches_the_policy():
     assert Record.bytes + block_input == memory.block_bytes_per_token(shape, lay, "op") * B * S
 
 
+def test_fused_loss_formula_matches_what_autograd_keeps():
+    """training.loss_chunk_tokens: the fused loss keeps the hidden state's and the weight's gradients for the
+    backward (as the formula says, beside one chunk's transient logits), not the [tokens, vocabulary] logits."""
+    from models.loss import linear_cross_entropy_sum
+
+    args = dataclasses.replace(llama3_flavors["debugmodel"], vocab_size=512)
+    B, S, chunk = 3, 32, 40
+    h = torch.randn(B, S, args.dim, requires_grad=True)
+    w = torch.randn(args.vocab_size, args.dim, requires_grad=True)
+    kept = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t.numel() * t.element_size()) or t,
+                                                  lambda t: t):
+        linear_cross_entropy_sum(h, w, torch.randint(0, 512, (B, S)), chunk)
+    shape = memory.ModelShape.from_args(args)
+    lay = memory.RankLayout(S, B, 1, 1, 1, 1, 0, "", 1, 1, False, "default", False, False, "none", "op",
+                            memory.precision_for("float32", data_parallel=False), loss_chunk_tokens=chunk)
+    transient = chunk * args.vocab_size * (4 + 4)
+    assert sum(kept) == memory.loss_bytes(shape, lay, B * S) - transient
+
+
+def test_fused_loss_lowers_the_estimated_peak_at_a_large_vocabulary():
+    base = ["--model.flavor", "8B_L8", "--training.seq_len", "8192", "--activation_checkpoint.mode", "selective"]
+    plain = _peak(base)[0].estimate.moments["loss"]
+    fused = _peak(base + ["--training.loss_chunk_tokens", "2048"])[0].estimate.moments["loss"]
+    # 12 B x 8192 tokens x 128,256 (12.6 GB) against one 2,048-token chunk, the hidden state's and the fp32
+    # output weight's gradients (1.6 + 0.07 + 2.1 GB).
+    assert plain.other - fused.other > 8e9
+
+
 def _peak(argv, world=1):
     cfg = parse_args(["--config", "train_configs/llama3_8b.toml", "--model.hf_assets_path=", *argv])
     dims = memory.validate_layout(cfg, world)

@@ -246,6 +246,36 @@ def test_flex_equals_sdpa_causal():
     assert torch.isfinite(qg.grad).all()
 
 
+@pytest.fixture
+def sdpa_kernels():
+    """Restores torch's SDPA kernel choice (process-wide) after the test."""
+    from models.attention import select_sdpa_backend
+
+    yield select_sdpa_backend
+    select_sdpa_backend("auto")
+
+
+@pytest.mark.parametrize("kernel", ["flash", "math"])
+def test_sdpa_backend_choice_gives_the_same_attention(kernel, sdpa_kernels, monkeypatch):
+    import models.attention as A
+
+    q, k, v = (t.requires_grad_() for t in _qkv())
+    ref = attention(q, k, v, "sdpa")
+    ref_grads = torch.autograd.grad(ref.sum(), (q, k, v))
+    sdpa_kernels(kernel)
+    assert torch.backends.cuda.math_sdp_enabled() == (kernel == "math")
+    assert torch.backends.cuda.flash_sdp_enabled() == (kernel == "flash")
+    out = attention(q, k, v, "sdpa")
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    # The path of the kernels without grouped-query support (cudnn, efficient: CUDA only): K/V repeated to
+    # the query heads, here run by the CPU kernel chosen above.
+    monkeypatch.setattr(A, "_sdpa_backend", "cudnn")
+    out = attention(q, k, v, "sdpa")
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    for g, r in zip(torch.autograd.grad(out.sum(), (q, k, v)), ref_grads):
+        torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-5)
+
+
 def _doc_ids(B, S):
     doc = torch.zeros(B, S, dtype=torch.long)
     doc[0, 20:] = 1

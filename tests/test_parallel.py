@@ -42,6 +42,8 @@ LAYOUTS = {
                            "--parallelism.pp_schedule_csv", "tests/data/pp2_looped_bfs.csv"),
         "cp2": _layout(8, "--parallelism.cp", "2"),
         "cp2_alltoall": _layout(8, "--parallelism.cp", "2", "--parallelism.cp_rotate", "alltoall"),
+        "fsdp2_fused_loss": _layout(4, "--parallelism.dp_shard", "2", "--training.loss_chunk_tokens", "48"),
+        "cp2_fused_loss": _layout(8, "--parallelism.cp", "2", "--training.loss_chunk_tokens", "100"),
     },
     4: {
         "fsdp4": _layout(2, "--parallelism.dp_shard", "4"),
@@ -117,6 +119,13 @@ def test_single_process_ac_matches_reference(batches, reference, tmp_path):
     for mode in (["full"], ["selective"], ["selective", "--activation_checkpoint.selective_option", "3"]):
         result = run_layout(_layout(GLOBAL, "--activation_checkpoint.mode", *mode), 1, 0, batches, str(tmp_path))
         _check(result, reference)
+
+
+def test_single_process_fused_loss_matches_reference(batches, reference, tmp_path):
+    # 8 x 64 tokens in chunks of 48 (the last one shorter), with compile: the blocks compiled, the loss eager.
+    for extra in ([], ["--compile.enable"]):
+        args = _layout(GLOBAL, "--training.loss_chunk_tokens", "48", *extra)
+        _check(run_layout(args, 1, 0, batches, str(tmp_path)), reference)
 
 
 def test_single_process_compile_matches_reference(batches, reference, tmp_path):

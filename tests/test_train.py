@@ -52,6 +52,10 @@ BAD_INPUTS = [
     (["--lr_scheduler.decay_type", "step"], "lr_scheduler.decay_type"),
     (["--optimizer.name", "Lion"], "optimizer.name"),
     (["--metrics.log_freq", "0"], "metrics.log_freq"),
+    (["--training.loss_chunk_tokens", "-1"], "training.loss_chunk_tokens"),
+    (["--model.sdpa_backend", "cudnn"], "model.sdpa_backend"),  # needs CUDA
+    (["--model.sdpa_backend", "flash4"], "model.sdpa_backend"),
+    (["--model.attn", "flex", "--model.sdpa_backend", "math"], "model.sdpa_backend"),
     (["--model.vocab_size", "100"], "model.vocab_size"),
     (["--model.hf_assets_path", "/no/such/folder"], "model.hf_assets_path"),
 ]

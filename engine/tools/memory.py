@@ -43,7 +43,9 @@ block (every tensor an op keeps for its backward, as in the llama3 model):
 Outside the blocks: the embedding keeps its token ids (8 T); the last stage keeps the final norm's input and
 rstd ((r d + 4) / t) and the output's input (c d, whole sequence). The loss peaks at the start of backward:
 the fp32 log-softmax output, the incoming gradient and the result, 12 bytes x T x V (/ t with loss parallel,
-whose sharded log-softmax backward holds one more fp32 buffer: 16 / t). A block's backward adds about
+whose sharded log-softmax backward holds one more fp32 buffer: 16 / t); fused with the output projection
+(training.loss_chunk_tokens = k), k V (4 + c) for one chunk + c d T + the output weight's gradient (V d, in
+the weight's dtype) instead. A block's backward adds about
 (3 c f / t + c d + 2 r d / t) T bytes of gradients in flight; a checkpointed block is first recomputed
 (its "none" bytes).
 
@@ -271,6 +273,8 @@ class RankLayout:
     ac_option: str
     precision: Precision
     optimizer_states: int = 2
+    loss_chunk_tokens: int = 0
+    """training.loss_chunk_tokens: the output projection fused with the loss, this many tokens at a time."""
 
     @property
     def tokens(self) -> int:
@@ -305,6 +309,7 @@ def rank_layout(cfg, dims, pp_rank: int) -> RankLayout:
         ac_mode=cfg.activation_checkpoint.mode,
         ac_option=cfg.activation_checkpoint.selective_option,
         precision=precision_for(t.mixed_precision_param, dims.data_parallel),
+        loss_chunk_tokens=t.loss_chunk_tokens,
     )
 
 
@@ -357,11 +362,18 @@ def final_bytes_per_token(shape: ModelShape, lay: RankLayout) -> float:
     return (r * shape.dim + 4) / t + c * shape.dim
 
 
-def loss_bytes_per_token(shape: ModelShape, lay: RankLayout) -> float:
-    """The loss at the start of backward: fp32 log-softmax output, its incoming gradient and the result."""
+def loss_bytes(shape: ModelShape, lay: RankLayout, tokens: int) -> float:
+    """The loss at the start of backward: fp32 log-softmax output, its incoming gradient and the result; or,
+    fused with the output projection (training.loss_chunk_tokens), one chunk's fp32 logits and their
+    compute-dtype gradient, the hidden state's gradient and the weight's (in the weight's dtype)."""
+    if lay.loss_chunk_tokens:
+        chunk = min(lay.loss_chunk_tokens, tokens)
+        c = lay.precision.compute
+        weight = lay.precision.working if lay.fsdp else 4
+        return chunk * shape.vocab_size * (4 + c) + c * shape.dim * tokens + weight * shape.vocab_size * shape.dim
     if lay.loss_parallel:
-        return 16 * shape.vocab_size / lay.tp
-    return 12 * shape.vocab_size
+        return 16 * shape.vocab_size / lay.tp * tokens
+    return 12 * shape.vocab_size * tokens
 
 
 def in_flight_chunks(lay: RankLayout) -> int:
@@ -477,11 +489,11 @@ def estimate(shape: ModelShape, stages: list[StageParams], lay: RankLayout) -> M
         working = 0
 
     moments: dict[str, Moment] = {}
-    loss = loss_bytes_per_token(shape, lay) * T if has_last else 0
+    loss = loss_bytes(shape, lay, T) if has_last else 0
     moments["loss"] = Moment(grads_early, working, activations, loss)
 
     if autocast:  # the end of the forward: autocast's cache holds every bf16 weight copy
-        logits = pr.compute * shape.vocab_size / lay.tp * T if has_last else 0
+        logits = pr.compute * shape.vocab_size / lay.tp * T if has_last and not lay.loss_chunk_tokens else 0
         all_mm = sum(s.block.matmul_tp * s.layers + (s.final.matmul_tp if s.final else 0) for s in stages)
         moments["forward"] = Moment(grads_early, pr.working * all_mm, activations, logits)
 

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from models.attention import BACKENDS, attention, flex_block_mask
+from models.loss import linear_cross_entropy_sum
 
 __all__ = [
     "TransformerModelArgs",
@@ -345,12 +346,15 @@ class Transformer(nn.Module):
             with unit(self.output, n + 2):
                 nn.init.trunc_normal_(self.output.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
 
-    def forward(self, tokens: Tensor, doc_ids: Optional[Tensor] = None) -> Tensor:
+    def forward(self, tokens: Tensor, doc_ids: Optional[Tensor] = None, labels: Optional[Tensor] = None,
+                loss_chunk_tokens: int = 2048) -> Tensor:
         """``tokens [B, S]`` (or the hidden state ``[B, S, dim]`` when ``tok_embeddings`` is None) -> logits
         ``[B, S, vocab_size]`` (or the hidden state when ``output`` is None).
 
         ``doc_ids [B, S]`` gives each token's document; it is used when ``attn_mask = block_causal`` (and required
-        then) and ignored for ``causal``.
+        then) and ignored for ``causal``. With ``labels [B, S]`` the model returns the sum of the token
+        cross-entropies instead of the logits, the output projection fused with the loss over
+        ``loss_chunk_tokens`` tokens at a time (models/loss.py), so that the logits never exist whole.
         """
         seqlen = tokens.shape[1]  # before the embedding: under sequence parallelism h holds a slice
         if seqlen > self.freqs_cis.shape[0]:
@@ -374,6 +378,8 @@ class Transformer(nn.Module):
         if self.norm is not None:
             h = self.norm(h)
         if self.output is not None:
+            if labels is not None:
+                return linear_cross_entropy_sum(h, self.output.weight, labels, loss_chunk_tokens)
             h = self.output(h)
         return h
 

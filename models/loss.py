@@ -1,0 +1,106 @@
+"""The training loss: the sum of the token cross-entropies (the trainer divides it by the step's global count
+of target tokens).
+
+Two ways to compute it:
+
+* ``cross_entropy_sum(logits, labels)``: from the logits the model returns (the output projection inside the
+  model), upcast to float32. At a 128k vocabulary and 8192 tokens the logits are 2 GiB in bf16, 4 GiB once
+  upcast, and their gradient as much again.
+* ``linear_cross_entropy_sum(h, weight, labels, chunk)``: the output projection fused with the loss, over
+  ``chunk`` tokens at a time (``training.loss_chunk_tokens``). The forward computes each chunk's logits,
+  its loss and at once its gradients (softmax minus one-hot, then the two matmuls of the projection's
+  backward), and keeps only the gradients of the hidden state and of the weight; the backward scales them.
+  The logits of the whole batch never exist, and no matmul is recomputed (the same FLOPs as the plain way).
+  The matmuls run in autocast's dtype when autocast is on (the hidden state and the weight are float32
+  then), else in the hidden state's. The weight's gradient is accumulated over chunks in the weight's dtype
+  (float32 on CPU and under autocast, bf16 under FSDP's mixed precision, as the plain way's matmul writes
+  it there too).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+IGNORE_INDEX = -100
+
+
+def cross_entropy_sum(logits: Tensor, labels: Tensor) -> Tensor:
+    """Sum of the token cross-entropies of ``logits [B, S, V]`` against ``labels [B, S]``, in float32."""
+    return F.cross_entropy(
+        logits.flatten(0, 1).float(), labels.flatten(0, 1), reduction="sum", ignore_index=IGNORE_INDEX
+    )
+
+
+def _chunk_loss(h: Tensor, weight: Tensor, labels: Tensor, want_grad: bool):
+    """Loss sum of one chunk (``h [c, D]``, ``labels [c]``) and, with ``want_grad``, d(loss)/d(logits) in h's
+    dtype (zero on ignored rows)."""
+    logits = (h @ weight.t()).float()
+    valid = labels != IGNORE_INDEX
+    safe = torch.where(valid, labels, 0)
+    lse = torch.logsumexp(logits, dim=-1)
+    target = logits.gather(1, safe[:, None]).squeeze(1)
+    loss = torch.where(valid, lse - target, 0.0).sum()
+    if not want_grad:
+        return loss, None
+    grad = logits.sub_(lse[:, None]).exp_()  # softmax, in place of the logits
+    grad[torch.arange(grad.shape[0], device=grad.device), safe] -= 1.0
+    grad.mul_(valid[:, None])
+    return loss, grad.to(h.dtype)
+
+
+def _compute_dtype(h: Tensor) -> torch.dtype:
+    """The dtype of the matmuls: autocast's when it is on (the hidden state and weight are float32 then),
+    else the hidden state's."""
+    device = h.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else h.dtype
+
+
+class _LinearCrossEntropySum(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h: Tensor, weight: Tensor, labels: Tensor, chunk: int) -> Tensor:
+        dtype = _compute_dtype(h)
+        w = weight.to(dtype)  # cast once (a no-op without autocast under FSDP's mixed precision)
+        grad_h = torch.empty_like(h) if ctx.needs_input_grad[0] else None
+        grad_w = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
+        total = torch.zeros((), dtype=torch.float32, device=h.device)
+        for start in range(0, h.shape[0], chunk):
+            hc, yc = h[start:start + chunk].to(dtype), labels[start:start + chunk]
+            loss, g = _chunk_loss(hc, w, yc, want_grad=True)
+            total += loss
+            if grad_h is not None:
+                grad_h[start:start + chunk] = g @ w
+            if grad_w is not None:
+                if grad_w.dtype == dtype:
+                    grad_w.addmm_(g.t(), hc)
+                else:  # autocast: a bf16 product added to the float32 gradient
+                    grad_w.add_(g.t() @ hc)
+        ctx.save_for_backward(grad_h, grad_w)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        # Scaled in place: a second copy of the weight's gradient would cost V x D more bytes at the peak.
+        grad_h, grad_w = ctx.saved_tensors
+        if grad_h is not None:
+            grad_h.mul_(grad_out.to(grad_h.dtype))
+        if grad_w is not None:
+            grad_w.mul_(grad_out.to(grad_w.dtype))
+        return grad_h, grad_w, None, None
+
+
+def linear_cross_entropy_sum(h: Tensor, weight: Tensor, labels: Tensor, chunk: int) -> Tensor:
+    """``cross_entropy_sum(h @ weight.T, labels)`` over ``chunk`` tokens at a time: ``h [B, S, D]`` (the final
+    norm's output), ``weight [V, D]`` (the output projection), ``labels [B, S]``. Without gradients (evaluation)
+    only the losses are computed."""
+    assert chunk > 0, chunk
+    h2, y = h.flatten(0, 1), labels.flatten(0, 1)
+    if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
+        return _LinearCrossEntropySum.apply(h2, weight, y, chunk)
+    dtype = _compute_dtype(h)
+    w = weight.to(dtype)
+    total = torch.zeros((), dtype=torch.float32, device=h.device)
+    for start in range(0, h2.shape[0], chunk):
+        total += _chunk_loss(h2[start:start + chunk].to(dtype), w, y[start:start + chunk], want_grad=False)[0]
+    return total
