@@ -49,6 +49,9 @@ CONFIGS: dict[str, list[str]] = {
     "8B_L8 seq8192 AC op, FSDP on 1 GPU": ["--model.flavor", "8B_L8", "--training.seq_len", "8192",
                                            "--activation_checkpoint.mode", "selective",
                                            "--parallelism.fsdp_single_rank"],
+    "8B_L8 seq8192 AC op, fused loss 2048": ["--model.flavor", "8B_L8", "--training.seq_len", "8192",
+                                             "--activation_checkpoint.mode", "selective",
+                                             "--training.loss_chunk_tokens", "2048"],
 }
 
 
