@@ -595,6 +595,7 @@ def validate(cfg: Config, world_size: int = 1, machine: Optional[Machine] = None
 
     ``machine``: the GPUs the run will have (default: this machine's)."""
     from models import get_model_spec, model_names  # local: models import torch
+    from models.attention import BACKENDS, SDPA_BACKENDS
 
     machine = machine or Machine.this()
 
@@ -605,7 +606,7 @@ def validate(cfg: Config, world_size: int = 1, machine: Optional[Machine] = None
     _choice("model.name", cfg.model.name, model_names())
     spec = get_model_spec(cfg.model.name)
     _choice("model.flavor", cfg.model.flavor, list(spec.flavors))
-    _choice("model.attn", cfg.model.attn, ["sdpa", "flex", "flash_attn"])
+    _choice("model.attn", cfg.model.attn, BACKENDS)
     _choice("model.attn_mask", cfg.model.attn_mask, ["causal", "block_causal"])
     if cfg.model.attn_mask == "block_causal" and cfg.model.attn != "flex":
         raise ConfigError("model.attn_mask: block_causal document masking needs model.attn = flex")
@@ -614,7 +615,7 @@ def validate(cfg: Config, world_size: int = 1, machine: Optional[Machine] = None
             raise ConfigError("model.attn: flash_attn is not installed; pip install flash-attn, or use model.attn = sdpa")
         if not machine.cuda:
             raise ConfigError("model.attn: flash_attn needs a CUDA GPU; use model.attn = sdpa on this machine")
-    _choice("model.sdpa_backend", cfg.model.sdpa_backend, ["auto", "flash", "cudnn", "efficient", "math"])
+    _choice("model.sdpa_backend", cfg.model.sdpa_backend, SDPA_BACKENDS)
     if cfg.model.sdpa_backend != "auto":
         if cfg.model.attn != "sdpa":
             raise ConfigError(f"model.sdpa_backend: picks the kernel of attn = sdpa, not of {cfg.model.attn}; "

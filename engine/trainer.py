@@ -234,25 +234,29 @@ class Trainer:
             for mb in microbatches:
                 total_loss += self._pipeline_step(self._to_device(mb))
             return total_loss
-        chunk = self.cfg.training.loss_chunk_tokens
         for mb in microbatches:
             mb = self._to_device(mb)
-            doc_ids = mb["doc_ids"] if self.doc_masking else None
-            if chunk:  # the output projection fused with the loss, inside the model's forward
-                with self.autocast():
-                    loss = self.model(mb["input_ids"], doc_ids=doc_ids, labels=mb["labels"],
-                                      loss_chunk_tokens=chunk) / num_targets
-                (loss * self.backward_scale if self.backward_scale != 1 else loss).backward()
-                total_loss += loss.detach()
-                continue
             with self.autocast():
-                logits = self.model(mb["input_ids"], doc_ids=doc_ids)
+                out = self._forward(mb)
             with loss_context(self.loss_parallel):
-                loss = self.loss_fn(logits, mb["labels"]) / num_targets
-                del logits
+                loss = self._loss_sum(out, mb) / num_targets
+                del out
                 (loss * self.backward_scale if self.backward_scale != 1 else loss).backward()
             total_loss += to_local_scalar(loss.detach())
         return total_loss
+
+    def _forward(self, mb: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The unpipelined model on one microbatch: its logits, or with training.loss_chunk_tokens the sum of
+        its token losses (the output projection fused with the loss inside the model's forward)."""
+        doc_ids = mb["doc_ids"] if self.doc_masking else None
+        chunk = self.cfg.training.loss_chunk_tokens
+        if chunk:
+            return self.model(mb["input_ids"], doc_ids=doc_ids, labels=mb["labels"], loss_chunk_tokens=chunk)
+        return self.model(mb["input_ids"], doc_ids=doc_ids)
+
+    def _loss_sum(self, out: torch.Tensor, mb: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The sum of the token losses of what ``_forward`` (or the pipeline's evaluation) returned."""
+        return out if self.cfg.training.loss_chunk_tokens else self.loss_fn(out, mb["labels"])
 
     def _pipeline_step(self, mb: dict[str, torch.Tensor]) -> torch.Tensor:
         """Forward and backward of one batch through the pipeline; the last stage's share of the loss."""
@@ -303,14 +307,10 @@ class Trainer:
                     logits = pipeline.forward_only(self.model_parts, self.pp_stage_ids, self.pp_stage_count, owners,
                                                    self.dims.coordinate("pp")[0], self.dims.group("pp"),
                                                    mb["input_ids"])
-                elif self.cfg.training.loss_chunk_tokens:
-                    total += self.model(mb["input_ids"], doc_ids=mb["doc_ids"] if self.doc_masking else None,
-                                        labels=mb["labels"], loss_chunk_tokens=self.cfg.training.loss_chunk_tokens)
-                    continue
                 else:
-                    logits = self.model(mb["input_ids"], doc_ids=mb["doc_ids"] if self.doc_masking else None)
+                    logits = self._forward(mb)
                 if logits is not None:
-                    total += to_local_scalar(self.loss_fn(logits, mb["labels"]))
+                    total += to_local_scalar(self._loss_sum(logits, mb))
         if self.dims.pp_enabled:
             dist.all_reduce(total, group=self.dims.group("pp"))
         if self.loss_group is not None:

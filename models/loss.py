@@ -19,6 +19,8 @@ Two ways to compute it:
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -57,25 +59,34 @@ def _compute_dtype(h: Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else h.dtype
 
 
+def _chunked(h: Tensor, weight: Tensor, labels: Tensor, chunk: int, grad_h: Optional[Tensor] = None,
+             grad_w: Optional[Tensor] = None) -> Tensor:
+    """The loss sum of ``h [N, D] @ weight.T`` against ``labels [N]``, ``chunk`` tokens at a time; fills
+    ``grad_h`` and accumulates into ``grad_w`` (zeros) when they are given."""
+    dtype = _compute_dtype(h)
+    w = weight.to(dtype)  # cast once (a no-op without autocast)
+    want_grad = grad_h is not None or grad_w is not None
+    total = torch.zeros((), dtype=torch.float32, device=h.device)
+    for start in range(0, h.shape[0], chunk):
+        hc, yc = h[start:start + chunk].to(dtype), labels[start:start + chunk]
+        loss, g = _chunk_loss(hc, w, yc, want_grad)
+        total += loss
+        if grad_h is not None:
+            grad_h[start:start + chunk] = g @ w
+        if grad_w is not None:
+            if grad_w.dtype == dtype:
+                grad_w.addmm_(g.t(), hc)
+            else:  # autocast: a bf16 product added to the float32 gradient
+                grad_w.add_(g.t() @ hc)
+    return total
+
+
 class _LinearCrossEntropySum(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h: Tensor, weight: Tensor, labels: Tensor, chunk: int) -> Tensor:
-        dtype = _compute_dtype(h)
-        w = weight.to(dtype)  # cast once (a no-op without autocast under FSDP's mixed precision)
         grad_h = torch.empty_like(h) if ctx.needs_input_grad[0] else None
         grad_w = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
-        total = torch.zeros((), dtype=torch.float32, device=h.device)
-        for start in range(0, h.shape[0], chunk):
-            hc, yc = h[start:start + chunk].to(dtype), labels[start:start + chunk]
-            loss, g = _chunk_loss(hc, w, yc, want_grad=True)
-            total += loss
-            if grad_h is not None:
-                grad_h[start:start + chunk] = g @ w
-            if grad_w is not None:
-                if grad_w.dtype == dtype:
-                    grad_w.addmm_(g.t(), hc)
-                else:  # autocast: a bf16 product added to the float32 gradient
-                    grad_w.add_(g.t() @ hc)
+        total = _chunked(h, weight, labels, chunk, grad_h, grad_w)
         ctx.save_for_backward(grad_h, grad_w)
         return total
 
@@ -98,9 +109,4 @@ def linear_cross_entropy_sum(h: Tensor, weight: Tensor, labels: Tensor, chunk: i
     h2, y = h.flatten(0, 1), labels.flatten(0, 1)
     if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
         return _LinearCrossEntropySum.apply(h2, weight, y, chunk)
-    dtype = _compute_dtype(h)
-    w = weight.to(dtype)
-    total = torch.zeros((), dtype=torch.float32, device=h.device)
-    for start in range(0, h2.shape[0], chunk):
-        total += _chunk_loss(h2[start:start + chunk].to(dtype), w, y[start:start + chunk], want_grad=False)[0]
-    return total
+    return _chunked(h2, weight, y, chunk)
