@@ -132,8 +132,8 @@ class Training:
     loss_chunk_tokens: int = 0
     """Fuse the output projection with the cross-entropy over chunks of this many tokens: each chunk's logits,
     loss and gradients are computed in the forward and the [tokens, vocabulary] logits never exist whole
-    (GiBs less peak memory at a 128k vocabulary, the same FLOPs). 0 = off (logits, then the loss). Needs
-    tp = 1 and pp = 1."""
+    (GiBs less peak memory at a 128k vocabulary, the same FLOPs). 0 = off (logits, then the loss). Under
+    tensor parallelism each rank computes its vocabulary slice of every chunk. Needs pp = 1."""
 
 
 @dataclass
@@ -658,9 +658,9 @@ def validate(cfg: Config, world_size: int = 1, machine: Optional[Machine] = None
     _choice("training.mixed_precision_reduce", t.mixed_precision_reduce, ["float32", "bfloat16"])
     if t.loss_chunk_tokens < 0:
         raise ConfigError(f"training.loss_chunk_tokens: must be >= 0 (0 = off), got {t.loss_chunk_tokens}")
-    if t.loss_chunk_tokens and (dims.tp > 1 or dims.pp > 1):
-        raise ConfigError("training.loss_chunk_tokens: the fused output loss needs tp = 1 and pp = 1 (tensor "
-                          "parallelism has loss parallel instead); set it to 0 for this layout")
+    if t.loss_chunk_tokens and dims.pp > 1:
+        raise ConfigError("training.loss_chunk_tokens: the fused output loss needs pp = 1 (the last pipeline "
+                          "stage computes the logits); set it to 0 for this layout")
     _validate_float8(cfg, machine)
 
     # optimizer

@@ -14,7 +14,8 @@ Two ways to compute it:
   The matmuls run in autocast's dtype when autocast is on (the hidden state and the weight are float32
   then), else in the hidden state's. The weight's gradient is accumulated over chunks in the weight's dtype
   (float32 on CPU and under autocast, bf16 under FSDP's mixed precision, as the plain way's matmul writes
-  it there too).
+  it there too). Under tensor parallelism each rank holds a slice of the vocabulary and the log-sum-exp is
+  reduced over the TP group (parallelize/tensor.py ``vocab_parallel_linear_cross_entropy_sum``).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
@@ -35,19 +37,37 @@ def cross_entropy_sum(logits: Tensor, labels: Tensor) -> Tensor:
     )
 
 
-def _chunk_loss(h: Tensor, weight: Tensor, labels: Tensor, want_grad: bool):
+def _chunk_loss(h: Tensor, weight: Tensor, labels: Tensor, want_grad: bool, vocab_offset: int = 0,
+                group: Optional[dist.ProcessGroup] = None):
     """Loss sum of one chunk (``h [c, D]``, ``labels [c]``) and, with ``want_grad``, d(loss)/d(logits) in h's
-    dtype (zero on ignored rows)."""
+    dtype (zero on ignored rows).
+
+    With ``group``, ``weight`` holds the rows ``vocab_offset ...`` of a vocabulary sharded over the group's
+    ranks (vocabulary-parallel, as TP's colwise output projection holds it): the log-sum-exp and the target
+    logits are reduced over the group (two small all-reduces per chunk), every rank returns the same loss, and
+    the gradient is that of this rank's logits."""
     logits = (h @ weight.t()).float()
     valid = labels != IGNORE_INDEX
-    safe = torch.where(valid, labels, 0)
-    lse = torch.logsumexp(logits, dim=-1)
-    target = logits.gather(1, safe[:, None]).squeeze(1)
+    local = labels - vocab_offset
+    mine = valid & (local >= 0) & (local < logits.shape[1])  # the target's logit is on this rank
+    safe = torch.where(mine, local, 0)
+    target = torch.where(mine, logits.gather(1, safe[:, None]).squeeze(1), 0.0)
+    if group is None:
+        lse = torch.logsumexp(logits, dim=-1)
+        probs = logits.sub_(lse[:, None]).exp_() if want_grad else None  # softmax, in place of the logits
+    else:
+        top = logits.amax(dim=-1)
+        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+        probs = logits.sub_(top[:, None]).exp_()  # exp(logit - max), in place of the logits
+        sums = torch.stack([probs.sum(dim=-1), target])
+        dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
+        lse, target = top + sums[0].log(), sums[1]
+        probs.div_(sums[0][:, None])
     loss = torch.where(valid, lse - target, 0.0).sum()
     if not want_grad:
         return loss, None
-    grad = logits.sub_(lse[:, None]).exp_()  # softmax, in place of the logits
-    grad[torch.arange(grad.shape[0], device=grad.device), safe] -= 1.0
+    grad = probs
+    grad[torch.arange(grad.shape[0], device=grad.device), safe] -= mine.to(grad.dtype)
     grad.mul_(valid[:, None])
     return loss, grad.to(h.dtype)
 
@@ -60,16 +80,18 @@ def _compute_dtype(h: Tensor) -> torch.dtype:
 
 
 def _chunked(h: Tensor, weight: Tensor, labels: Tensor, chunk: int, grad_h: Optional[Tensor] = None,
-             grad_w: Optional[Tensor] = None) -> Tensor:
+             grad_w: Optional[Tensor] = None, vocab_offset: int = 0,
+             group: Optional[dist.ProcessGroup] = None) -> Tensor:
     """The loss sum of ``h [N, D] @ weight.T`` against ``labels [N]``, ``chunk`` tokens at a time; fills
-    ``grad_h`` and accumulates into ``grad_w`` (zeros) when they are given."""
+    ``grad_h`` and accumulates into ``grad_w`` (zeros) when they are given. ``vocab_offset`` and ``group``:
+    see ``_chunk_loss``."""
     dtype = _compute_dtype(h)
     w = weight.to(dtype)  # cast once (a no-op without autocast)
     want_grad = grad_h is not None or grad_w is not None
     total = torch.zeros((), dtype=torch.float32, device=h.device)
     for start in range(0, h.shape[0], chunk):
         hc, yc = h[start:start + chunk].to(dtype), labels[start:start + chunk]
-        loss, g = _chunk_loss(hc, w, yc, want_grad)
+        loss, g = _chunk_loss(hc, w, yc, want_grad, vocab_offset, group)
         total += loss
         if grad_h is not None:
             grad_h[start:start + chunk] = g @ w
@@ -83,10 +105,11 @@ def _chunked(h: Tensor, weight: Tensor, labels: Tensor, chunk: int, grad_h: Opti
 
 class _LinearCrossEntropySum(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h: Tensor, weight: Tensor, labels: Tensor, chunk: int) -> Tensor:
+    def forward(ctx, h: Tensor, weight: Tensor, labels: Tensor, chunk: int, vocab_offset: int,
+                group: Optional[dist.ProcessGroup]) -> Tensor:
         grad_h = torch.empty_like(h) if ctx.needs_input_grad[0] else None
         grad_w = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
-        total = _chunked(h, weight, labels, chunk, grad_h, grad_w)
+        total = _chunked(h, weight, labels, chunk, grad_h, grad_w, vocab_offset, group)
         ctx.save_for_backward(grad_h, grad_w)
         return total
 
@@ -98,15 +121,20 @@ class _LinearCrossEntropySum(torch.autograd.Function):
             grad_h.mul_(grad_out.to(grad_h.dtype))
         if grad_w is not None:
             grad_w.mul_(grad_out.to(grad_w.dtype))
-        return grad_h, grad_w, None, None
+        return grad_h, grad_w, None, None, None, None
 
 
-def linear_cross_entropy_sum(h: Tensor, weight: Tensor, labels: Tensor, chunk: int) -> Tensor:
+def linear_cross_entropy_sum(h: Tensor, weight: Tensor, labels: Tensor, chunk: int, vocab_offset: int = 0,
+                             group: Optional[dist.ProcessGroup] = None) -> Tensor:
     """``cross_entropy_sum(h @ weight.T, labels)`` over ``chunk`` tokens at a time: ``h [B, S, D]`` (the final
     norm's output), ``weight [V, D]`` (the output projection), ``labels [B, S]``. Without gradients (evaluation)
-    only the losses are computed."""
+    only the losses are computed.
+
+    Vocabulary-parallel with ``group``: ``weight`` is this rank's rows ``vocab_offset ...`` of the projection,
+    ``h`` the whole (replicated) hidden state; the loss is the full one on every rank, and the gradient of
+    ``h`` is this rank's part of a sum over the group (parallelize/tensor.py reduces it)."""
     assert chunk > 0, chunk
     h2, y = h.flatten(0, 1), labels.flatten(0, 1)
     if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
-        return _LinearCrossEntropySum.apply(h2, weight, y, chunk)
-    return _chunked(h2, weight, y, chunk)
+        return _LinearCrossEntropySum.apply(h2, weight, y, chunk, vocab_offset, group)
+    return _chunked(h2, weight, y, chunk, vocab_offset=vocab_offset, group=group)

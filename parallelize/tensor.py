@@ -10,9 +10,11 @@ from __future__ import annotations
 import contextlib
 import warnings
 
-from torch import nn
-from torch.distributed.tensor import DTensor
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import ParallelStyle, loss_parallel, parallelize_module
+
+from models.loss import linear_cross_entropy_sum
 
 
 def apply_tp(module: nn.Module, tp_mesh, plan: dict[str, ParallelStyle]) -> None:
@@ -23,6 +25,25 @@ def apply_tp(module: nn.Module, tp_mesh, plan: dict[str, ParallelStyle]) -> None
 def loss_context(enabled: bool):
     """The context the loss and its backward run in: loss parallel over vocabulary-sharded logits."""
     return loss_parallel() if enabled else contextlib.nullcontext()
+
+
+def vocab_parallel_linear_cross_entropy_sum(h: DTensor, weight: DTensor, labels: Tensor, chunk: int) -> Tensor:
+    """The output projection fused with the loss (models/loss.py) under TP: ``weight`` is the colwise output
+    projection (its vocabulary rows sharded over the 1-D TP mesh), ``h`` the final norm's sequence-parallel
+    output. ``h`` is all-gathered over the sequence; each rank computes the logits of its vocabulary rows,
+    chunk by chunk, with the log-sum-exp reduced over TP, so that neither the whole logits nor a vocabulary
+    shard of them exist. ``h``'s gradient is this rank's part of a sum, which the all-gather's backward
+    reduce-scatters back to sequence shards. Returns the loss sum (a plain tensor, the same on every rank)."""
+    mesh = weight.device_mesh
+    assert isinstance(weight, DTensor) and mesh.ndim == 1 and weight.placements == (Shard(0),), weight
+    assert isinstance(h, DTensor) and h.device_mesh == mesh, type(h)
+    h_full = h.redistribute(mesh, [Replicate()]).to_local(grad_placements=[Partial()])
+    w = weight.to_local()
+    vocab, rank = weight.shape[0], mesh.get_local_rank()
+    rows = -(-vocab // mesh.size())  # Shard(0) splits as torch.chunk does
+    offset = min(rank * rows, vocab)
+    assert w.shape[0] == min(rows, vocab - offset) > 0, (w.shape, vocab, rank)
+    return linear_cross_entropy_sum(h_full, w, labels, chunk, vocab_offset=offset, group=mesh.get_group())
 
 
 def to_local_scalar(t):

@@ -204,6 +204,18 @@ def test_fused_loss_lowers_the_estimated_peak_at_a_large_vocabulary():
     assert plain.other - fused.other > 8e9
 
 
+def test_fused_loss_under_tp_counts_one_vocabulary_slice():
+    base = ["--model.flavor", "8B_L8", "--training.seq_len", "8192", "--activation_checkpoint.mode", "selective",
+            "--parallelism.tp", "2"]
+    loss_parallel = _peak(base, world=2)[0].estimate.moments["loss"].other
+    fused = _peak(base + ["--training.loss_chunk_tokens", "2048"], world=2)[0].estimate.moments["loss"].other
+    whole = _peak(base[:-2] + ["--training.loss_chunk_tokens", "2048"])[0].estimate.moments["loss"].other
+    # loss parallel: 16 B x 8192 tokens x 64,128 (8.4 GB); fused: a chunk's logits and the weight's gradient
+    # over 64,128 rows (0.8 + 1.1 GB) and the whole hidden state's gradient (0.07 GB), about half of tp 1's.
+    assert fused < loss_parallel / 4
+    assert whole / 2 < fused < whole / 1.9
+
+
 def _peak(argv, world=1):
     cfg = parse_args(["--config", "train_configs/llama3_8b.toml", "--model.hf_assets_path=", *argv])
     dims = memory.validate_layout(cfg, world)

@@ -44,6 +44,7 @@ LAYOUTS = {
         "cp2_alltoall": _layout(8, "--parallelism.cp", "2", "--parallelism.cp_rotate", "alltoall"),
         "fsdp2_fused_loss": _layout(4, "--parallelism.dp_shard", "2", "--training.loss_chunk_tokens", "48"),
         "cp2_fused_loss": _layout(8, "--parallelism.cp", "2", "--training.loss_chunk_tokens", "100"),
+        "tp2_fused_loss": _layout(8, "--parallelism.tp", "2", "--training.loss_chunk_tokens", "80"),
     },
     4: {
         "fsdp4": _layout(2, "--parallelism.dp_shard", "4"),
@@ -66,6 +67,7 @@ LAYOUTS = {
         "cp4_alltoall": _layout(8, "--parallelism.cp", "4", "--parallelism.cp_rotate", "alltoall"),
         "cp2_fsdp2": _layout(4, "--parallelism.cp", "2", "--parallelism.dp_shard", "2"),
         "cp2_tp2": _layout(8, "--parallelism.cp", "2", "--parallelism.tp", "2"),
+        "fsdp2_tp2_fused_loss": _layout(4, *FSDP2_TP2, "--training.loss_chunk_tokens", "48"),
     },
     8: {
         "hsdp2x2_tp2": _layout(2, "--parallelism.dp_replicate", "2", "--parallelism.dp_shard", "2",

@@ -45,7 +45,7 @@ rstd ((r d + 4) / t) and the output's input (c d, whole sequence). The loss peak
 the fp32 log-softmax output, the incoming gradient and the result, 12 bytes x T x V (/ t with loss parallel,
 whose sharded log-softmax backward holds one more fp32 buffer: 16 / t); fused with the output projection
 (training.loss_chunk_tokens = k), k V (4 + c) for one chunk + c d T + the output weight's gradient (V d, in
-the weight's dtype) instead. A block's backward adds about
+the weight's dtype) instead, with V / t under TP (each rank its vocabulary slice). A block's backward adds about
 (3 c f / t + c d + 2 r d / t) T bytes of gradients in flight; a checkpointed block is first recomputed
 (its "none" bytes).
 
@@ -365,12 +365,14 @@ def final_bytes_per_token(shape: ModelShape, lay: RankLayout) -> float:
 def loss_bytes(shape: ModelShape, lay: RankLayout, tokens: int) -> float:
     """The loss at the start of backward: fp32 log-softmax output, its incoming gradient and the result; or,
     fused with the output projection (training.loss_chunk_tokens), one chunk's fp32 logits and their
-    compute-dtype gradient, the hidden state's gradient and the weight's (in the weight's dtype)."""
+    compute-dtype gradient, the hidden state's gradient and the weight's (in the weight's dtype), over this
+    rank's vocabulary slice under TP."""
     if lay.loss_chunk_tokens:
         chunk = min(lay.loss_chunk_tokens, tokens)
         c = lay.precision.compute
         weight = lay.precision.working if lay.fsdp else 4
-        return chunk * shape.vocab_size * (4 + c) + c * shape.dim * tokens + weight * shape.vocab_size * shape.dim
+        vocab = shape.vocab_size / lay.tp
+        return chunk * vocab * (4 + c) + c * shape.dim * tokens + weight * vocab * shape.dim
     if lay.loss_parallel:
         return 16 * shape.vocab_size / lay.tp * tokens
     return 12 * shape.vocab_size * tokens

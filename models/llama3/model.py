@@ -299,6 +299,9 @@ class Transformer(nn.Module):
         # Set by a parallel plan when each rank holds only some positions of a sequence (context
         # parallelism): maps the RoPE table to the rows of this rank's tokens, in their local order.
         self.rope_transform: Optional[Callable[[Tensor], Tensor]] = None
+        # The output projection fused with the loss (forward with labels): (h, weight, labels, chunk) -> loss
+        # sum. A parallel plan replaces it when the projection is sharded (tensor parallelism).
+        self.linear_loss: Callable[[Tensor, Tensor, Tensor, int], Tensor] = linear_cross_entropy_sum
 
     def _precompute_freqs_cis(self) -> Tensor:
         a = self.args
@@ -379,7 +382,7 @@ class Transformer(nn.Module):
             h = self.norm(h)
         if self.output is not None:
             if labels is not None:
-                return linear_cross_entropy_sum(h, self.output.weight, labels, loss_chunk_tokens)
+                return self.linear_loss(h, self.output.weight, labels, loss_chunk_tokens)
             h = self.output(h)
         return h
 

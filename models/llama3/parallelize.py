@@ -15,7 +15,8 @@ Tensor parallel layout (Megatron-style, with sequence parallelism):
   wq/wk/wv and w1/w3 colwise (each rank holds whole heads), wo and w2 rowwise with a reduce-scatter back
   to sequence shards;
 - norm sequence-parallel; output colwise, its logits left sharded on the vocabulary for loss parallel (or
-  gathered when loss parallel is off).
+  gathered when loss parallel is off); with the output fused into the loss (training.loss_chunk_tokens) the
+  loss is vocabulary-parallel chunk by chunk instead (parallelize/tensor.py).
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from parallelize.float8 import (
     rowwise_parallel,
 )
 from parallelize.mesh import ParallelDims
-from parallelize.tensor import apply_tp, enable_async_tp
+from parallelize.tensor import apply_tp, enable_async_tp, vocab_parallel_linear_cross_entropy_sum
 
 
 def tp_plan_root(loss_parallel: bool) -> dict:
@@ -117,6 +118,7 @@ def parallelize_llama(model: nn.Module, dims: ParallelDims, cfg: Any, device_typ
         float8_comm = f8.enable and f8.recipe == "tensorwise" and float8_tp_comm_supported(tp_mesh)
         root_plan = {k: v for k, v in tp_plan_root(not p.disable_loss_parallel).items() if getattr(model, k) is not None}
         apply_tp(model, tp_mesh, root_plan)
+        model.linear_loss = vocab_parallel_linear_cross_entropy_sum  # training.loss_chunk_tokens under TP
         for block in model.layers.values():
             apply_tp(block, tp_mesh, tp_plan_block(block, float8_comm))
         if p.enable_async_tp:
