@@ -312,6 +312,42 @@ class Checkpoint:
 
 
 @dataclass
+class Profiling:
+    enable_profiling: bool = False
+    """Record torch.profiler traces (CPU ops, CUDA kernels, shapes) of training steps: one trace per rank every
+    profiling.profile_freq steps, at <dump_folder>/<save_traces_folder>/iteration_<step>/rank<R>_trace.json
+    (open in Perfetto or chrome://tracing)."""
+    save_traces_folder: str = "profile_traces"
+    """Where the traces go; relative paths are inside job.dump_folder."""
+    profile_freq: int = 10
+    """Trace the steps that end at every multiple of this step count (resumed runs included)."""
+    profiler_warmup: int = 3
+    """Steps the profiler runs untraced before each traced window (its start-up costs stay out of the trace);
+    profiler_warmup + profiler_active must not exceed profile_freq."""
+    profiler_active: int = 1
+    """Steps in each trace."""
+    enable_memory_snapshot: bool = False
+    """CUDA: record the caching allocator's history and write a snapshot every profiling.profile_freq steps,
+    and once more on an out-of-memory error, to <dump_folder>/<save_memory_snapshot_folder>/ as
+    iteration_<step>/rank<R>_memory_snapshot.pickle (drag it onto pytorch.org/memory_viz)."""
+    save_memory_snapshot_folder: str = "memory_snapshot"
+    """Where the memory snapshots go; relative paths are inside job.dump_folder."""
+
+
+@dataclass
+class Comm:
+    init_timeout_seconds: int = 300
+    """Timeout of every collective from the process group's creation to the end of the first training step
+    (model building, checkpoint loading and compilation make the first step slow)."""
+    train_timeout_seconds: int = 100
+    """Timeout of every collective after the first step: a rank that hangs (or a deadlock) fails the job after
+    this long instead of holding the allocation until it ends."""
+    trace_buf_size: int = 20000
+    """NCCL flight recorder: each rank keeps its last this many collectives and, on a timeout, writes them to
+    <dump_folder>/comm_traces/rank_<R> (read them with torch's fr_trace tool); 0 turns it off."""
+
+
+@dataclass
 class Debug:
     seed: int = 42
     """Random seed for weight initialization and dropout-free training; the data order is fixed by it too."""
@@ -334,6 +370,8 @@ class Config:
     metrics: Metrics = field(default_factory=Metrics)
     validation: Validation = field(default_factory=Validation)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    profiling: Profiling = field(default_factory=Profiling)
+    comm: Comm = field(default_factory=Comm)
     debug: Debug = field(default_factory=Debug)
 
     def to_dict(self) -> dict:
@@ -715,6 +753,28 @@ def validate(cfg: Config, world_size: int = 1, machine: Optional[Machine] = None
         _positive("data.num_shards", cfg.data.num_shards)
         if cfg.data.num_shards < dp:
             raise ConfigError(f"data.num_shards: {cfg.data.num_shards} is fewer than the data-parallel degree {dp}")
+
+    # profiling, comm
+    pr = cfg.profiling
+    _positive("profiling.profile_freq", pr.profile_freq)
+    _positive("profiling.profiler_active", pr.profiler_active)
+    if pr.profiler_warmup < 0:
+        raise ConfigError(f"profiling.profiler_warmup: must be >= 0, got {pr.profiler_warmup}")
+    if pr.enable_profiling and pr.profiler_warmup + pr.profiler_active > pr.profile_freq:
+        raise ConfigError(
+            f"profiling.profile_freq: {pr.profile_freq} is shorter than profiler_warmup + profiler_active = "
+            f"{pr.profiler_warmup} + {pr.profiler_active}; raise it or shorten the warm-up"
+        )
+    for key in ("save_traces_folder", "save_memory_snapshot_folder"):
+        if not getattr(pr, key).strip():
+            raise ConfigError(f"profiling.{key}: must not be empty")
+    if pr.enable_memory_snapshot and not machine.cuda:
+        raise ConfigError("profiling.enable_memory_snapshot: records the CUDA caching allocator and needs CUDA "
+                          "GPUs; turn it off on this machine (profiling.enable_profiling traces CPU runs)")
+    _positive("comm.init_timeout_seconds", cfg.comm.init_timeout_seconds)
+    _positive("comm.train_timeout_seconds", cfg.comm.train_timeout_seconds)
+    if cfg.comm.trace_buf_size < 0:
+        raise ConfigError(f"comm.trace_buf_size: must be >= 0 (0 = off), got {cfg.comm.trace_buf_size}")
 
     # metrics, debug
     _positive("metrics.log_freq", cfg.metrics.log_freq)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import random
 from dataclasses import dataclass
+from datetime import timedelta
 
 import numpy as np
 import torch
@@ -35,7 +36,10 @@ def world_size_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def init_distributed() -> World:
+def init_distributed(cfg=None) -> World:
+    """This process's world; joins the process group when there are several ranks. With ``cfg`` (a Config),
+    its [comm] section sets the collective timeout until the first step ends and the NCCL flight recorder
+    (writing into job.dump_folder/comm_traces, which the trainer makes once the run's checks have passed)."""
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     world_size = world_size_from_env()
@@ -48,9 +52,48 @@ def init_distributed() -> World:
         backend = "gloo"
     # TESSERA_BACKEND=gloo lets several ranks share one GPU (NCCL refuses that): a check of CUDA code paths.
     backend = os.environ.get("TESSERA_BACKEND", backend)
+    timeout = None
+    if cfg is not None:
+        timeout = timedelta(seconds=cfg.comm.init_timeout_seconds)
+        if cfg.comm.trace_buf_size > 0:  # read by NCCL when the process group starts; the user's own values win
+            os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", str(cfg.comm.trace_buf_size))
+            os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+            os.environ.setdefault("TORCH_FR_DUMP_TEMP_FILE", comm_trace_prefix(cfg.job.dump_folder))
     if world_size > 1 and not dist.is_initialized():
-        dist.init_process_group(backend=backend, device_id=device if backend == "nccl" else None)
+        dist.init_process_group(backend=backend, device_id=device if backend == "nccl" else None, timeout=timeout)
     return World(rank=rank, local_rank=local_rank, world_size=world_size, device=device)
+
+
+def comm_trace_prefix(dump_folder: str) -> str:
+    """Where the NCCL flight recorder writes on a timeout (rank_<R> files), inside the run's dump folder."""
+    return os.path.join(os.path.abspath(dump_folder), "comm_traces", "rank_")
+
+
+def _process_groups() -> list:
+    """Every process group this rank belongs to: the default one, the mesh's dimensions and their
+    flattenings, pipeline groups. torch lists them only in distributed_c10d's private state."""
+    from torch.distributed import distributed_c10d as c10d
+
+    return [g for g in list(c10d._world.pg_map) if not c10d._rank_not_in_group(g)]
+
+
+def set_collective_timeout(seconds: float) -> None:
+    """Set the timeout of every collective on every process group of this rank (torch's private
+    ``_set_pg_timeout``, called here only)."""
+    if not dist.is_initialized():
+        return
+    from torch.distributed import distributed_c10d as c10d
+
+    for group in _process_groups():
+        c10d._set_pg_timeout(timedelta(seconds=seconds), group)
+
+
+def collective_timeouts() -> list[float]:
+    """The timeout, in seconds, that each process group of this rank applies now (none without a group)."""
+    if not dist.is_initialized():
+        return []
+    return [group._get_backend(device).options._timeout.total_seconds()
+            for group in _process_groups() for device in group._device_types]
 
 
 def destroy_distributed() -> None:

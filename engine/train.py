@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
         from engine.distributed import destroy_distributed, init_distributed
         from engine.trainer import Trainer
 
-        world = init_distributed()
+        world = init_distributed(cfg)
         try:
             trainer = Trainer(cfg, world)  # raises ValueError for user errors, before writing anything
         except BaseException:

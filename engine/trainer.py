@@ -23,8 +23,9 @@ from engine.checkpoint import Checkpointer, fault_point, find_resume_point, insp
 from engine.config import Config, dump, grad_accumulation_steps, pp_microbatches, to_toml
 from engine.data.loader import build_dataloader
 from engine.data.tokenizer import build_tokenizer
-from engine.distributed import World, set_determinism
+from engine.distributed import World, comm_trace_prefix, set_collective_timeout, set_determinism
 from engine.metrics import MetricsLogger
+from engine.profiling import StepProfiler
 from engine.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
 from models import get_model_spec
 from models.attention import select_sdpa_backend
@@ -105,6 +106,7 @@ class Trainer:
         self.dims = ParallelDims.from_config(cfg.parallelism, world.world_size)
         if self.dims.distributed:
             self.dims.build_mesh(self.device.type)
+            set_collective_timeout(cfg.comm.init_timeout_seconds)  # the mesh's new groups too, until step 1
         self.dp_rank, self.dp_size = self.dims.coordinate("dp")
         self.grad_accum = grad_accumulation_steps(cfg, self.dp_size)
         self.loss_group = self.dims.group("dp_cp")  # ranks holding different tokens
@@ -135,6 +137,8 @@ class Trainer:
             dump(cfg, cfg.job.dump_folder)
             if cfg.job.print_config:
                 print(to_toml(cfg), flush=True)
+        if cfg.comm.trace_buf_size > 0 and dist.is_initialized() and dist.get_backend() == "nccl":
+            os.makedirs(os.path.dirname(comm_trace_prefix(cfg.job.dump_folder)), exist_ok=True)
 
         # Pipeline stages (this rank's parts of the model), then each part's parallel plan, then materialize
         # and initialize.
@@ -358,52 +362,57 @@ class Trainer:
         window_loss = torch.zeros((), device=self.device)
         self._val_loader = None
         validation: dict = {}
-        while self.step < cfg.training.steps:
-            self.step += 1
-            t0 = time.perf_counter()
-            microbatches = [next(data_iter) for _ in range(self.grad_accum)]
-            window_data_wait += time.perf_counter() - t0
+        first_step = self.step + 1
+        with StepProfiler(cfg, self.world.rank, self.step, self.device) as profiler:
+            while self.step < cfg.training.steps:
+                self.step += 1
+                t0 = time.perf_counter()
+                microbatches = [next(data_iter) for _ in range(self.grad_accum)]
+                window_data_wait += time.perf_counter() - t0
 
-            lr = self.lr_scheduler.get_last_lr()[0]
-            loss, grad_norm = self.train_step(microbatches)
-            window_tokens += tokens_per_step
-            window_loss += loss
-            window_steps += 1
-            if cfg.validation.enable and self.step % cfg.validation.freq == 0:
-                t_val = time.perf_counter()
-                validation = {"validation_loss": self._validate(), "validation_step": self.step}
-                window_start += time.perf_counter() - t_val  # not training time
-                if self.world.is_main:
-                    print(f"validation: step {self.step}  loss: {validation['validation_loss']:.4f}", flush=True)
+                lr = self.lr_scheduler.get_last_lr()[0]
+                loss, grad_norm = self.train_step(microbatches)
+                if self.step == first_step:  # compilation and set-up are behind: hangs now fail fast
+                    set_collective_timeout(cfg.comm.train_timeout_seconds)
+                window_tokens += tokens_per_step
+                window_loss += loss
+                window_steps += 1
+                if cfg.validation.enable and self.step % cfg.validation.freq == 0:
+                    t_val = time.perf_counter()
+                    validation = {"validation_loss": self._validate(), "validation_step": self.step}
+                    window_start += time.perf_counter() - t_val  # not training time
+                    if self.world.is_main:
+                        print(f"validation: step {self.step}  loss: {validation['validation_loss']:.4f}", flush=True)
 
-            if self._should_log(self.step):
-                # The one host sync per log.
-                loss_value, grad_norm_value = (window_loss / window_steps).item(), grad_norm.item()
-                elapsed = time.perf_counter() - window_start
-                logged.append(
-                    self.metrics.log(
-                        self.step, loss_value, grad_norm_value, lr, window_tokens, elapsed, window_data_wait,
-                        extra=validation,
+                if self._should_log(self.step):
+                    # The one host sync per log.
+                    loss_value, grad_norm_value = (window_loss / window_steps).item(), grad_norm.item()
+                    elapsed = time.perf_counter() - window_start
+                    logged.append(
+                        self.metrics.log(
+                            self.step, loss_value, grad_norm_value, lr, window_tokens, elapsed, window_data_wait,
+                            extra=validation,
+                        )
                     )
-                )
-                window_start = time.perf_counter()
-                window_tokens, window_data_wait, window_steps = 0, 0.0, 0
-                window_loss.zero_()
-                validation = {}
+                    window_start = time.perf_counter()
+                    window_tokens, window_data_wait, window_steps = 0, 0.0, 0
+                    window_loss.zero_()
+                    validation = {}
 
-            # Checkpoints: commit a finished background save; save on the interval; on SIGTERM save, stop.
-            ckpt.poll()
-            last = self.step == cfg.training.steps
-            saved = ckpt.should_save(self.step)
-            if saved:
-                ckpt.save(self.step, model_only=last and cfg.checkpoint.last_save_model_only)
-            if cfg.checkpoint.enable and not last and ckpt.stop_requested():
-                if not saved:
-                    ckpt.save(self.step, force_sync=True)
-                ckpt.wait()
-                if self.world.is_main:
-                    print(f"SIGTERM: checkpoint of step {self.step} saved; exiting", flush=True)
-                break
+                # Checkpoints: commit a finished background save; save on the interval; on SIGTERM save, stop.
+                ckpt.poll()
+                last = self.step == cfg.training.steps
+                saved = ckpt.should_save(self.step)
+                if saved:
+                    ckpt.save(self.step, model_only=last and cfg.checkpoint.last_save_model_only)
+                if cfg.checkpoint.enable and not last and ckpt.stop_requested():
+                    if not saved:
+                        ckpt.save(self.step, force_sync=True)
+                    ckpt.wait()
+                    if self.world.is_main:
+                        print(f"SIGTERM: checkpoint of step {self.step} saved; exiting", flush=True)
+                    break
+                profiler.step(self.step)
         ckpt.close()
         self.metrics.close()
         if self.world.is_main:

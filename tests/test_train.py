@@ -58,6 +58,11 @@ BAD_INPUTS = [
     (["--model.attn", "flex", "--model.sdpa_backend", "math"], "model.sdpa_backend"),
     (["--model.vocab_size", "100"], "model.vocab_size"),
     (["--model.hf_assets_path", "/no/such/folder"], "model.hf_assets_path"),
+    (["--profiling.profile_freq", "0"], "profiling.profile_freq"),
+    (["--profiling.enable_profiling", "--profiling.profile_freq", "3"], "profiling.profile_freq"),  # < 3 + 1
+    (["--profiling.enable_memory_snapshot"], "profiling.enable_memory_snapshot"),  # needs CUDA
+    (["--comm.train_timeout_seconds", "0"], "comm.train_timeout_seconds"),
+    (["--comm.trace_buf_size", "-1"], "comm.trace_buf_size"),
 ]
 
 

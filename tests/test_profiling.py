@@ -1,0 +1,83 @@
+"""The [profiling] and [comm] sections: torch.profiler traces of training steps, and collective timeouts."""
+
+import json
+import os
+
+from engine import train
+from engine.config import parse_args
+from engine.profiling import StepProfiler
+from tests.parallel_harness import run_jobs
+
+SMALL = ["--training.seq_len", "64", "--training.local_batch_size", "2", "--metrics.log_freq", "1",
+         "--lr_scheduler.warmup_steps", "1"]
+
+
+def _traced_steps(start_step: int, steps: int, *argv: str) -> dict[str, list[int]]:
+    """Training steps start_step + 1 ... start_step + steps by the profiler's action for each."""
+    import torch
+
+    cfg = parse_args(["--profiling.enable_profiling", *argv])
+    prof = StepProfiler(cfg, 0, start_step, torch.device("cpu"))
+    by_action: dict[str, list[int]] = {}
+    for n in range(steps):
+        by_action.setdefault(prof._action(n).name, []).append(start_step + 1 + n)
+    return by_action
+
+
+def test_trace_windows_end_at_multiples_of_profile_freq():
+    fresh = _traced_steps(0, 20, "--profiling.profile_freq", "10", "--profiling.profiler_warmup", "3",
+                          "--profiling.profiler_active", "2")
+    assert fresh["RECORD_AND_SAVE"] == [10, 20]
+    assert fresh["RECORD"] == [9, 19]
+    assert fresh["WARMUP"] == [6, 7, 8, 16, 17, 18]
+    # A run resumed at step 7 traces the steps an uninterrupted run would.
+    resumed = _traced_steps(7, 13, "--profiling.profile_freq", "10", "--profiling.profiler_warmup", "3",
+                            "--profiling.profiler_active", "2")
+    assert resumed["RECORD_AND_SAVE"] == [10, 20] and resumed["RECORD"] == [9, 19]
+    assert resumed["WARMUP"] == [8, 16, 17, 18]
+
+
+def test_profiled_run_writes_one_trace_per_window(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    dump = tmp_path / "run"
+    rc = train.main(["--job.dump_folder", str(dump), *SMALL, "--training.steps", "6", "--profiling.enable_profiling",
+                     "--profiling.profile_freq", "3", "--profiling.profiler_warmup", "1",
+                     "--profiling.profiler_active", "2"])
+    assert rc == 0, capsys.readouterr().err
+    traces = dump / "profile_traces"
+    assert sorted(os.listdir(traces)) == ["iteration_3", "iteration_6"]
+    for window in ("iteration_3", "iteration_6"):
+        with open(traces / window / "rank0_trace.json") as f:
+            events = json.load(f)["traceEvents"]
+        names = {e.get("name") for e in events}
+        steps = sorted(n for n in names if n and n.startswith("ProfilerStep#"))
+        assert len(steps) == 2, steps  # profiler_active steps per trace
+        assert {"aten::mm", "aten::addmm"} & names  # the model's matmuls were recorded
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# comm: 2 gloo ranks
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def timeout_job(world_size: int, rank: int, dump: str) -> dict:
+    """The timeouts of every process group after the trainer is built (the mesh's groups among them) and
+    after its first steps."""
+    from engine.distributed import collective_timeouts, init_distributed
+    from engine.trainer import Trainer
+
+    cfg = parse_args(["--config", "train_configs/debug_model.toml", "--job.dump_folder", dump, *SMALL,
+                      "--training.steps", "2", "--parallelism.dp_shard", "2", "--comm.init_timeout_seconds", "77",
+                      "--comm.train_timeout_seconds", "33"])
+    trainer = Trainer(cfg, init_distributed(cfg))
+    built = collective_timeouts()
+    trainer.train()
+    return {"built": built, "trained": collective_timeouts()}
+
+
+def test_collective_timeouts_follow_the_comm_section(tmp_path):
+    result = run_jobs(2, timeout_job, {"run": (str(tmp_path / "run"),)}, str(tmp_path))["run"]
+    # the default group, the mesh's dp_shard group and its flattenings (at least two groups)
+    assert len(result["built"]) >= 2
+    assert set(result["built"]) == {77.0}
+    assert set(result["trained"]) == {33.0}
