@@ -93,11 +93,29 @@ def stage_module(model: nn.Module, stage: int, n_stages: int, layers: range) -> 
     return part
 
 
+def _stage_class():
+    """torch's PipelineStage, or, on torch whose schedules open the stage-to-stage connections by sending a
+    message to each neighbouring stage (torch 2.11; 2.13 has a warm-up vote instead), a subclass that leaves
+    out the messages to stages on its own rank: V schedules (ZBVZeroBubble, DualPipeV) put adjacent stages on
+    one rank, and gloo cannot send from a rank to itself."""
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining import schedules
+
+    if hasattr(schedules.PipelineScheduleMulti, "_warmup_p2p"):  # torch >= 2.13
+        return PipelineStage
+
+    class Stage(PipelineStage):
+        def _get_init_p2p_neighbors_ops(self):  # overrides torch's private method (older torch only)
+            me = dist.get_rank(self.group)
+            return [op for op in super()._get_init_p2p_neighbors_ops() if op.group_peer != me]
+
+    return Stage
+
+
 def build_stages(modules: list[nn.Module], ids: list[int], n_stages: int, pp_group, device) -> list:
     """One torch PipelineStage per module of this rank."""
-    from torch.distributed.pipelining import PipelineStage
-
-    return [PipelineStage(m, stage_index=i, num_stages=n_stages, device=device, group=pp_group)
+    stage = _stage_class()
+    return [stage(m, stage_index=i, num_stages=n_stages, device=device, group=pp_group)
             for m, i in zip(modules, ids)]
 
 

@@ -290,9 +290,12 @@ def _check_float8_parity(fp32, f8, result, pipelined: bool) -> None:
     # The parallel run is float8 (its gradients are not float32's) ...
     assert _rel(_all_grads(result), _all_grads(fp32)) > 0.1 * float8_error
     # ... and stays within float8 tolerance of the single-process float8 run (measured: losses 1e-3,
-    # gradient norms 3e-3, gradients 0.09 overall and at most 0.19 in one tensor).
+    # gradients 0.09 overall and at most 0.19 in one tensor; gradient norms 3e-3 to 1.2e-2 on torch 2.13 and
+    # 3.4e-2 to 3.8e-2 on torch 2.11 by step 5, where each layout's fp32 sums put other values across float8
+    # rounding boundaries and the trajectories drift apart; the first step's norms agree to 4e-3 on both).
     assert result["losses"] == pytest.approx(f8["losses"], rel=3e-3)
-    assert result["grad_norms"] == pytest.approx(f8["grad_norms"], rel=3e-2)
+    assert result["grad_norms"][0] == pytest.approx(f8["grad_norms"][0], rel=1e-2)
+    assert result["grad_norms"] == pytest.approx(f8["grad_norms"], rel=6e-2)
     assert _rel(_all_grads(result), _all_grads(f8)) < 2 * float8_error
     for name, g in result["grads"].items():
         assert _rel(g, f8["grads"][name]) < 0.4, name

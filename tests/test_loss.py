@@ -70,7 +70,7 @@ def test_the_model_returns_the_fused_loss_with_labels():
     fused = model(tokens, labels=labels, loss_chunk_tokens=7)
     (gf,) = torch.autograd.grad(fused, model.output.weight)
     torch.testing.assert_close(fused, plain, rtol=1e-6, atol=1e-5)
-    torch.testing.assert_close(gf, gp, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(gf, gp, rtol=1e-5, atol=1e-6)  # gradients of about 1e-2; fp32 sums in other orders
 
 
 def test_fused_loss_under_autocast_runs_its_matmuls_in_bf16():
