@@ -5,8 +5,9 @@
 #     item): median tps, TFLOP/s, MFU and peak memory after 5 warm-up steps.
 #  2. CUDA paths of FSDP and TP: 2 processes sharing the GPU over gloo (NCCL refuses two ranks on one GPU),
 #     debug model in fp32, FSDP 2 and TP 2, loss curves printed beside the single-rank CUDA run's (TP 2 reads
-#     the same batches and must match it; FSDP 2's ranks read their own shards of the data), and CP 2 with
-#     cp_rotate = allgather (same batches as one rank: its curve must match too).
+#     the same batches and must match it; FSDP 2's ranks read their own shards of the data), TP 2 with the
+#     vocabulary-parallel fused loss (must match too), and CP 2 with cp_rotate = allgather (same batches as
+#     one rank: its curve must match too).
 #  3. bench/cuda_cp_check.py: ring attention's CUDA kernels (bf16 flash, fp32 matmul) against full SDPA.
 #
 #   device run (carry .whl):  bash bench/gpu_parallel.sh
@@ -27,6 +28,7 @@ SMALL=(--training.steps 8 --training.seq_len 256 --training.local_batch_size 4 -
 python3 -m engine.train --config train_configs/debug_model.toml --job.dump_folder "$OUT/one" "${SMALL[@]}" \
   --training.global_batch_size 8 > "$OUT/one.log" 2>&1 || tail -n 20 "$OUT/one.log"
 for layout in "--parallelism.dp_shard 2" "--parallelism.tp 2 --training.global_batch_size 8" \
+              "--parallelism.tp 2 --training.global_batch_size 8 --training.loss_chunk_tokens 300" \
               "--parallelism.cp 2 --training.global_batch_size 8"; do
   name=$(echo "$layout" | tr -d ' -' | tr '.' '_')
   TESSERA_BACKEND=gloo python3 -m torch.distributed.run --nproc_per_node 2 --local-ranks-filter 0 -m engine.train \
