@@ -116,6 +116,7 @@ export NCCL_DEBUG=${{NCCL_DEBUG:-WARN}}
 export TORCH_NCCL_ASYNC_ERROR_HANDLING=${{TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}}  # a failed collective ends the job
 export TORCH_NCCL_AVOID_RECORD_STREAMS=${{TORCH_NCCL_AVOID_RECORD_STREAMS:-1}}
 export NCCL_IB_TIMEOUT=${{NCCL_IB_TIMEOUT:-22}}
+# Collective timeouts and the NCCL flight recorder (dumps into the run's comm_traces/): [comm] in the config.
 # export NCCL_SOCKET_IFNAME=ib0   # the bootstrap interface, when NCCL picks the wrong one
 # export NCCL_IB_HCA=mlx5         # the InfiniBand adapters to use
 export PYTORCH_CUDA_ALLOC_CONF=${{PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}}
