@@ -52,6 +52,10 @@ CONFIGS: dict[str, list[str]] = {
     "8B_L8 seq8192 AC op, fused loss 2048": ["--model.flavor", "8B_L8", "--training.seq_len", "8192",
                                              "--activation_checkpoint.mode", "selective",
                                              "--training.loss_chunk_tokens", "2048"],
+    # compiled (the blocks and the loss): the formulas of their own in engine/tools/memory.py
+    "8B_L8 seq8192 AC none, compile": ["--model.flavor", "8B_L8", "--training.seq_len", "8192", "--compile.enable"],
+    "8B_L8 seq8192 AC op, compile": ["--model.flavor", "8B_L8", "--training.seq_len", "8192", "--compile.enable",
+                                     "--activation_checkpoint.mode", "selective"],
 }
 
 

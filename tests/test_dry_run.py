@@ -142,6 +142,56 @@ def test_block_activation_formula_matches_autograd(precision):
     assert measured == formula + cpu_norms
 
 
+@pytest.mark.parametrize("precision", ["float32", "bfloat16"])
+@pytest.mark.parametrize("mode", ["none", "selective"])
+def test_compiled_block_formula_matches_autograd(precision, mode):
+    """compile.enable: what inductor's partitioner keeps for backward, no AC and per-op AC (the compiled
+    graph saves through autograd, so the hooks see it all, the SAC policy's choices included)."""
+    from parallelize.checkpointing import apply_ac
+
+    torch._dynamo.reset()
+    args = dataclasses.replace(llama3_flavors["debugmodel"], vocab_size=512, n_heads=8, n_kv_heads=2)
+    blocks = torch.nn.ModuleDict({"0": TransformerBlock(0, args)})
+    if mode == "selective":
+        apply_ac(blocks, mode, "op")
+    block = torch.compile(blocks["0"], fullgraph=True)
+    B, S = 3, 32
+    x = torch.randn(B, S, args.dim, requires_grad=True)
+    freqs = precompute_freqs_cis(args.head_dim, S, args.rope_theta)
+    ctx = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if precision == "bfloat16" else contextlib.nullcontext
+    measured = _saved_activation_bytes(block, x, freqs, ctx)
+    shape = memory.ModelShape.from_args(args)
+    lay = memory.RankLayout(S, B, 1, 1, 1, 1, 0, "", 1, 1, False, "default", False, False, mode, "op",
+                            memory.precision_for(precision, data_parallel=False), compiled=True)
+    kind = "op" if mode == "selective" else "none"
+    assert measured == memory.block_bytes_per_token(shape, lay, kind) * B * S
+    eager = dataclasses.replace(lay, compiled=False)
+    assert memory.block_bytes_per_token(shape, lay, kind) < memory.block_bytes_per_token(shape, eager, kind)
+
+
+def test_compiled_loss_keeps_the_logits_only():
+    """compile.enable compiles the loss: it keeps the (bf16) logits and two fp32 numbers per token, where eager
+    keeps two fp32 copies of the logits; the formula adds the logits' gradient, written in one kernel."""
+    from models.loss import cross_entropy_sum
+
+    torch._dynamo.reset()
+    B, S, V = 3, 32, 4096
+    logits = torch.randn(B, S, V, dtype=torch.bfloat16, requires_grad=True)
+    kept = {}
+
+    def pack(t):
+        kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes() if t.is_floating_point() else 0
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        torch.compile(cross_entropy_sum)(logits, torch.randint(0, V, (B, S)))
+    args = dataclasses.replace(llama3_flavors["debugmodel"], vocab_size=V)
+    lay = memory.RankLayout(S, B, 1, 1, 1, 1, 0, "", 1, 1, False, "default", False, False, "none", "op",
+                            memory.precision_for("bfloat16", data_parallel=True), compiled=True)
+    gradient = 2 * B * S * V
+    assert sum(kept.values()) + gradient == memory.loss_bytes(memory.ModelShape.from_args(args), lay, B * S)
+
+
 def test_selective_op_formula_matches_the_policy():
     """'op' keeps the block input and the outputs of the ops the policy saves (parallelize/checkpointing.py)."""
     from torch.utils._python_dispatch import TorchDispatchMode

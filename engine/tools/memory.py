@@ -39,11 +39,19 @@ block (every tensor an op keeps for its backward, as in the llama3 model):
     op:    r d / t + c (2 hq + 2 hkv) / t + 4 H / t + 2 c f / t + 2 c d (+ 2 c d / t with tp > 1)
                                        block input, outputs of every matmul and of attention (the policy in
                                        parallelize/checkpointing.py), and the TP reduce-scatter outputs
+Compiled blocks (compile.enable) keep less, as inductor's partitioner chooses (measured on CPU against autograd,
+tests/test_dry_run.py): the casts happen once, the attention residual, silu(w1) and the outputs of wo/w2 that
+backward does not read are recomputed or never kept, the attention output is kept twice (as the kernel wrote it
+and laid out for wo):
+    none:  (r d + 8) / t + 2 c d + (3 c hq + 2 c hkv + 4 H) / t + 3 c f / t
+    op:    r d / t + 2 c d + (c hq + 2 c hkv + 4 H) / t + 2 c f / t (+ 2 c d / t with tp > 1)
     selective N: blocks 0, N, 2N, ... of each stage as full, the others as none.
 Outside the blocks: the embedding keeps its token ids (8 T); the last stage keeps the final norm's input and
 rstd ((r d + 4) / t) and the output's input (c d, whole sequence). The loss peaks at the start of backward:
 the fp32 log-softmax output, the incoming gradient and the result, 12 bytes x T x V (/ t with loss parallel,
-whose sharded log-softmax backward holds one more fp32 buffer: 16 / t); fused with the output projection
+whose sharded log-softmax backward holds one more fp32 buffer: 16 / t); compiled (without loss parallel) it
+keeps the logits and per-token log-sum-exp and writes their gradient in one kernel, 2 c T V + 8 T; fused with
+the output projection
 (training.loss_chunk_tokens = k), k V (4 + c) for one chunk + c d T + the output weight's gradient (V d, in
 the weight's dtype) instead, with V / t under TP (each rank its vocabulary slice). A block's backward adds about
 (3 c f / t + c d + 2 r d / t) T bytes of gradients in flight; a checkpointed block is first recomputed
@@ -56,14 +64,17 @@ accumulation (and pipeline microbatches without FSDP) keeps the gradients alive 
 
 The peak is the largest of these moments (each adds the static params + optimizer state):
     loss:       working params + saved activations + the loss buffers (last stage)
-    forward:    (autocast only) every bf16 weight copy + saved activations + the bf16 logits
+    forward:    (autocast only) every bf16 weight copy (compiled blocks: those the blocks without AC keep)
+                + saved activations + the bf16 logits
     recompute:  (checkpointed blocks) the gradients so far + remaining saved activations + one recomputed
-                block and its backward, at the first and at the last recomputed block
+                block (what it did not keep) and its backward, at the first and at the last recomputed
+                block; autocast's weight copies of the blocks not yet through their backward (the output
+                projection's is gone by then)
     backward end: all gradients + FSDP's root gradients being reduce-scattered (unsharded bf16 + fp32 copy)
 
 Assumptions: CUDA with the configured mixed precision (on CPU everything runs in fp32, which this does not
-model); fused AdamW (no step temporaries); the flash/cuDNN SDPA kernels (no S x S score matrix); eager
-execution (torch.compile fuses elementwise ops and usually needs less); the caching allocator's
+model); fused AdamW (no step temporaries); the flash/cuDNN SDPA kernels (no S x S score matrix); what is
+outside the blocks and the loss (embedding, final norm, output projection) runs eager; the caching allocator's
 fragmentation, CUDA context and NCCL buffers are not counted (compare with torch.cuda.max_memory_allocated,
 not nvidia-smi). bench/memory_check.py compares it with peaks measured on a GPU (results in docs/scale.md).
 """
@@ -275,6 +286,8 @@ class RankLayout:
     optimizer_states: int = 2
     loss_chunk_tokens: int = 0
     """training.loss_chunk_tokens: the output projection fused with the loss, this many tokens at a time."""
+    compiled: bool = False
+    """compile.enable: the blocks and the loss compiled."""
 
     @property
     def tokens(self) -> int:
@@ -310,6 +323,7 @@ def rank_layout(cfg, dims, pp_rank: int) -> RankLayout:
         ac_option=cfg.activation_checkpoint.selective_option,
         precision=precision_for(t.mixed_precision_param, dims.data_parallel),
         loss_chunk_tokens=t.loss_chunk_tokens,
+        compiled=cfg.compile.enable,
     )
 
 
@@ -324,10 +338,14 @@ def block_bytes_per_token(shape: ModelShape, lay: RankLayout, kind: str) -> floa
     d, hq, hkv, h, f = shape.dim, shape.hq, shape.hkv, shape.n_heads, shape.ffn_hidden
     if kind == "full":
         return r * d / t
+    reduce_scatter = 2 * c * d / t if t > 1 else 0
+    if kind == "op" and lay.compiled:
+        return r * d / t + 2 * c * d + (c * hq + 2 * c * hkv + 4 * h) / t + 2 * c * f / t + reduce_scatter
     if kind == "op":
-        reduce_scatter = 2 * c * d / t if t > 1 else 0
         return r * d / t + (2 * c * hq + 2 * c * hkv + 4 * h) / t + 2 * c * f / t + 2 * c * d + reduce_scatter
     assert kind == "none", kind
+    if lay.compiled:
+        return (r * d + 8) / t + 2 * c * d + (3 * c * hq + 2 * c * hkv + 4 * h) / t + 3 * c * f / t
     copies = lay.precision.attn_input_copies + lay.precision.mlp_input_copies
     return (2 * r * d + 8) / t + copies * c * d + (2 * c * hq + 2 * c * hkv + 4 * h) / t + 4 * c * f / t
 
@@ -363,8 +381,8 @@ def final_bytes_per_token(shape: ModelShape, lay: RankLayout) -> float:
 
 
 def loss_bytes(shape: ModelShape, lay: RankLayout, tokens: int) -> float:
-    """The loss at the start of backward: fp32 log-softmax output, its incoming gradient and the result; or,
-    fused with the output projection (training.loss_chunk_tokens), one chunk's fp32 logits and their
+    """The loss at the start of backward: fp32 log-softmax output, its incoming gradient and the result;
+    compiled, the kept logits and log-sum-exp and the logits' gradient; or, fused with the output projection (training.loss_chunk_tokens), one chunk's fp32 logits and their
     compute-dtype gradient, the hidden state's gradient and the weight's (in the weight's dtype), over this
     rank's vocabulary slice under TP."""
     if lay.loss_chunk_tokens:
@@ -375,6 +393,8 @@ def loss_bytes(shape: ModelShape, lay: RankLayout, tokens: int) -> float:
         return chunk * vocab * (4 + c) + c * shape.dim * tokens + weight * vocab * shape.dim
     if lay.loss_parallel:
         return 16 * shape.vocab_size / lay.tp * tokens
+    if lay.compiled:
+        return 2 * lay.precision.compute * shape.vocab_size * tokens + 8 * tokens
     return 12 * shape.vocab_size * tokens
 
 
@@ -494,18 +514,22 @@ def estimate(shape: ModelShape, stages: list[StageParams], lay: RankLayout) -> M
     loss = loss_bytes(shape, lay, T) if has_last else 0
     moments["loss"] = Moment(grads_early, working, activations, loss)
 
-    if autocast:  # the end of the forward: autocast's cache holds every bf16 weight copy
+    if autocast:  # the end of the forward: autocast's cache holds every bf16 weight copy made in eager code
         logits = pr.compute * shape.vocab_size / lay.tp * T if has_last and not lay.loss_chunk_tokens else 0
         all_mm = sum(s.block.matmul_tp * s.layers + (s.final.matmul_tp if s.final else 0) for s in stages)
-        moments["forward"] = Moment(grads_early, pr.working * all_mm, activations, logits)
+        # compiled blocks cast inside their graphs: they keep the copies of blocks without AC only
+        cached = working if lay.compiled else pr.working * all_mm
+        moments["forward"] = Moment(grads_early, cached, activations, logits)
 
     if checkpointed:  # a checkpointed block recomputed in backward, at the first and at the last one
-        recompute = (block_bytes_per_token(shape, lay, "none") + block_backward_bytes_per_token(shape, lay)) * T
+        own = max(block_bytes_per_token(shape, lay, k) for k in checkpointed)  # what that block kept
+        fresh = block_bytes_per_token(shape, lay, "none") - own  # what its recomputation adds to it
+        recompute = (fresh + block_backward_bytes_per_token(shape, lay)) * T
         if autocast:
             recompute += pr.working * block.matmul_tp
         others = activations - chunk  # other microbatches still in flight
         kept = _saved_blocks(shape, lay, checkpointed) * T
-        first_in = max(block_bytes_per_token(shape, lay, k) for k in checkpointed) * T
+        first_in = own * T
         if lay.fsdp and not pp_fsdp:  # FSDP reduces the root's (unsharded) gradients at the very end
             root_grads = pr.compute * root.tp
         else:
@@ -514,8 +538,12 @@ def estimate(shape: ModelShape, stages: list[StageParams], lay: RankLayout) -> M
             top = bottom = grads_early + (root_grads if lay.fsdp and not pp_fsdp else 0)
         else:
             top, bottom = root_grads, root_grads + 4 * block.local * max(n_blocks - 1, 0)
-        at_top = Moment(top, working, others + kept, recompute)
-        at_bottom = Moment(bottom, working, others + first_in, recompute)
+        if autocast:  # the blocks without checkpointing keep their weight copies until their backward
+            at_top_working, at_bottom_working = pr.working * kinds.get("none", 0) * block.matmul_tp, 0
+        else:
+            at_top_working = at_bottom_working = working
+        at_top = Moment(top, at_top_working, others + kept, recompute)
+        at_bottom = Moment(bottom, at_bottom_working, others + first_in, recompute)
         moments["recompute"] = max(at_top, at_bottom, key=lambda m: m.total)
 
     if pp_fsdp:
