@@ -16,6 +16,7 @@ The trainer enters one ``StepProfiler`` around its loop and calls ``step(n)`` af
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
 from typing import Optional
@@ -25,6 +26,14 @@ from torch.profiler import ProfilerAction, ProfilerActivity, profile
 
 MEMORY_SNAPSHOT_ENTRIES = 100_000
 """Allocation events the allocator keeps for a snapshot (the newest ones)."""
+
+
+@contextlib.contextmanager
+def _one_trace_per_window():
+    """torch warns that each profiling cycle starts afresh: one trace per window is the intent here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*Profiler clears events at the end of each cycle")
+        yield
 
 
 def _folder(dump_folder: str, name: str) -> str:
@@ -68,7 +77,8 @@ class StepProfiler:
             activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
             self._profiler = profile(activities=activities, schedule=self._action, on_trace_ready=self._save_trace,
                                      record_shapes=True, with_stack=False)
-            self._profiler.__enter__()
+            with _one_trace_per_window():
+                self._profiler.__enter__()
         if self.snapshot_folder is not None:
             torch.cuda.memory._record_memory_history(max_entries=MEMORY_SNAPSHOT_ENTRIES)
         return self
@@ -78,8 +88,7 @@ class StepProfiler:
         assert step == self.step_done + 1, (step, self.step_done)
         self.step_done = step
         if self._profiler is not None:
-            with warnings.catch_warnings():  # one trace per window is the intent, not a loss of events
-                warnings.filterwarnings("ignore", message=".*Profiler clears events at the end of each cycle")
+            with _one_trace_per_window():
                 self._profiler.step()
         if self.snapshot_folder is not None and step % self.freq == 0:
             self.dump_memory_snapshot(f"iteration_{step}")
