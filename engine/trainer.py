@@ -25,8 +25,8 @@ from engine.data.loader import build_dataloader
 from engine.data.tokenizer import build_tokenizer
 from engine.distributed import World, comm_trace_prefix, set_collective_timeout, set_determinism
 from engine.metrics import MetricsLogger
-from engine.profiling import StepProfiler
 from engine.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
+from engine.profiling import StepProfiler
 from models import get_model_spec
 from models.attention import select_sdpa_backend
 from models.loss import IGNORE_INDEX, cross_entropy_sum
