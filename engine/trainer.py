@@ -210,14 +210,17 @@ class Trainer:
         non_blocking = self.device.type == "cuda"
         return {k: v.to(self.device, non_blocking=non_blocking) for k, v in batch.items()}
 
-    def _global_num_targets(self, microbatches: list[dict[str, torch.Tensor]]) -> int:
-        """Target tokens of the whole optimizer step: every microbatch on every rank holding other tokens."""
-        local = sum(int((mb["labels"] != IGNORE_INDEX).sum()) for mb in microbatches)
+    def _global_num_targets(self, microbatches: list[dict[str, torch.Tensor]]) -> int | torch.Tensor:
+        """Target tokens of the whole optimizer step: every microbatch on every rank holding other tokens. Summed
+        over ranks it stays a device tensor, never read on the host: the losses are divided by it on the device,
+        so the host goes on queuing the step's work instead of waiting for the GPU at every step."""
+        local = sum(int((mb["labels"] != IGNORE_INDEX).sum()) for mb in microbatches)  # CPU batches: no sync
+        assert local > 0, "microbatches without target tokens"
         if self.loss_group is None:
             return local
         count = torch.tensor(local, dtype=torch.int64, device=self.device)
         dist.all_reduce(count, group=self.loss_group)
-        return int(count)
+        return count
 
     def _shard_context(self, mb: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Context parallelism: this rank's load-balanced chunks of every sequence of the batch."""
@@ -231,7 +234,6 @@ class Trainer:
         microbatches = [self._shard_context({k: v for k, v in mb.items() if k != "sample_ids"})
                         for mb in microbatches]
         num_targets = self._global_num_targets(microbatches)
-        assert num_targets > 0, "a step without target tokens"
         total_loss = torch.zeros((), device=self.device)
         if self.dims.pp_enabled:
             self._num_targets = num_targets
