@@ -697,8 +697,8 @@ def validate(cfg: Config, world_size: int = 1, machine: Optional[Machine] = None
     if t.loss_chunk_tokens < 0:
         raise ConfigError(f"training.loss_chunk_tokens: must be >= 0 (0 = off), got {t.loss_chunk_tokens}")
     if t.loss_chunk_tokens and dims.pp > 1:
-        raise ConfigError("training.loss_chunk_tokens: the fused output loss needs pp = 1 (the last pipeline "
-                          "stage computes the logits); set it to 0 for this layout")
+        raise ConfigError("training.loss_chunk_tokens: the fused output loss needs pp = 1 (the pipeline hands "
+                          "the last stage's logits to its loss function); set it to 0 for this layout")
     _validate_float8(cfg, machine)
 
     # optimizer

@@ -51,11 +51,10 @@ rstd ((r d + 4) / t) and the output's input (c d, whole sequence). The loss peak
 the fp32 log-softmax output, the incoming gradient and the result, 12 bytes x T x V (/ t with loss parallel,
 whose sharded log-softmax backward holds one more fp32 buffer: 16 / t); compiled (without loss parallel) it
 keeps the logits and per-token log-sum-exp and writes their gradient in one kernel, 2 c T V + 8 T; fused with
-the output projection
-(training.loss_chunk_tokens = k), k V (4 + c) for one chunk + c d T + the output weight's gradient (V d, in
-the weight's dtype) instead, with V / t under TP (each rank its vocabulary slice). A block's backward adds about
-(3 c f / t + c d + 2 r d / t) T bytes of gradients in flight; a checkpointed block is first recomputed
-(its "none" bytes).
+the output projection (training.loss_chunk_tokens = k), k V (4 + c) for one chunk + c d T + the output
+weight's gradient (V d, in the weight's dtype) instead, with V / t under TP (each rank its vocabulary slice).
+A block's backward adds about (3 c f / t + c d + 2 r d / t) T bytes of gradients in flight; a checkpointed
+block is first recomputed (its "none" bytes, less what it kept).
 
 Pipeline parallelism multiplies the saved bytes by the microbatches in flight on this rank: GPipe all m;
 1F1B min(m, pp - pp_rank); Interleaved1F1B/InterleavedZeroBubble min(m v, (v - 1) pp + 2 (pp - 1 - pp_rank) + 1)
@@ -338,16 +337,19 @@ def block_bytes_per_token(shape: ModelShape, lay: RankLayout, kind: str) -> floa
     d, hq, hkv, h, f = shape.dim, shape.hq, shape.hkv, shape.n_heads, shape.ffn_hidden
     if kind == "full":
         return r * d / t
-    reduce_scatter = 2 * c * d / t if t > 1 else 0
-    if kind == "op" and lay.compiled:
-        return r * d / t + 2 * c * d + (c * hq + 2 * c * hkv + 4 * h) / t + 2 * c * f / t + reduce_scatter
     if kind == "op":
-        return r * d / t + (2 * c * hq + 2 * c * hkv + 4 * h) / t + 2 * c * f / t + 2 * c * d + reduce_scatter
+        # hq-wide tensors kept per token (q, the attention output); compiled, one fewer (tests/test_dry_run.py)
+        hq_tensors = 1 if lay.compiled else 2
+        reduce_scatter = 2 * c * d / t if t > 1 else 0
+        return r * d / t + 2 * c * d + (hq_tensors * c * hq + 2 * c * hkv + 4 * h) / t + 2 * c * f / t + reduce_scatter
     assert kind == "none", kind
-    if lay.compiled:
-        return (r * d + 8) / t + 2 * c * d + (3 * c * hq + 2 * c * hkv + 4 * h) / t + 3 * c * f / t
-    copies = lay.precision.attn_input_copies + lay.precision.mlp_input_copies
-    return (2 * r * d + 8) / t + copies * c * d + (2 * c * hq + 2 * c * hkv + 4 * h) / t + 4 * c * f / t
+    if lay.compiled:  # one cast per input, no attention residual, the attention output twice, no silu(w1)
+        residuals, copies, hq_tensors, ffn = 1, 2, 3, 3
+    else:
+        copies = lay.precision.attn_input_copies + lay.precision.mlp_input_copies
+        residuals, hq_tensors, ffn = 2, 2, 4
+    return ((residuals * r * d + 8) / t + copies * c * d + (hq_tensors * c * hq + 2 * c * hkv + 4 * h) / t
+            + ffn * c * f / t)
 
 
 def block_backward_bytes_per_token(shape: ModelShape, lay: RankLayout) -> float:
@@ -382,9 +384,9 @@ def final_bytes_per_token(shape: ModelShape, lay: RankLayout) -> float:
 
 def loss_bytes(shape: ModelShape, lay: RankLayout, tokens: int) -> float:
     """The loss at the start of backward: fp32 log-softmax output, its incoming gradient and the result;
-    compiled, the kept logits and log-sum-exp and the logits' gradient; or, fused with the output projection (training.loss_chunk_tokens), one chunk's fp32 logits and their
-    compute-dtype gradient, the hidden state's gradient and the weight's (in the weight's dtype), over this
-    rank's vocabulary slice under TP."""
+    compiled, the kept logits and log-sum-exp and the logits' gradient; or, fused with the output projection
+    (training.loss_chunk_tokens), one chunk's fp32 logits and their compute-dtype gradient, the hidden state's
+    gradient and the weight's (in the weight's dtype), over this rank's vocabulary slice under TP."""
     if lay.loss_chunk_tokens:
         chunk = min(lay.loss_chunk_tokens, tokens)
         c = lay.precision.compute
