@@ -40,8 +40,8 @@ def parse_anchor_log(path: str) -> list[dict]:
     with open(path, errors="replace") as f:
         for line in f:
             line = ANSI.sub("", line)
-            if not re.search(r"step:\s*\d+\s", line) or "tps:" not in line:
-                continue
+            if not re.search(r"(?<!validate )step:\s*\d+\s", line) or "tps:" not in line:
+                continue  # not a training step's line (torchtitan's validation lines say "validate step:")
             row = {}
             for key, pattern in FIELDS.items():
                 m = re.search(pattern, line)

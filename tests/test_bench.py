@@ -1,0 +1,169 @@
+"""The GPU benchmark scripts, checked on CPU before a device call spends the H100's time on them.
+
+The bench/*.sh scripts run on the H100 machine only (CI has no GPU), so a misspelled flag or a layout that
+validation rejects would show up there, one 10-minute device call too late. Here each script runs with a
+stand-in ``python3`` on PATH: every ``python3 -m engine.train`` (alone or under ``torch.distributed.run``)
+is parsed and validated as on a Hopper GPU (engine.train.check with engine.config.HOPPER and the run's world
+size) and recorded; every other python3 call does nothing. The scripts' own shell code runs for real.
+The reference trainer is left out (ANCHOR=""), and so are the wheel installs (no .whl in the copy).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import stat
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Stands in for python3: records the arguments of every engine.train launch (one NUL-separated file per call,
+# numbered in order; "dist" for a torch.distributed.run launch), does nothing for any other call.
+SHIM = """#!/usr/bin/env bash
+case " $* " in
+  *" -m torch.distributed.run "*|*" -m engine.train "*)
+    n=$(ls {record} | wc -l)
+    printf '%s\\0' "$@" > {record}/$(printf %04d "$n") ;;
+esac
+exit 0
+"""
+
+
+def _check(argv: list[str]) -> dict:
+    """engine.train's own checks of one recorded launch, as on a Hopper GPU with that launch's world size."""
+    from engine.config import HOPPER
+    from engine.train import check
+
+    world = 1
+    if "torch.distributed.run" in argv:
+        for i, a in enumerate(argv):
+            if a == "--nproc_per_node":
+                world = int(argv[i + 1])
+            elif a.startswith("--nproc_per_node="):
+                world = int(a.split("=", 1)[1])
+    argv = argv[argv.index("engine.train") + 1:]
+    record = {"argv": argv, "world": world}
+    old = os.environ.get("WORLD_SIZE")
+    os.environ["WORLD_SIZE"] = str(world)
+    try:
+        check(argv, HOPPER)
+    except ValueError as e:
+        record["error"] = str(e)
+    finally:
+        if old is None:
+            del os.environ["WORLD_SIZE"]
+        else:
+            os.environ["WORLD_SIZE"] = old
+    return record
+
+
+def _copy_repo(dst: str) -> str:
+    """The scripts cd to their repository: give them a copy holding only what they read."""
+    repo = os.path.join(dst, "repo")
+    for name in ("bench", "train_configs"):
+        shutil.copytree(os.path.join(ROOT, name), os.path.join(repo, name))
+    return repo
+
+
+def _run_script(tmp_path, script: str, env_extra: dict) -> list[dict]:
+    repo = _copy_repo(str(tmp_path))
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    record = tmp_path / "launches"
+    record.mkdir()
+    for name, text in (("python3", SHIM.format(record=record)),
+                       ("nvidia-smi", "#!/usr/bin/env bash\necho 'NVIDIA H100 80GB HBM3, 81559 MiB, 0'\n")):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod((bin_dir / name).stat().st_mode | stat.S_IEXEC)
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", OUT=str(tmp_path / "out"), **env_extra)
+    proc = subprocess.run(["bash", os.path.join(repo, "bench", script)], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rows = [_check(p.read_text().split("\0")[:-1]) for p in sorted(record.iterdir())]
+    errors = [f"{' '.join(r['argv'])} (world {r['world']}): {r['error']}" for r in rows if "error" in r]
+    assert not errors, "\n".join(errors)
+    return rows
+
+
+def test_gpu_foundation_configs_are_valid_on_hopper(tmp_path):
+    rows = _run_script(tmp_path, "gpu_foundation.sh", {})
+    flavors = [r["argv"][r["argv"].index("--model.flavor") + 1] for r in rows]
+    assert flavors == ["8B_L8", "8B_L2"], flavors
+    assert "--profiling.enable_memory_snapshot" in rows[1]["argv"]
+
+
+def test_gpu_parallel_configs_are_valid_on_hopper(tmp_path):
+    rows = _run_script(tmp_path, "gpu_parallel.sh", {})
+    # five single-GPU 8B_L8 runs, the one-rank debug run, then four two-rank layouts over gloo
+    assert [r["world"] for r in rows] == [1] * 6 + [2] * 4, rows
+    two_rank = [" ".join(r["argv"]) for r in rows[6:]]
+    assert any("--parallelism.cp 2" in a for a in two_rank)
+    assert any("--training.loss_chunk_tokens" in a and "--parallelism.tp 2" in a for a in two_rank)
+
+
+def test_perf_vs_reference_configs_are_valid_on_hopper(tmp_path):
+    only = "bf16_compile_ac_op fp8_compile_ac_op eager_ac_op noac_compile fullac_compile fused_loss cudnn_sdpa " \
+           "fused_loss_cudnn"
+    rows = _run_script(tmp_path, "perf_vs_reference.sh", {"ONLY": only, "ANCHOR": "", "BUDGET": "100000"})
+    assert len(rows) == len(only.split()), rows
+    for r in rows:  # the reference kit's shapes, every one
+        argv = " ".join(r["argv"])
+        assert "--model.flavor 8B_L8 --training.seq_len 8192 --training.local_batch_size 1" in argv, argv
+    assert sum("--float8.enable" in r["argv"] for r in rows) == 1
+
+
+def test_memory_check_estimates_every_configuration(tmp_path):
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "memory_check.py"), "--estimate-only",
+                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = json.loads((tmp_path / "memory_check.json").read_text())
+    assert len(rows) >= 4  # the acceptance needs at least 4 single-GPU configurations
+    for r in rows:
+        assert 10 < r["estimate_gib"] < 80, r  # each one fits an 80 GB H100, so it can be measured
+
+
+# One line of torchtitan 0.2.2's metrics logger (components/metrics.py), colours included, then its validation
+# line, which must not count as a training step.
+ANCHOR_LOG = """\
+[titan] 2026-11-22 10:00:00,000 - root - INFO - \x1b[31mstep: {step:2}  \x1b[32mloss:  7.12345  \x1b[33m\
+grad_norm:  1.2345  \x1b[36mmemory: {mem:5.2f}GiB(55.12%)  \x1b[34mtps: {tps:,}  \x1b[36mtflops: 496.12  \
+\x1b[35mmfu: 50.16%\x1b[39m
+"""
+VALIDATE = ("[titan] 2026-11-22 10:00:01,000 - root - INFO - \x1b[33mvalidate step: 20  \x1b[32mloss:  7.0000  "
+            "\x1b[36mmemory: 70.00GiB(88.00%)  \x1b[34mtps: 99,999\x1b[39m\n")
+
+
+def test_compare_reference_reads_both_trainers(tmp_path):
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    try:
+        import compare_reference
+    finally:
+        sys.path.pop(0)
+    anchor = tmp_path / "anchor"
+    anchor.mkdir()
+    log = "".join(ANCHOR_LOG.format(step=s, mem=40.0 + s / 10, tps=t)
+                  for s, t in ((5, 10_000), (10, 29_000), (15, 29_400), (20, 29_600)))
+    (anchor / "anchor_bf16_compile.log").write_text(log + VALIDATE)
+    ref = compare_reference.summarize_anchor(str(anchor / "anchor_bf16_compile.log"), skip=10)
+    assert ref["steps"] == "15-20"
+    assert ref["tps"] == 29_500 and ref["mfu"] == pytest.approx(50.16)
+    assert ref["peak_reserved_gib"] == pytest.approx(42.0)  # the validation line's 70 GiB is not a step
+
+    run = tmp_path / "tessera" / "bf16_compile_ac_op"
+    run.mkdir(parents=True)
+    with open(run / "metrics.jsonl", "w") as f:
+        for step in range(1, 16):
+            f.write(json.dumps({"step": step, "loss": 8.0 - step / 10, "grad_norm": 1.0, "lr": 3e-4,
+                                "tps": 10_000 if step <= 5 else 32_450, "tps_per_gpu": 10_000 if step <= 5 else 32_450,
+                                "tflops": 546.0, "mfu": 55.2, "memory_gib": 39.0,
+                                "memory_reserved_gib": 41.0}) + "\n")
+    out = tmp_path / "summary.json"
+    assert compare_reference.main(["--tessera", str(tmp_path / "tessera"), "--anchor", str(anchor),
+                                   "--pairs", "bf16_compile_ac_op=bf16_compile", "--json", str(out)]) == 0
+    (result,) = json.loads(out.read_text())
+    assert result["tps_ratio"] == pytest.approx(32_450 / 29_500)
+    assert result["memory_ratio"] == pytest.approx(41.0 / 42.0)
