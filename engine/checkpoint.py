@@ -64,6 +64,12 @@ def step_folder(root: str, step: int) -> str:
     return os.path.join(root, f"step-{step:06d}")
 
 
+def hf_export_folder(root: str, step: int) -> str:
+    """Where checkpoint.last_save_hf writes the Hugging Face folder of ``step`` (not a step-N folder: never
+    resumed from, never removed by keep_latest_k)."""
+    return step_folder(root, step) + "-hf"
+
+
 def checkpoint_root(cfg: Config) -> str:
     folder = cfg.checkpoint.folder
     return folder if os.path.isabs(folder) else os.path.join(cfg.job.dump_folder, folder)
@@ -441,6 +447,23 @@ class Checkpointer:
         _fault(p["step"], "dcp_done")
         self._commit(p["step"], step_folder(self.root, p["step"]), time.perf_counter() - p["t0"], False,
                      overlapped=max(p["steps"], 1) if p["steps"] else 0)
+
+    def export_hf(self, step: int, tokenizer_path: str) -> None:
+        """checkpoint.last_save_hf: rank 0 writes the committed checkpoint of ``step`` as a Hugging Face folder.
+        The other ranks do not wait for it (the export may take longer than a collective's timeout)."""
+        if not self.is_main:
+            return
+        from engine.hf import export_checkpoint_hf
+
+        out = hf_export_folder(self.root, step)
+        if os.path.exists(out):  # the export is atomic (written aside, then renamed): it is complete
+            self._log(f"checkpoint: {out} already exists; left as it is")
+            return
+        t0 = time.perf_counter()
+        what = export_checkpoint_hf(step_folder(self.root, step), out, _DTYPES[self.cfg.checkpoint.export_dtype],
+                                    tokenizer_path, field="checkpoint.last_save_hf")
+        self._log(f"checkpoint: Hugging Face folder of {what} ({self.cfg.checkpoint.export_dtype}) written in "
+                  f"{time.perf_counter() - t0:.1f}s -> {out}")
 
     # -- preemption -------------------------------------------------------------------------------------------
     def install_sigterm_handler(self) -> None:

@@ -303,10 +303,15 @@ class Checkpoint:
     """The save at the last step holds the model weights only, in checkpoint.export_dtype (for inference
     or fine-tuning)."""
     export_dtype: str = "float32"
-    """dtype of a model-only save: float32, bfloat16 or float16."""
+    """dtype of a model-only save and of the last_save_hf folder: float32, bfloat16 or float16."""
     initial_load_path: str = ""
     """When no checkpoint of this run exists yet, start from these weights: a Tessera step folder (e.g. a
     seed checkpoint) or a Hugging Face folder (config.json + safetensors). The model only."""
+    last_save_hf: bool = False
+    """Once the last step's checkpoint is committed, rank 0 also writes it as a Hugging Face folder
+    <checkpoint.folder>/step-<N>-hf (config.json, safetensors in checkpoint.export_dtype, the run's tokenizer) that
+    transformers' from_pretrained loads; it holds the whole model in CPU memory once (as
+    `python -m engine.tools.convert_hf to-hf` does). A run resumed after it exists leaves it alone."""
     create_seed_checkpoint: bool = False
     """Write the initialized model as step-0 (model only, for initial_load_path) and exit without training."""
 
@@ -746,6 +751,9 @@ def validate(cfg: Config, world_size: int = 1, machine: Optional[Machine] = None
         raise ConfigError("checkpoint.folder: must not be empty")
     if c.initial_load_path and not os.path.isdir(c.initial_load_path):
         raise ConfigError(f"checkpoint.initial_load_path: folder '{c.initial_load_path}' not found")
+    if c.last_save_hf and not c.enable:
+        raise ConfigError("checkpoint.last_save_hf: the export is made from the last step's checkpoint; set "
+                          "checkpoint.enable = true as well")
     if c.create_seed_checkpoint and world_size != 1:
         raise ConfigError("checkpoint.create_seed_checkpoint: run it with one process (NGPU=1); the seed "
                           "checkpoint loads on any layout")

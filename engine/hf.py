@@ -28,7 +28,7 @@ from torch import Tensor
 from engine.config import read_json_object
 from models import get_model_spec, model_names
 
-__all__ = ["export_hf", "load_hf", "MAX_SHARD_BYTES"]
+__all__ = ["export_hf", "export_checkpoint_hf", "load_hf", "model_args_for", "MAX_SHARD_BYTES"]
 
 MAX_SHARD_BYTES = 5 * 10**9
 """Above this many bytes of weights the export is split into shards of at most this size (as transformers does)."""
@@ -177,6 +177,39 @@ def export_hf(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def model_args_for(name: str, flavor: str, vocab_size: int, field: str = "flavor") -> Any:
+    """The model arguments of ``name``/``flavor`` with ``vocab_size`` (a checkpoint's, which the tokenizer set)."""
+    import dataclasses
+
+    spec = get_model_spec(name)
+    if flavor not in spec.flavors:
+        raise ValueError(f"{field}: unknown flavor {flavor!r} of {name}; known: {', '.join(spec.flavors)}")
+    return dataclasses.replace(spec.flavors[flavor], vocab_size=vocab_size)
+
+
+def export_checkpoint_hf(
+    step_folder: str,
+    folder: str,
+    dtype: torch.dtype = torch.bfloat16,
+    tokenizer_path: Optional[str] = None,
+    *,
+    field: str = "folder",
+) -> str:
+    """Write the model of the Tessera step folder ``step_folder`` (saved on any layout: DCP reassembles the
+    whole tensors) as the Hugging Face folder ``folder`` (``export_hf``'s rules); returns what it wrote (model/flavor, step).
+
+    One process reads the whole model into CPU memory once (float32 for a full checkpoint, the export dtype
+    for a model-only one) and converts one shard of at most ``MAX_SHARD_BYTES`` at a time."""
+    from engine.checkpoint import inspect_checkpoint, read_full
+
+    info = inspect_checkpoint(step_folder, "checkpoint")
+    model = {k[len("model."):]: v for k, v in read_full(step_folder, "model.").items()}
+    name, flavor = info.train_state["model"], info.train_state["flavor"]
+    args = model_args_for(name, flavor, model["tok_embeddings.weight"].shape[0])
+    export_hf(model, args, folder, dtype=dtype, tokenizer_path=tokenizer_path, field=field)
+    return f"{name}/{flavor}, step {info.step}"
 
 
 # ----------------------------------------------------------------------------------------------------------------

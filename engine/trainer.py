@@ -167,7 +167,7 @@ class Trainer:
             self.step = self.checkpointer.load(self.resume_from)
         elif init_path:
             self.checkpointer.load_model_only(init_path)
-        if world.is_main:
+        if world.is_main and self.step < cfg.training.steps:  # a finished run's metrics stay where they are
             _set_aside_old_metrics(cfg.job.dump_folder)
         self.metrics = MetricsLogger(cfg, world.rank, world.world_size, self.num_flops_per_token, self.device)
 
@@ -354,6 +354,9 @@ class Trainer:
             return []
         if cfg.checkpoint.enable:
             ckpt.install_sigterm_handler()
+        if self.step >= cfg.training.steps and self.world.is_main:
+            print(f"resumed at step {self.step}: training.steps = {cfg.training.steps} is reached, nothing to train "
+                  "(raise training.steps to train on)", flush=True)
         tokens_per_step = cfg.training.local_batch_size * cfg.training.seq_len * self.grad_accum * self.dp_size
         data_iter = iter(self.dataloader)
         logged = []
@@ -416,6 +419,8 @@ class Trainer:
                     break
                 profiler.step(self.step)
         ckpt.close()
+        if cfg.checkpoint.last_save_hf and self.step == cfg.training.steps:
+            ckpt.export_hf(self.step, self.tokenizer.path)
         self.metrics.close()
         if self.world.is_main:
             self._plot()
@@ -425,6 +430,6 @@ class Trainer:
         from engine.plot import plot_metrics
 
         jsonl = os.path.join(self.cfg.job.dump_folder, "metrics.jsonl")
-        if os.path.exists(jsonl):
+        if os.path.exists(jsonl) and os.path.getsize(jsonl) > 0:  # empty when nothing was left to train
             paths = plot_metrics(jsonl, self.cfg.job.dump_folder)
             print(f"plots: {', '.join(paths)}", flush=True)

@@ -411,6 +411,36 @@ def test_hf_export_and_import_start_a_run_from_the_same_weights(reference, tmp_p
     assert metrics(tmp_path / "from_hf")[1]["loss"] < metrics(reference)[1]["loss"] - 1  # trained weights
 
 
+def test_last_save_hf_writes_the_final_model_for_transformers(tmp_path):
+    from engine.hf import load_hf, model_args_for
+    from tests.test_hf import load_in_transformers
+
+    dump = tmp_path / "run"
+    args = ("--training.steps", "3", "--checkpoint.interval", "3", "--checkpoint.last_save_hf",
+            "--checkpoint.export_dtype", "bfloat16")
+    out = train(dump, *args, *FSDP2_TP2, ngpu=4).stdout
+    hf = dump / "checkpoint" / "step-000003-hf"
+    assert "Hugging Face folder of llama3/debugmodel, step 3 (bfloat16) written in" in out, out[-2000:]
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(os.listdir(hf))
+    # Exactly the committed step's weights (saved over FSDP 2 x TP 2), rounded to bfloat16.
+    model = read_full(str(dump / "checkpoint" / "step-000003"), "model.")
+    model = {k[len("model."):]: v for k, v in model.items()}
+    args_hf = model_args_for("llama3", "debugmodel", model["tok_embeddings.weight"].shape[0])
+    loaded = load_hf(str(hf), args_hf, flavor="debugmodel")
+    assert sorted(loaded) == sorted(model)
+    assert all(torch.equal(loaded[k], model[k].bfloat16().float()) for k in model)
+    hf_model = load_in_transformers(str(hf))
+    assert torch.equal(hf_model.lm_head.weight, model["output.weight"].bfloat16().float())
+    assert [s for s, _, ok in list_steps(str(dump / "checkpoint")) if ok] == [3]  # not a step folder itself
+    # Run again (one rank now), it resumes at the last step and leaves the export as it is.
+    before = tree(hf)
+    again = train(dump, *args, ngpu=1).stdout
+    assert "resumed at step 3: training.steps = 3 is reached, nothing to train" in again, again[-2000:]
+    assert "already exists; left as it is" in again
+    assert tree(hf) == before
+    assert sorted(metrics(dump)) == [1, 2, 3]  # the finished run's metrics stay in metrics.jsonl
+
+
 def test_seed_checkpoint_starts_any_layout_from_the_same_weights(tmp_path):
     seed = tmp_path / "seed"
     train(seed, "--checkpoint.create_seed_checkpoint", "--debug.seed", "7")

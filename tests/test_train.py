@@ -63,6 +63,7 @@ BAD_INPUTS = [
     (["--profiling.enable_memory_snapshot"], "profiling.enable_memory_snapshot"),  # needs CUDA
     (["--comm.train_timeout_seconds", "0"], "comm.train_timeout_seconds"),
     (["--comm.trace_buf_size", "-1"], "comm.trace_buf_size"),
+    (["--checkpoint.last_save_hf"], "checkpoint.last_save_hf"),  # needs checkpoint.enable
 ]
 
 

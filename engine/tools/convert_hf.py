@@ -12,7 +12,6 @@ Hugging Face folder directly). One process, CPU; the whole model is held in memo
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import sys
 
@@ -21,24 +20,11 @@ import torch
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def _model_args(name: str, flavor: str, vocab_size: int):
-    from models import get_model_spec
-
-    spec = get_model_spec(name)
-    if flavor not in spec.flavors:
-        raise ValueError(f"--flavor: unknown flavor {flavor!r} of {name}; known: {', '.join(spec.flavors)}")
-    return dataclasses.replace(spec.flavors[flavor], vocab_size=vocab_size)
-
-
 def to_hf(step_folder: str, out: str, dtype: str = "bfloat16", tokenizer: str = "") -> None:
-    from engine.checkpoint import inspect_checkpoint, read_full
-    from engine.hf import export_hf
+    from engine.hf import export_checkpoint_hf
 
-    info = inspect_checkpoint(step_folder, "checkpoint")
-    model = {k[len("model."):]: v.float() for k, v in read_full(step_folder, "model.").items()}
-    args = _model_args(info.train_state["model"], info.train_state["flavor"], model["tok_embeddings.weight"].shape[0])
-    export_hf(model, args, out, dtype=DTYPES[dtype], tokenizer_path=tokenizer or None, field="out")
-    print(f"wrote {out} ({info.train_state['model']}/{info.train_state['flavor']}, step {info.step}, {dtype})")
+    what = export_checkpoint_hf(step_folder, out, DTYPES[dtype], tokenizer or None, field="out")
+    print(f"wrote {out} ({what}, {dtype})")
 
 
 def from_hf(hf_folder: str, out: str, flavor: str, model_name: str = "llama3") -> None:
@@ -46,14 +32,14 @@ def from_hf(hf_folder: str, out: str, flavor: str, model_name: str = "llama3") -
 
     from engine.checkpoint import FORMAT_VERSION, TRAIN_STATE_FILE, write_commit_marker, write_json
     from engine.config import read_json_object
-    from engine.hf import load_hf
+    from engine.hf import load_hf, model_args_for
 
     if os.path.exists(out) and os.listdir(out):
         raise ValueError(f"out: {out} exists and is not empty; give a new folder")
     vocab = read_json_object(os.path.join(hf_folder, "config.json"), "hf_folder").get("vocab_size")
     if not isinstance(vocab, int) or vocab <= 0:
         raise ValueError(f"hf_folder: {hf_folder}/config.json has no positive integer vocab_size")
-    args = _model_args(model_name, flavor, vocab)
+    args = model_args_for(model_name, flavor, vocab, field="--flavor")
     state = {f"model.{k}": v for k, v in load_hf(hf_folder, args, flavor=flavor, field="hf_folder").items()}
     dcp.save(state, checkpoint_id=out, no_dist=True)
     write_json(os.path.join(out, TRAIN_STATE_FILE), {
