@@ -13,8 +13,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BASE = os.path.join(ROOT, "train_configs", "llama3_8b.toml")
 
 
-def _plan(gpus=8, gib=80.0, margin=0.1, batch=16, seq=8192):
-    return planner.plan(parse_args(["--config", BASE]), gpus, seq, batch, gib, margin, planner.CostModel())
+def _plan(gpus=8, gib=80.0, margin=0.1, batch=16, seq=8192, loss_chunk_tokens=2048):
+    return planner.plan(parse_args(["--config", BASE]), gpus, seq, batch, gib, margin, planner.CostModel(),
+                        loss_chunk_tokens)
 
 
 def _assert_valid_and_fits(result, gpus, usable_gib):
@@ -36,6 +37,26 @@ def test_every_proposal_validates_and_fits():
     small = _plan(gib=40.0)
     _assert_valid_and_fits(small, 8, 36.0)
     assert small.rejected_by_memory > result.rejected_by_memory
+
+
+def test_fused_loss_only_where_the_plain_loss_does_not_fit():
+    """On 72 GB GPUs pure FSDP without checkpointing fits only with the fused loss, and is the fastest."""
+    result = _plan(gib=72.0)
+    _assert_valid_and_fits(result, 8, 72.0 * 0.9)
+    best = result.candidates[0]
+    assert (best.dims.dp_shard, best.cfg.activation_checkpoint.mode) == (8, "none")
+    assert best.cfg.training.loss_chunk_tokens == 2048
+    fused = [c for c in result.candidates if c.cfg.training.loss_chunk_tokens]
+    for c in fused:  # each one's plain twin does not fit
+        plain = memory.copy_config(c.cfg)
+        plain.training.loss_chunk_tokens = 0
+        rows = memory.analytic_rows(plain, memory.validate_layout(plain, 8), memory.model_shape(plain))
+        assert max(r.estimate.peak for r in rows) / memory.GIB > 72.0 * 0.9
+        assert c.dims.pp == 1
+    without = _plan(gib=72.0, loss_chunk_tokens=0)
+    assert not any(c.cfg.training.loss_chunk_tokens for c in without.candidates)
+    assert len(without.candidates) == len(result.candidates) - len(fused)
+    assert without.candidates[0].step_s > best.step_s
 
 
 def test_validation_decides(monkeypatch):
@@ -78,6 +99,7 @@ def test_cli_writes_a_toml_the_launcher_accepts(tmp_path, capsys):
     dims = memory.validate_layout(cfg, 8)
     assert [str(v) for v in (dims.dp_replicate, dims.dp_shard, dims.cp, dims.tp, dims.pp)] == best_line[1:6]
     assert cfg.training.global_batch_size == 16 and cfg.training.seq_len == 8192
+    assert cfg.training.loss_chunk_tokens == 0  # the plain loss fits the winner on 80 GB
     assert cfg.data.dataset == "allenai/c4"  # the rest comes from the model's train_configs TOML
     # The dry run (the real build path on 8 simulated ranks) takes it and agrees that it fits.
     env = dict(os.environ, DRY_RUN="1", NGPU="8", PYTHON=sys.executable)

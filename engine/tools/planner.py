@@ -5,7 +5,9 @@
 
 Enumerates layouts: degrees (dp_replicate, dp_shard, cp, tp, pp), activation checkpointing (none, selective
 op, full), the local batch (and so gradient accumulation) and, with pp > 1, the pipeline schedule (1F1B or
-Interleaved1F1B with 2 stages per rank) and its microbatches. Each candidate is a full Config (the model's
+Interleaved1F1B with 2 stages per rank) and its microbatches, and, without PP, the fused output loss
+(training.loss_chunk_tokens = ``--loss-chunk-tokens``, default 2048) where the plain loss's logits do not
+fit: the same FLOPs, so it is tried only for a candidate that would otherwise not fit. Each candidate is a full Config (the model's
 train_configs TOML with the layout's fields overridden); it is dropped when ``engine.config.validate`` rejects
 it (engine.tools.memory.validate_layout: every launch rule, without the tokenizer/data files) or when the
 largest per-rank peak of engine/tools/memory.py exceeds the usable memory (``--gpu-memory-gib`` minus
@@ -156,8 +158,10 @@ def batch_options(per_dp: int, pp: int) -> list[tuple[int, int, str]]:
     return options
 
 
-def candidate_config(base, dp_replicate, dp_shard, cp, tp, pp, lbs, micro, schedule, ac, seq_len, global_batch):
+def candidate_config(base, dp_replicate, dp_shard, cp, tp, pp, lbs, micro, schedule, ac, seq_len, global_batch,
+                     loss_chunk_tokens=0):
     cfg = memory.copy_config(base)
+    cfg.training.loss_chunk_tokens = loss_chunk_tokens
     p = cfg.parallelism
     p.dp_replicate, p.dp_shard, p.cp, p.tp, p.pp = dp_replicate, dp_shard, cp, tp, pp
     if pp > 1:
@@ -262,8 +266,9 @@ class Plan:
 
 
 def plan(base, gpus: int, seq_len: int, global_batch: int, gpu_memory_gib: float, memory_margin: float,
-         model: CostModel) -> Plan:
-    """Every layout of ``base``'s model on ``gpus`` GPUs that validates and fits, ranked by step time."""
+         model: CostModel, loss_chunk_tokens: int = 2048) -> Plan:
+    """Every layout of ``base``'s model on ``gpus`` GPUs that validates and fits, ranked by step time; a layout
+    whose plain loss does not fit is tried with the fused loss (``loss_chunk_tokens``; 0: never)."""
     from engine.config import ConfigError
     from models import get_model_spec
 
@@ -284,19 +289,28 @@ def plan(base, gpus: int, seq_len: int, global_batch: int, gpu_memory_gib: float
             continue
         for lbs, micro, schedule in batch_options(global_batch // dp, pp):
             for ac in AC_MODES:
+                # The plain loss first; the fused loss (same FLOPs, less memory) only where that does not fit.
                 examined += 1
-                cfg = candidate_config(base, dp_replicate, dp_shard, cp, tp, pp, lbs, micro, schedule, ac,
-                                       seq_len, global_batch)
-                try:
-                    dims = memory.validate_layout(cfg, gpus)
-                except ConfigError:
-                    by_validation += 1
+                fitted, rejected_by = None, ""
+                for chunk in (0, loss_chunk_tokens) if loss_chunk_tokens and pp == 1 else (0,):
+                    cfg = candidate_config(base, dp_replicate, dp_shard, cp, tp, pp, lbs, micro, schedule, ac,
+                                           seq_len, global_batch, chunk)
+                    try:
+                        dims = memory.validate_layout(cfg, gpus)
+                    except ConfigError:
+                        rejected_by = "validation"
+                        break
+                    rows = memory.analytic_rows(cfg, dims, shape)
+                    peak = max(row.estimate.peak for row in rows)
+                    if peak <= usable:
+                        fitted = cfg, dims, rows, peak
+                        break
+                    rejected_by = "memory"
+                if fitted is None:
+                    by_validation += rejected_by == "validation"
+                    by_memory += rejected_by == "memory"
                     continue
-                rows = memory.analytic_rows(cfg, dims, shape)
-                peak = max(row.estimate.peak for row in rows)
-                if peak > usable:
-                    by_memory += 1
-                    continue
+                cfg, dims, rows, peak = fitted
                 costs, links = step_cost(cfg, dims, shape, flops_per_token, rows, model)
                 step = step_time(costs)
                 candidates.append(Candidate(cfg, dims, peak / memory.GIB, step,
@@ -315,9 +329,14 @@ def _ac_text(cfg) -> str:
     return "op" if ac.mode == "selective" else ac.mode
 
 
+def _loss_text(cfg) -> str:
+    chunk = cfg.training.loss_chunk_tokens
+    return f"fused {chunk}" if chunk else "plain"
+
+
 def format_plan(result: Plan, top: int) -> str:
-    header = ["#", "dp_rep", "dp_shard", "cp", "tp", "pp", "schedule", "micro", "lbs", "accum", "AC", "mem GiB",
-              "step s", "tok/s/GPU", "reason"]
+    header = ["#", "dp_rep", "dp_shard", "cp", "tp", "pp", "schedule", "micro", "lbs", "accum", "AC", "loss",
+              "mem GiB", "step s", "tok/s/GPU", "reason"]
     from engine.config import grad_accumulation_steps
 
     lines = []
@@ -327,6 +346,7 @@ def format_plan(result: Plan, top: int) -> str:
             str(i), str(d.dp_replicate), str(d.dp_shard), str(d.cp), str(d.tp), str(d.pp),
             p.pp_schedule if d.pp > 1 else "-", str(p.pp_microbatches) if d.pp > 1 else "-",
             str(c.cfg.training.local_batch_size), str(grad_accumulation_steps(c.cfg, d.dp)), _ac_text(c.cfg),
+            _loss_text(c.cfg),
             f"{c.peak_gib:.1f}", f"{c.step_s:.2f}", f"{c.tokens_per_s_per_gpu:,.0f}", c.reason,
         ])
     if not lines:
@@ -360,7 +380,8 @@ def write_toml(best: Candidate, base_path: Optional[str], path: str, summary: st
         par.update(pp_schedule=p.pp_schedule, pp_microbatches=p.pp_microbatches,
                    pp_virtual_stages=p.pp_virtual_stages)
     data.setdefault("training", {}).update(seq_len=t.seq_len, local_batch_size=t.local_batch_size,
-                                           global_batch_size=t.global_batch_size)
+                                           global_batch_size=t.global_batch_size,
+                                           loss_chunk_tokens=t.loss_chunk_tokens)
     data["activation_checkpoint"] = {"mode": ac.mode, "selective_option": ac.selective_option}
     header = "".join(f"# {line}\n" for line in summary.splitlines())
     with open(path, "w") as f:
@@ -389,6 +410,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--inter-node-gbps", type=float, default=50.0, help="GB/s per GPU between nodes")
     p.add_argument("--dp-overlap", type=float, default=0.8,
                    help="fraction of the compute time that hides FSDP/HSDP/DDP traffic (default 0.8)")
+    p.add_argument("--loss-chunk-tokens", type=int, default=2048,
+                   help="training.loss_chunk_tokens of the fused output loss, tried without PP where the plain "
+                        "loss does not fit (default 2048; 0: never)")
     p.add_argument("--config", default="", help="base TOML (default: the train_configs file of the model/flavor)")
     p.add_argument("--top", type=int, default=15, help="rows of the table (default 15)")
     p.add_argument("--out", default="", help="write the best layout as a TOML here")
@@ -401,6 +425,8 @@ def _check_args(a) -> None:
     for name in ("gpus", "seq_len", "global_batch", "gpus_per_node", "top"):
         if getattr(a, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(a, name)}")
+    if a.loss_chunk_tokens < 0:
+        raise ConfigError(f"--loss-chunk-tokens: must be >= 0 (0: never the fused loss), got {a.loss_chunk_tokens}")
     for name in ("gpu_memory_gib", "mfu", "peak_tflops", "intra_node_gbps", "inter_node_gbps"):
         if not getattr(a, name) > 0:
             raise ConfigError(f"--{name.replace('_', '-')}: must be > 0, got {getattr(a, name)}")
@@ -420,7 +446,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         base.model.name, base.model.flavor = a.model, a.flavor
         memory.validate_layout(candidate_config(base, 1, 1, 1, 1, 1, 1, 1, "", ("none", "op"), a.seq_len, -1), 1)
         model = CostModel(a.peak_tflops, a.mfu, a.intra_node_gbps, a.inter_node_gbps, a.gpus_per_node, a.dp_overlap)
-        result = plan(base, a.gpus, a.seq_len, a.global_batch, a.gpu_memory_gib, a.memory_margin, model)
+        result = plan(base, a.gpus, a.seq_len, a.global_batch, a.gpu_memory_gib, a.memory_margin, model,
+                      a.loss_chunk_tokens)
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
@@ -436,7 +463,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     if result.candidates and a.out:
         best = result.candidates[0]
         summary = (f"Planned by engine.tools.planner for {a.gpus} GPUs ({a.gpus_per_node} per node, "
-                   f"{a.gpu_memory_gib:g} GiB): {best.dims.describe()}, AC {_ac_text(best.cfg)}; estimated peak "
+                   f"{a.gpu_memory_gib:g} GiB): {best.dims.describe()}, AC {_ac_text(best.cfg)}, "
+                   f"{_loss_text(best.cfg)} loss; estimated peak "
                    f"{best.peak_gib:.1f} GiB,\nstep {best.step_s:.2f} s, {best.tokens_per_s_per_gpu:,.0f} tokens/s/GPU "
                    f"({best.reason}).\nLaunch on {a.gpus} GPUs, e.g. DRY_RUN=1 NGPU={a.gpus} ./run_train.sh "
                    f"--config {a.out} first.")
