@@ -10,6 +10,9 @@ instead of testing which dimensions are on. Views, beside the five dimensions:
   of the same samples, so they can share the shards).
 - ``dp_cp``       = dp_replicate x dp_shard x cp: ranks holding different tokens; the loss, the token
   count and the gradient all-reduce run over it.
+- ``dp_shard_cp_tp`` = dp_shard x cp x tp: no code asks for it, but DTensor finds it: the gradient norm
+  of FSDP x TP parameters is partial over (dp_shard_cp, tp), and with this view DTensor reduces it in one
+  all-reduce instead of one per dimension (slower, and the ranks could round differently).
 
 ``DeviceMesh._flatten`` is a private API (the only way torch offers to build these views); this module is
 the one place that calls it.
@@ -27,6 +30,7 @@ FLAT_VIEWS = {
     "dp": ("dp_replicate", "dp_shard"),
     "dp_shard_cp": ("dp_shard", "cp"),
     "dp_cp": ("dp_replicate", "dp_shard", "cp"),
+    "dp_shard_cp_tp": ("dp_shard", "cp", "tp"),
 }
 
 

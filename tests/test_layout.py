@@ -84,6 +84,44 @@ print(sizes, dims.coordinate("tp"), dims.coordinate("dp"), dims.mesh("fsdp").ndi
     )
 
 
+def test_fsdp_tp_norm_reduces_in_one_all_reduce():
+    """The gradient norm of FSDP x TP parameters is partial over (dp_shard_cp, tp): with the dp_shard_cp_tp view
+    DTensor makes it whole in one all-reduce; without it, one per dimension (DTensor then warns)."""
+    code = """
+import logging, warnings
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Partial, Replicate
+from torch.testing._internal.distributed.fake_pg import FakeStore
+from engine.config import parse_args
+from parallelize.mesh import ParallelDims
+
+records = []
+handler = logging.Handler()
+handler.emit = lambda r: records.append(r.getMessage())
+logging.getLogger("torch.distributed.tensor._redistribute").addHandler(handler)
+dist.init_process_group("fake", store=FakeStore(), rank=3, world_size=64)
+for args, dims_names in (
+    (["--parallelism.dp_shard", "16", "--parallelism.tp", "4"], ("dp_shard", "tp")),
+    (["--parallelism.dp_replicate", "2", "--parallelism.dp_shard", "4", "--parallelism.cp", "2",
+      "--parallelism.tp", "4"], ("dp_replicate", "dp_shard_cp", "tp")),
+    (["--parallelism.pp", "2", "--parallelism.dp_shard", "4", "--parallelism.cp", "2", "--parallelism.tp", "4"],
+     ("dp_shard_cp", "tp")),
+):
+    dims = ParallelDims.from_config(parse_args(args).parallelism, 64)
+    root = dims.build_mesh("cpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        mesh = root[dims_names]
+    placements = [Replicate()] * (len(dims_names) - 2) + [Partial(), Partial()]
+    norm = DTensor.from_local(torch.ones(()), mesh, placements).full_tensor()
+print(len(records), [m[:120] for m in records])
+"""
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.startswith("0 []"), proc.stdout
+
+
 def _env(ngpu: int) -> dict:
     env = {**os.environ, "PYTHON": sys.executable, "NGPU": str(ngpu)}
     env.pop("WORLD_SIZE", None)
