@@ -106,6 +106,23 @@ def test_run_train_sh_error_is_one_line(tmp_path):
     assert not dump.exists()
 
 
+@pytest.mark.parametrize("streaming", ["true", "false"])
+def test_malformed_json_line_is_one_error_line(tmp_path, streaming):
+    """The datasets library logs its own line before raising; the user sees Tessera's one line only."""
+    data = tmp_path / "broken.jsonl"
+    good = "".join(json.dumps({"text": f"document number {i} " * 20}) + "\n" for i in range(100))
+    data.write_text(good + "{not json\n" + good)
+    dump = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "engine.train", "--data.path", str(data), "--data.streaming", streaming,
+         "--job.dump_folder", str(dump)], cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-2000:]
+    assert lines[0].startswith("error: data.path: ") and "JSON parse error" in lines[0], lines
+    assert not dump.exists()
+
+
 def test_help_lists_fields(capsys):
     rc, out, err = run_main(["--help"], capsys)
     assert rc == 0 and "--training.steps" in out and "--checkpoint" not in err

@@ -29,8 +29,10 @@ split name, the text column of the first record, tokenizer file); ``build_datase
 from __future__ import annotations
 
 import bz2
+import contextlib
 import gzip
 import json
+import logging
 import lzma
 import os
 from dataclasses import dataclass, field
@@ -207,7 +209,30 @@ def check_data_config(cfg: Config) -> DataSource:
     return source
 
 
+@contextlib.contextmanager
+def _datasets_quiet():
+    """Silence the datasets library's own output while it reads the data: its json reader logs a parse error
+    before raising it, and its progress bar would stay on the screen above Tessera's one error line."""
+    import datasets
+
+    logger = logging.getLogger("datasets")
+    level = logger.level
+    bars_were_on = datasets.is_progress_bar_enabled()
+    logger.setLevel(logging.CRITICAL)
+    datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+        if bars_were_on:
+            datasets.enable_progress_bars()
+
+
 def _one_line(e: BaseException, limit: int = 300) -> str:
+    """The exception in one line; for a wrapper (datasets' "An error occurred while generating the dataset"),
+    the exception it was raised from, which says what is wrong."""
+    while e.__cause__ is not None and type(e).__name__ == "DatasetGenerationError":
+        e = e.__cause__
     text = " ".join(str(e).split()) or "no details"
     if len(text) > limit:
         text = text[: limit - 3] + "..."
@@ -221,12 +246,14 @@ def load_full_dataset(cfg: Config, source: DataSource | None = None):
     source = source or check_dataset_config(cfg)
     d = cfg.data
     try:
-        if source.kind == "hub":
-            return datasets.load_dataset(d.dataset, d.dataset_config or None, split=d.split, streaming=d.streaming)
-        kwargs = {"sample_by": "paragraph"} if source.builder == "text" else {}
-        return datasets.load_dataset(
-            source.builder, data_files=source.files, split=d.split, streaming=d.streaming, **kwargs
-        )
+        with _datasets_quiet():
+            if source.kind == "hub":
+                return datasets.load_dataset(d.dataset, d.dataset_config or None, split=d.split,
+                                             streaming=d.streaming)
+            kwargs = {"sample_by": "paragraph"} if source.builder == "text" else {}
+            return datasets.load_dataset(
+                source.builder, data_files=source.files, split=d.split, streaming=d.streaming, **kwargs
+            )
     except ConfigError:
         raise
     except Exception as e:
@@ -264,7 +291,8 @@ def build_dataset(cfg: Config, dp_rank: int = 0, dp_world_size: int = 1):
         return ds
     # Streaming: look at this rank's first document (a fresh iteration; it does not move the dataset).
     try:
-        first = next(iter(ds), None)
+        with _datasets_quiet():
+            first = next(iter(ds), None)
     except ConfigError:
         raise
     except Exception as e:
