@@ -13,6 +13,7 @@ import ast
 import dataclasses
 import difflib
 import inspect
+import math
 import os
 import sys
 import textwrap
@@ -478,14 +479,19 @@ def _convert(key: str, tp, value, from_cli: bool):
             return value
         raise ConfigError(f"{key}: expected an integer, got {value!r}")
     if tp is float:
+        number = None
         if from_cli:
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 pass
         elif isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        raise ConfigError(f"{key}: expected a number, got {value!r}")
+            number = float(value)
+        if number is None:
+            raise ConfigError(f"{key}: expected a number, got {value!r}")
+        if not math.isfinite(number):  # TOML and float() both take nan and inf
+            raise ConfigError(f"{key}: expected a finite number, got {value!r}")
+        return number
     if tp is str:
         if from_cli or isinstance(value, str):
             return value

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 
-from engine.config import help_text, parse_args, validate
+from engine.config import ConfigError, help_text, parse_args, validate
 
 
 def check(argv: list[str] | None = None, machine=None):
@@ -22,8 +23,27 @@ def check(argv: list[str] | None = None, machine=None):
 
     cfg = parse_args(argv)
     validate(cfg, world_size_from_env(), machine)
+    check_dump_folder(cfg.job.dump_folder)
     check_data_config(cfg)
     return cfg
+
+
+def check_dump_folder(folder: str) -> None:
+    """job.dump_folder must be a folder this process can write, or one it can create."""
+    path = os.path.abspath(os.path.expanduser(folder))
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ConfigError(f"job.dump_folder: '{folder}' exists and is not a folder; give a folder path")
+    existing = path
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise ConfigError(f"job.dump_folder: cannot create '{folder}': '{existing}' is a file")
+    try:  # permission bits do not tell (root, read-only mounts, /proc): make a folder there and remove it
+        os.rmdir(tempfile.mkdtemp(prefix=".tessera-write-check-", dir=existing))
+    except OSError as e:
+        where = "" if existing == path else f" (in '{existing}')"
+        raise ConfigError(f"job.dump_folder: cannot write '{folder}'{where}: {e.strerror}; give a folder you can "
+                          "write to") from None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -64,6 +64,8 @@ BAD_INPUTS = [
     (["--comm.train_timeout_seconds", "0"], "comm.train_timeout_seconds"),
     (["--comm.trace_buf_size", "-1"], "comm.trace_buf_size"),
     (["--checkpoint.last_save_hf"], "checkpoint.last_save_hf"),  # needs checkpoint.enable
+    (["--optimizer.lr", "nan"], "optimizer.lr"),
+    (["--optimizer.lr", "inf"], "optimizer.lr"),
 ]
 
 
@@ -104,6 +106,23 @@ def test_run_train_sh_error_is_one_line(tmp_path):
         "error: unknown config key 'training.setps' (did you mean 'training.steps'?)"
     ]
     assert not dump.exists()
+
+
+def test_unusable_dump_folder_is_one_error_line(tmp_path, capsys):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("not a folder")
+    toml = tmp_path / "inf.toml"
+    toml.write_text('[optimizer]\nlr = inf\n')
+    for argv, message in [
+        (["--job.dump_folder", str(a_file)], "exists and is not a folder"),
+        (["--job.dump_folder", str(a_file / "run")], "is a file"),
+        (["--job.dump_folder", "/proc/tessera/run"], "cannot write '/proc/tessera/run' (in '/proc')"),
+        (["--config", str(toml), "--job.dump_folder", str(tmp_path / "run")], "optimizer.lr: expected a finite"),
+    ]:
+        rc, out, err = run_main(argv, capsys)
+        lines = err.strip().splitlines()
+        assert rc == 2 and len(lines) == 1 and message in lines[0], err
+    assert a_file.read_text() == "not a folder" and sorted(os.listdir(tmp_path)) == ["a_file", "inf.toml"]
 
 
 @pytest.mark.parametrize("streaming", ["true", "false"])
