@@ -220,6 +220,27 @@ def inspect_checkpoint(folder: str, field: str, cfg: Optional[Config] = None) ->
     return CheckpointInfo(folder, int(state["step"]), state, tensors)
 
 
+def check_data_source(info: CheckpointInfo, source, cfg: Config) -> None:
+    """The data position in checkpoint ``info`` belongs to the data this run reads (``source``, a
+    engine.data.datasets.DataSource); raises ConfigError naming the data field otherwise."""
+    from engine.data.loader import source_id
+
+    if "dataloader" in cfg.checkpoint.exclude_from_loading:
+        return
+    saved = read_json_object(os.path.join(info.folder, "dataloader", "dp-00000.json"), "checkpoint.folder")
+    here = source_id(source)
+    for shard in dict(saved.get("shards", {})).values():
+        there = str(shard.get("source", ""))
+        if there.startswith("local:"):  # older states kept the path as given
+            there = "local:" + os.path.abspath(os.path.expanduser(there[len("local:"):]))
+        if there != here:
+            raise ConfigError(
+                f"{source.field}: the checkpoint of step {info.step} holds a position in {there}, this run reads "
+                f"{here}; resume with the same data, or set checkpoint.exclude_from_loading = [\"dataloader\"] to "
+                "read the new data from its beginning"
+            )
+
+
 def find_resume_point(cfg: Config) -> Optional[CheckpointInfo]:
     """The checkpoint this run resumes from (checked), or None to start fresh. Called before anything is
     built, so a bad checkpoint stops the run with one error line and nothing else happens."""
@@ -503,7 +524,11 @@ class Checkpointer:
         # The optimizer's hyperparameters come from the config; its lr is the schedule's, at the saved step.
         for group, lr, base in zip(self.trainer.optimizer.param_groups, sched.get_last_lr(), sched.base_lrs):
             group["lr"], group["initial_lr"] = lr, base
-        self._load_dataloader(info)
+        if "dataloader" in self.cfg.checkpoint.exclude_from_loading:
+            self._log("checkpoint: data position not loaded (checkpoint.exclude_from_loading): the data starts "
+                      "from its beginning")
+        else:
+            self._load_dataloader(info)
         saved_layout = (info.train_state.get("world_size"), info.train_state.get("layout"))
         if saved_layout == (self.world_size, self.trainer.dims.describe()):
             rng_file = os.path.join(info.folder, "rng", f"rank-{self.rank:05d}.json")

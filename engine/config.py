@@ -305,6 +305,9 @@ class Checkpoint:
     or fine-tuning)."""
     export_dtype: str = "float32"
     """dtype of a model-only save and of the last_save_hf folder: float32, bfloat16 or float16."""
+    exclude_from_loading: list[str] = field(default_factory=list)
+    """Parts of the checkpoint a resumed run does not load: dataloader (read the data from its beginning, e.g.
+    after changing data.path or data.dataset; the data position of another dataset means nothing)."""
     initial_load_path: str = ""
     """When no checkpoint of this run exists yet, start from these weights: a Tessera step folder (e.g. a
     seed checkpoint) or a Hugging Face folder (config.json + safetensors). The model only."""
@@ -757,6 +760,8 @@ def validate(cfg: Config, world_size: int = 1, machine: Optional[Machine] = None
         raise ConfigError("checkpoint.folder: must not be empty")
     if c.initial_load_path and not os.path.isdir(c.initial_load_path):
         raise ConfigError(f"checkpoint.initial_load_path: folder '{c.initial_load_path}' not found")
+    for part in c.exclude_from_loading:
+        _choice("checkpoint.exclude_from_loading", part, ["dataloader"])
     if c.last_save_hf and not c.enable:
         raise ConfigError("checkpoint.last_save_hf: the export is made from the last step's checkpoint; set "
                           "checkpoint.enable = true as well")

@@ -19,7 +19,7 @@ from torch import nn
 
 import torch.distributed as dist
 
-from engine.checkpoint import Checkpointer, fault_point, find_resume_point, inspect_checkpoint
+from engine.checkpoint import Checkpointer, check_data_source, fault_point, find_resume_point, inspect_checkpoint
 from engine.config import Config, dump, grad_accumulation_steps, pp_microbatches, to_toml
 from engine.data.loader import build_dataloader
 from engine.data.tokenizer import build_tokenizer
@@ -120,6 +120,8 @@ class Trainer:
         # Tokenizer and data (cheap to build; their errors are user errors).
         self.tokenizer = build_tokenizer(cfg)
         self.dataloader = build_dataloader(cfg, self.tokenizer, self.dp_rank, self.dp_size)
+        if self.resume_from is not None:  # its data position must belong to this data
+            check_data_source(self.resume_from, self.dataloader.source, cfg)
 
         # Model on the meta device: shapes and FLOPs without memory; the attention kernel SDPA may use.
         select_sdpa_backend(cfg.model.sdpa_backend)
@@ -188,6 +190,12 @@ class Trainer:
                 f"grad accumulation {self.grad_accum}; layout {self.dims.describe()}",
                 flush=True,
             )
+            source = self.dataloader.source
+            ignored = (f"; {len(source.ignored)} file(s) of another format not read: "
+                       f"{', '.join(os.path.basename(p) for p in source.ignored[:3])}"
+                       f"{', ...' if len(source.ignored) > 3 else ''}") if source.ignored else ""
+            print(f"data: {source.describe()}{ignored}; tokenizer {self.tokenizer.path} "
+                  f"({self.tokenizer.vocab_size:,} tokens)", flush=True)
 
     # ----------------------------------------------------------------------------------------------------
     def rebuild_dataloader(self, num_shards: int) -> None:

@@ -351,6 +351,33 @@ def test_bad_checkpoint_is_an_error_naming_the_field_and_nothing_is_deleted(refe
     assert tree(tmp_path) == before
 
 
+def test_resuming_on_other_data_needs_the_dataloader_excluded(reference, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(reference / "checkpoint" / "step-000010", run / "checkpoint" / "step-000010")
+    data = tmp_path / "other.jsonl"
+    data.write_text("".join(json.dumps({"text": f"Another corpus, document {i}. " * 8}) + "\n" for i in range(300)))
+    other = ["--data.path", str(data), "--job.dump_folder", str(run)]
+    before = tree(tmp_path)
+    proc = subprocess.run(["./run_train.sh", *BASE, *other, "--training.steps", "12"], cwd=ROOT, capture_output=True,
+                          text=True, env={**os.environ, "PYTHON": sys.executable}, timeout=120)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-2000:]
+    assert lines[0].startswith("error: data.path: the checkpoint of step 10 holds a position in builtin:tessera_docs"
+                               f", this run reads local:{data}"), lines[0]
+    assert tree(tmp_path) == before
+    # Excluded, the data starts from its beginning: steps 11 and 12 see the first batches of the new data.
+    out = train(run, *other, "--training.steps", "12", "--checkpoint.exclude_from_loading", "dataloader").stdout
+    assert "data position not loaded" in out and sorted(metrics(run)) == [11, 12]
+    cfg = parse_args([*BASE, *other])
+    loader = build_dataloader(cfg, build_tokenizer(cfg))
+    next(loader), next(loader)
+    saved = json.loads((run / "checkpoint" / "step-000012" / "dataloader" / "dp-00000.json").read_text())
+    assert saved == json.loads(json.dumps(loader.state_dict()))  # where a fresh loader is after 2 batches
+    # The step-12 checkpoint holds a position in the new data: the next resume needs no exclusion.
+    train(run, *other, "--training.steps", "14")
+    assert sorted(metrics(run)) == [13, 14]
+
+
 def test_bad_checkpoints_through_run_train_sh(reference, tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()

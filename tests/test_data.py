@@ -11,7 +11,7 @@ import torch
 from engine.config import Config, ConfigError
 from engine.data.loader import SAMPLE_ID_STRIDE, ShardedDataLoader
 from engine.data import Tokenizer, build_dataloader, build_dataset, build_tokenizer, check_data_config
-from engine.data.datasets import BUILTIN_DATASETS
+from engine.data.datasets import BUILTIN_DATASETS, resolve_source
 from engine.data.tokenizer import BUILTIN_TOKENIZER
 
 ASSETS = os.path.dirname(BUILTIN_TOKENIZER)
@@ -288,7 +288,11 @@ def test_resume_multi_file_folder_two_ranks(tmp_path, tok):
     for i in range(4):  # 4 files, 2 ranks: datasets assigns whole files to ranks
         write_jsonl(folder / f"part-{i:02d}.jsonl", all_docs[4 * i : 4 * i + 4])
     (folder / "notes.md").write_text("not data")
+    (folder / "z_readme.txt").write_text("a supported format, but not the first file's: not read")
     cfg = make_cfg(folder, seq_len=16, batch=2, streaming=True)
+    source = resolve_source(cfg)
+    assert (source.builder, len(source.files)) == ("json", 4)
+    assert [os.path.basename(p) for p in source.ignored] == ["z_readme.txt"]
     for rank in (0, 1):
         _, epochs = _resume_case(cfg, tok, ks=[2, 7, 11], n_after=4, rank=rank, world=2)
         assert epochs[0] == 0 and epochs[-1] >= 1

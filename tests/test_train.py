@@ -66,6 +66,7 @@ BAD_INPUTS = [
     (["--checkpoint.last_save_hf"], "checkpoint.last_save_hf"),  # needs checkpoint.enable
     (["--optimizer.lr", "nan"], "optimizer.lr"),
     (["--optimizer.lr", "inf"], "optimizer.lr"),
+    (["--checkpoint.exclude_from_loading", "optimizer"], "checkpoint.exclude_from_loading"),
 ]
 
 

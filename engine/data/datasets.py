@@ -6,7 +6,8 @@ Three kinds of source, all read through ``datasets.load_dataset`` so that they s
   and ``.jsonl`` (JSON Lines, or a JSON array) -> the ``json`` builder; ``.parquet`` -> ``parquet``;
   ``.txt`` -> ``text``; ``.gz``/``.bz2``/``.xz`` compressed json/jsonl/txt work too. A folder is
   searched recursively (hidden entries skipped); the first supported file in sorted order fixes the
-  format and every file of that format is read, in sorted order.
+  format and every file of that format is read, in sorted order (files of other formats are named in
+  the run's `data:` line, not read).
   **Text files: one document per paragraph** (``sample_by="paragraph"``: documents are separated by a
   blank line; single line breaks stay inside a document). One document per line would cut prose into
   sentences, and one per file would leave a single big file as one document that cannot be split
@@ -56,6 +57,7 @@ class DataSource:
     name: str  # the path, built-in name or hub name as given
     builder: str = ""  # local/builtin: "json", "parquet" or "text"
     files: list[str] = field(default_factory=list)  # local/builtin: absolute paths, sorted
+    ignored: list[str] = field(default_factory=list)  # a folder's supported files of another format, not read
 
     def describe(self) -> str:
         if self.kind == "hub":
@@ -83,7 +85,8 @@ def _supported_list() -> str:
     return "json, jsonl, parquet or txt (json, jsonl and txt also .gz, .bz2 or .xz compressed)"
 
 
-def _folder_files(folder: str) -> tuple[str, list[str]]:
+def _folder_files(folder: str) -> tuple[str, list[str], list[str]]:
+    """(format, its files, the supported files of other formats) of a folder."""
     found = []
     for dirpath, dirnames, filenames in os.walk(folder):
         dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
@@ -94,7 +97,8 @@ def _folder_files(folder: str) -> tuple[str, list[str]]:
     for path in found:
         builder = file_format(path)
         if builder is not None:
-            return builder, [p for p in found if file_format(p) == builder]
+            others = [p for p in found if file_format(p) not in (None, builder)]
+            return builder, [p for p in found if file_format(p) == builder], others
     raise ConfigError(f"data.path: folder '{folder}' holds no {_supported_list()} files")
 
 
@@ -106,12 +110,12 @@ def resolve_source(cfg: Config) -> DataSource:
         if not os.path.exists(path):
             raise ConfigError(f"data.path: '{d.path}' not found; give a {_supported_list()} file or a folder of them")
         if os.path.isdir(path):
-            builder, files = _folder_files(path)
-        else:
-            builder = file_format(path)
-            if builder is None:
-                raise ConfigError(f"data.path: '{d.path}' has an unsupported extension; give a {_supported_list()} file")
-            files = [path]
+            builder, files, ignored = _folder_files(path)
+            return DataSource("local", "data.path", d.path, builder, files, ignored)
+        builder = file_format(path)
+        if builder is None:
+            raise ConfigError(f"data.path: '{d.path}' has an unsupported extension; give a {_supported_list()} file")
+        files = [path]
         return DataSource("local", "data.path", d.path, builder, files)
     if not d.dataset:
         raise ConfigError("data.dataset: empty; name a built-in dataset (tessera_docs), a Hugging Face dataset, or set data.path")

@@ -23,6 +23,7 @@ epoch and in all.
 from __future__ import annotations
 
 import copy
+import os
 from collections.abc import Iterator
 
 import numpy as np
@@ -217,7 +218,7 @@ class DataLoader:
             "dp_rank": self.dp_rank,
             "dp_world_size": self.dp_world_size,
             "streaming": self.streaming,
-            "source": f"{self.source.kind}:{self.source.name}",
+            "source": source_id(self.source),
             "seed": self.seed,
             # The next sample starts at token `token_offset` of document `docs_in_epoch` of `epoch`
             # (this rank's order); `dataset_state` (streaming) is the dataset's state just before it.
@@ -270,6 +271,12 @@ SHARDED_STATE_VERSION = 1
 SAMPLE_ID_STRIDE = 1 << 36  # sample id = shard * stride + index of the sample in its shard
 
 
+def source_id(source) -> str:
+    """How a loader's state names its data (kind:name; a local path made absolute)."""
+    name = os.path.abspath(os.path.expanduser(source.name)) if source.kind == "local" else source.name
+    return f"{source.kind}:{name}"
+
+
 class ShardedDataLoader:
     """A data-parallel rank's loader over logical shards, so that a run can resume on another dp degree.
 
@@ -298,6 +305,11 @@ class ShardedDataLoader:
         self.shard_ids = list(range(dp_rank, num_shards, dp_world_size))
         self.shards = {s: DataLoader(cfg, tokenizer, s, num_shards) for s in self.shard_ids}
         self.turn = 0  # position in shard_ids of the shard that gives the next sample
+
+    @property
+    def source(self):
+        """The data every shard reads (an engine.data.datasets.DataSource)."""
+        return self.shards[self.shard_ids[0]].source
 
     def __iter__(self) -> "ShardedDataLoader":
         return self
