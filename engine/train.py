@@ -3,7 +3,8 @@
 Every user error (config, data, tokenizer, layout) is found before any model memory is allocated or any
 file is written, and ends the process with one ``error:`` line on stderr and exit status 2. User errors are
 ValueErrors (ConfigError among them) whose message names the field; during set-up they are reported that way,
-while errors inside the training loop keep their traceback.
+while errors inside the training loop keep their traceback, except a diverged run (nan or inf loss or gradient
+norm, engine.trainer.TrainingDiverged): one ``error:`` line and exit status 3.
 """
 
 from __future__ import annotations
@@ -69,8 +70,14 @@ def main(argv: list[str] | None = None) -> int:
         if rank == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
+    from engine.trainer import TrainingDiverged
+
     try:
         trainer.train()
+    except TrainingDiverged as e:
+        if rank == 0:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        return 3
     finally:
         destroy_distributed()
     return 0

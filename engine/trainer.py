@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -49,6 +50,10 @@ def _set_aside_old_metrics(folder: str) -> None:
     while os.path.exists(os.path.join(folder, f"metrics.{n}.jsonl")):
         n += 1
     os.replace(path, os.path.join(folder, f"metrics.{n}.jsonl"))
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss or the gradient norm became nan or inf (every rank sees the same, so every rank raises it)."""
 
 
 @dataclass
@@ -373,6 +378,7 @@ class Trainer:
         window_start = time.perf_counter()
         window_tokens, window_data_wait, window_steps = 0, 0.0, 0
         window_loss = torch.zeros((), device=self.device)
+        window_nonfinite = torch.zeros((), device=self.device)  # steps whose gradient norm was nan or inf
         self._val_loader = None
         validation: dict = {}
         first_step = self.step + 1
@@ -389,6 +395,7 @@ class Trainer:
                     set_collective_timeout(cfg.comm.train_timeout_seconds)
                 window_tokens += tokens_per_step
                 window_loss += loss
+                window_nonfinite += ~torch.isfinite(grad_norm)
                 window_steps += 1
                 if cfg.validation.enable and self.step % cfg.validation.freq == 0:
                     t_val = time.perf_counter()
@@ -397,25 +404,38 @@ class Trainer:
                     if self.world.is_main:
                         print(f"validation: step {self.step}  loss: {validation['validation_loss']:.4f}", flush=True)
 
-                if self._should_log(self.step):
-                    # The one host sync per log.
-                    loss_value, grad_norm_value = (window_loss / window_steps).item(), grad_norm.item()
-                    elapsed = time.perf_counter() - window_start
-                    logged.append(
-                        self.metrics.log(
-                            self.step, loss_value, grad_norm_value, lr, window_tokens, elapsed, window_data_wait,
-                            extra=validation,
+                logging_now, saving_now = self._should_log(self.step), ckpt.should_save(self.step)
+                if logging_now or saving_now:
+                    # The one host sync per log (and per checkpoint, which nan or inf must not reach).
+                    loss_value, grad_norm_value, nonfinite = torch.stack(
+                        [window_loss / window_steps, grad_norm.float(), window_nonfinite]).tolist()
+                    if logging_now:
+                        elapsed = time.perf_counter() - window_start
+                        logged.append(
+                            self.metrics.log(
+                                self.step, loss_value, grad_norm_value, lr, window_tokens, elapsed,
+                                window_data_wait, extra=validation,
+                            )
                         )
-                    )
-                    window_start = time.perf_counter()
-                    window_tokens, window_data_wait, window_steps = 0, 0.0, 0
-                    window_loss.zero_()
-                    validation = {}
+                        window_start = time.perf_counter()
+                        window_tokens, window_data_wait, window_steps = 0, 0.0, 0
+                        window_loss.zero_()
+                        window_nonfinite.zero_()
+                        validation = {}
+                    if nonfinite or not math.isfinite(loss_value):  # every rank holds the same values
+                        ckpt.close()  # an earlier step's save still in flight commits
+                        self.metrics.close()
+                        raise TrainingDiverged(
+                            f"optimizer.lr: training diverged by step {self.step} (loss {loss_value:.4g}, gradient "
+                            f"norm {grad_norm_value:.4g}: nan or inf); this step is not saved. Restart from the "
+                            "last checkpoint with a lower optimizer.lr, more lr_scheduler.warmup_steps or a "
+                            "smaller training.max_norm"
+                        )
 
                 # Checkpoints: commit a finished background save; save on the interval; on SIGTERM save, stop.
                 ckpt.poll()
                 last = self.step == cfg.training.steps
-                saved = ckpt.should_save(self.step)
+                saved = saving_now
                 if saved:
                     ckpt.save(self.step, model_only=last and cfg.checkpoint.last_save_model_only)
                 if cfg.checkpoint.enable and not last and ckpt.stop_requested():

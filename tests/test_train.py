@@ -143,6 +143,31 @@ def test_malformed_json_line_is_one_error_line(tmp_path, streaming):
     assert not dump.exists()
 
 
+def test_divergence_stops_before_it_is_saved(tmp_path, capsys):
+    """lr 1e3 makes the debug model's loss nan within a few steps: the run stops at the first log or checkpoint
+    step that sees it, with one error line, and every checkpoint it leaves is of a step before."""
+    dump = tmp_path / "run"
+    argv = ["--job.dump_folder", str(dump), *SMALL, "--optimizer.lr", "1e3", "--training.max_norm", "1e30",
+            "--lr_scheduler.warmup_steps", "1", "--training.steps", "30", "--metrics.log_freq", "100",
+            "--checkpoint.enable", "--checkpoint.interval", "2"]
+    rc, out, err = run_main(argv, capsys)
+    lines = err.strip().splitlines()
+    assert rc == 3 and len(lines) == 1, err
+    assert lines[0].startswith("error: optimizer.lr: training diverged by step "), lines[0]
+    stopped = int(lines[0].split("by step ")[1].split()[0])
+    assert 2 < stopped < 30 and stopped % 2 == 0  # found at a checkpoint step (logs: steps 1 and 30 only)
+    saved = sorted(int(p.name.split("-")[1]) for p in (dump / "checkpoint").iterdir())
+    assert saved == list(range(2, stopped, 2)), saved
+    assert [r["step"] for r in read_jsonl(dump / "metrics.jsonl")] == [1]
+    # Two FSDP ranks see the same loss and gradient norm: both stop at the same step, none waits for the other.
+    dump2 = tmp_path / "fsdp2"
+    proc = subprocess.run(["./run_train.sh", *argv, "--job.dump_folder", str(dump2)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "PYTHON": sys.executable, "NGPU": "2"})
+    assert proc.returncode != 0
+    assert "[rank0]:error: optimizer.lr: training diverged by step " in proc.stdout + proc.stderr, proc.stderr[-3000:]
+    assert "exitcode  : 3" in proc.stdout + proc.stderr  # torchrun's report of the ranks' exit
+
+
 def test_help_lists_fields(capsys):
     rc, out, err = run_main(["--help"], capsys)
     assert rc == 0 and "--training.steps" in out and "--checkpoint" not in err
