@@ -228,11 +228,9 @@ def check_data_source(info: CheckpointInfo, source, cfg: Config) -> None:
     if "dataloader" in cfg.checkpoint.exclude_from_loading:
         return
     saved = read_json_object(os.path.join(info.folder, "dataloader", "dp-00000.json"), "checkpoint.folder")
-    here = source_id(source)
+    here = source_id(source.kind, source.name)
     for shard in dict(saved.get("shards", {})).values():
-        there = str(shard.get("source", ""))
-        if there.startswith("local:"):  # older states kept the path as given
-            there = "local:" + os.path.abspath(os.path.expanduser(there[len("local:"):]))
+        there = source_id(*str(shard.get("source", ":")).split(":", 1))  # older states kept a path as given
         if there != here:
             raise ConfigError(
                 f"{source.field}: the checkpoint of step {info.step} holds a position in {there}, this run reads "
@@ -632,9 +630,11 @@ class _FaultyWriter(FileSystemWriter):
         super().finish(metadata, results)
 
 
-def read_full(folder: str, prefix: str = "", field: str = "checkpoint") -> dict[str, torch.Tensor]:
-    """Every tensor of a checkpoint whose name starts with ``prefix``, whole, in one process (CPU)."""
-    info = inspect_checkpoint(folder, field)
+def read_full(folder: str, prefix: str = "", field: str = "checkpoint",
+              info: Optional[CheckpointInfo] = None) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint whose name starts with ``prefix``, whole, in one process (CPU); ``info``:
+    the folder's inspect_checkpoint result when the caller has it already."""
+    info = info or inspect_checkpoint(folder, field)
     state = {k: torch.empty(tuple(md.size), dtype=md.properties.dtype)
              for k, md in info.tensors.items() if k.startswith(prefix)}
     dcp.load(state, storage_reader=SafeFileSystemReader(folder), no_dist=True)

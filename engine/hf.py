@@ -14,6 +14,7 @@ Every problem with a folder is a ``ValueError`` starting with the config field t
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -181,8 +182,6 @@ def export_hf(
 
 def model_args_for(name: str, flavor: str, vocab_size: int, field: str = "flavor") -> Any:
     """The model arguments of ``name``/``flavor`` with ``vocab_size`` (a checkpoint's, which the tokenizer set)."""
-    import dataclasses
-
     spec = get_model_spec(name)
     if flavor not in spec.flavors:
         raise ValueError(f"{field}: unknown flavor {flavor!r} of {name}; known: {', '.join(spec.flavors)}")
@@ -198,14 +197,15 @@ def export_checkpoint_hf(
     field: str = "folder",
 ) -> str:
     """Write the model of the Tessera step folder ``step_folder`` (saved on any layout: DCP reassembles the
-    whole tensors) as the Hugging Face folder ``folder`` (``export_hf``'s rules); returns what it wrote (model/flavor, step).
+    whole tensors) as the Hugging Face folder ``folder`` (``export_hf``'s rules); returns what it wrote
+    (model/flavor, step).
 
     One process reads the whole model into CPU memory once (float32 for a full checkpoint, the export dtype
     for a model-only one) and converts one shard of at most ``MAX_SHARD_BYTES`` at a time."""
     from engine.checkpoint import inspect_checkpoint, read_full
 
     info = inspect_checkpoint(step_folder, "checkpoint")
-    model = {k[len("model."):]: v for k, v in read_full(step_folder, "model.").items()}
+    model = {k[len("model."):]: v for k, v in read_full(step_folder, "model.", info=info).items()}
     name, flavor = info.train_state["model"], info.train_state["flavor"]
     args = model_args_for(name, flavor, model["tok_embeddings.weight"].shape[0])
     export_hf(model, args, folder, dtype=dtype, tokenizer_path=tokenizer_path, field=field)

@@ -435,11 +435,10 @@ class Trainer:
                 # Checkpoints: commit a finished background save; save on the interval; on SIGTERM save, stop.
                 ckpt.poll()
                 last = self.step == cfg.training.steps
-                saved = saving_now
-                if saved:
+                if saving_now:
                     ckpt.save(self.step, model_only=last and cfg.checkpoint.last_save_model_only)
                 if cfg.checkpoint.enable and not last and ckpt.stop_requested():
-                    if not saved:
+                    if not saving_now:
                         ckpt.save(self.step, force_sync=True)
                     ckpt.wait()
                     if self.world.is_main:

@@ -94,11 +94,11 @@ def _folder_files(folder: str) -> tuple[str, list[str], list[str]]:
             if not name.startswith("."):
                 found.append(os.path.join(dirpath, name))
     found.sort(key=lambda p: os.path.relpath(p, folder))
-    for path in found:
-        builder = file_format(path)
-        if builder is not None:
-            others = [p for p in found if file_format(p) not in (None, builder)]
-            return builder, [p for p in found if file_format(p) == builder], others
+    formats = {path: file_format(path) for path in found}
+    builder = next((f for f in formats.values() if f is not None), None)
+    if builder is not None:
+        return (builder, [p for p, f in formats.items() if f == builder],
+                [p for p, f in formats.items() if f not in (None, builder)])
     raise ConfigError(f"data.path: folder '{folder}' holds no {_supported_list()} files")
 
 
@@ -115,8 +115,7 @@ def resolve_source(cfg: Config) -> DataSource:
         builder = file_format(path)
         if builder is None:
             raise ConfigError(f"data.path: '{d.path}' has an unsupported extension; give a {_supported_list()} file")
-        files = [path]
-        return DataSource("local", "data.path", d.path, builder, files)
+        return DataSource("local", "data.path", d.path, builder, [path])
     if not d.dataset:
         raise ConfigError("data.dataset: empty; name a built-in dataset (tessera_docs), a Hugging Face dataset, or set data.path")
     if d.dataset in BUILTIN_DATASETS:

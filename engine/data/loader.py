@@ -218,7 +218,7 @@ class DataLoader:
             "dp_rank": self.dp_rank,
             "dp_world_size": self.dp_world_size,
             "streaming": self.streaming,
-            "source": source_id(self.source),
+            "source": source_id(self.source.kind, self.source.name),
             "seed": self.seed,
             # The next sample starts at token `token_offset` of document `docs_in_epoch` of `epoch`
             # (this rank's order); `dataset_state` (streaming) is the dataset's state just before it.
@@ -271,10 +271,9 @@ SHARDED_STATE_VERSION = 1
 SAMPLE_ID_STRIDE = 1 << 36  # sample id = shard * stride + index of the sample in its shard
 
 
-def source_id(source) -> str:
-    """How a loader's state names its data (kind:name; a local path made absolute)."""
-    name = os.path.abspath(os.path.expanduser(source.name)) if source.kind == "local" else source.name
-    return f"{source.kind}:{name}"
+def source_id(kind: str, name: str) -> str:
+    """How a loader's state names its data: "kind:name" of its DataSource, a local path made absolute."""
+    return f"{kind}:{os.path.abspath(os.path.expanduser(name)) if kind == 'local' else name}"
 
 
 class ShardedDataLoader:
