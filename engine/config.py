@@ -134,7 +134,8 @@ class Training:
     """Fuse the output projection with the cross-entropy over chunks of this many tokens: each chunk's logits,
     loss and gradients are computed in the forward and the [tokens, vocabulary] logits never exist whole
     (GiBs less peak memory at a 128k vocabulary, the same FLOPs). 0 = off (logits, then the loss). Under
-    tensor parallelism each rank computes its vocabulary slice of every chunk. Needs pp = 1."""
+    tensor parallelism each rank computes its vocabulary slice of every chunk; under pipeline parallelism the
+    last stage does."""
 
 
 @dataclass
@@ -710,9 +711,6 @@ def validate(cfg: Config, world_size: int = 1, machine: Optional[Machine] = None
     _choice("training.mixed_precision_reduce", t.mixed_precision_reduce, ["float32", "bfloat16"])
     if t.loss_chunk_tokens < 0:
         raise ConfigError(f"training.loss_chunk_tokens: must be >= 0 (0 = off), got {t.loss_chunk_tokens}")
-    if t.loss_chunk_tokens and dims.pp > 1:
-        raise ConfigError("training.loss_chunk_tokens: the fused output loss needs pp = 1 (the pipeline hands "
-                          "the last stage's logits to its loss function); set it to 0 for this layout")
     _validate_float8(cfg, machine)
 
     # optimizer
@@ -925,11 +923,6 @@ def _validate_pipeline(cfg: Config, dims, args) -> None:
         raise ConfigError(
             f"training.local_batch_size: {cfg.training.local_batch_size} samples do not split into "
             f"{micro} pipeline microbatches (parallelism.pp_microbatches)"
-        )
-    if cfg.model.attn_mask == "block_causal":
-        raise ConfigError(
-            "model.attn_mask: block_causal document masking is not supported with pipeline parallelism yet; "
-            "use model.attn_mask = causal"
         )
 
 

@@ -210,8 +210,10 @@ class Trainer:
     def _pipeline_schedule(self):
         p = self.cfg.parallelism
 
-        def loss_fn(logits, labels):
-            return self.loss_fn(logits, labels) / self._num_targets * self.backward_scale
+        def loss_fn(out, labels):
+            # The last stage's output: its logits, or with the fused loss already its sum of token losses.
+            loss_sum = out if self.cfg.training.loss_chunk_tokens else self.loss_fn(out, labels)
+            return loss_sum / self._num_targets * self.backward_scale
 
         stages = pipeline.build_stages(
             self.model_parts, self.pp_stage_ids, self.pp_stage_count, self.dims.group("pp"), self.device
@@ -264,14 +266,23 @@ class Trainer:
             total_loss += to_local_scalar(loss.detach())
         return total_loss
 
+    def _forward_kwargs(self, mb: dict[str, torch.Tensor]) -> dict:
+        """What the model's forward takes besides the tokens: the document ids under document masking, and
+        with training.loss_chunk_tokens the labels (the output projection is then fused with the loss inside
+        the forward, which returns the sum of the token losses). A pipeline hands them to every stage; only
+        the stages holding attention layers or the output use them."""
+        kwargs = {}
+        if self.doc_masking:
+            kwargs["doc_ids"] = mb["doc_ids"]
+        if self.cfg.training.loss_chunk_tokens:
+            kwargs["labels"] = mb["labels"]
+            kwargs["loss_chunk_tokens"] = self.cfg.training.loss_chunk_tokens
+        return kwargs
+
     def _forward(self, mb: dict[str, torch.Tensor]) -> torch.Tensor:
         """The unpipelined model on one microbatch: its logits, or with training.loss_chunk_tokens the sum of
-        its token losses (the output projection fused with the loss inside the model's forward)."""
-        doc_ids = mb["doc_ids"] if self.doc_masking else None
-        chunk = self.cfg.training.loss_chunk_tokens
-        if chunk:
-            return self.model(mb["input_ids"], doc_ids=doc_ids, labels=mb["labels"], loss_chunk_tokens=chunk)
-        return self.model(mb["input_ids"], doc_ids=doc_ids)
+        its token losses."""
+        return self.model(mb["input_ids"], **self._forward_kwargs(mb))
 
     def _loss_sum(self, out: torch.Tensor, mb: dict[str, torch.Tensor]) -> torch.Tensor:
         """The sum of the token losses of what ``_forward`` (or the pipeline's evaluation) returned."""
@@ -283,7 +294,9 @@ class Trainer:
         inputs = (mb["input_ids"],) if self.pp_has_first else ()
         target = mb["labels"] if self.pp_has_last else None
         with self.autocast(), loss_context(self.loss_parallel):
-            self.pp_schedule.step(*inputs, target=target, losses=losses)
+            # return_outputs=False: the last stage keeps no microbatch's output (logits) once its loss is taken.
+            self.pp_schedule.step(*inputs, target=target, losses=losses, return_outputs=False,
+                                  **self._forward_kwargs(mb))
         if not self.pp_has_last:
             return torch.zeros((), device=self.device)
         return sum(to_local_scalar(loss.detach()) for loss in losses) / self.backward_scale
@@ -325,7 +338,7 @@ class Trainer:
                     owners = pipeline.stage_owners(self.dims.pp, p.pp_schedule, p.pp_virtual_stages, p.pp_schedule_csv)
                     logits = pipeline.forward_only(self.model_parts, self.pp_stage_ids, self.pp_stage_count, owners,
                                                    self.dims.coordinate("pp")[0], self.dims.group("pp"),
-                                                   mb["input_ids"])
+                                                   mb["input_ids"], self._forward_kwargs(mb))
                 else:
                     logits = self._forward(mb)
                 if logits is not None:

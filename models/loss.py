@@ -111,16 +111,22 @@ class _LinearCrossEntropySum(torch.autograd.Function):
         grad_w = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
         total = _chunked(h, weight, labels, chunk, grad_h, grad_w, vocab_offset, group)
         ctx.save_for_backward(grad_h, grad_w)
+        ctx.scaled_by = None
         return total
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
-        # Scaled in place: a second copy of the weight's gradient would cost V x D more bytes at the peak.
         grad_h, grad_w = ctx.saved_tensors
-        if grad_h is not None:
-            grad_h.mul_(grad_out.to(grad_h.dtype))
-        if grad_w is not None:
-            grad_w.mul_(grad_out.to(grad_w.dtype))
+        if ctx.scaled_by is None:
+            # Scaled in place (a second copy of the weight's gradient would cost V x D more bytes at the peak),
+            # through .data, so that the saved tensors' version stays as saved: a pipeline schedule that splits
+            # the backward (zero-bubble) runs this node again, for the weight after the input.
+            for g in (grad_h, grad_w):
+                if g is not None:
+                    g.data.mul_(grad_out.to(g.dtype))
+            ctx.scaled_by = grad_out
+        else:  # the second run replays the same incoming gradient: the saved gradients are scaled already
+            torch._assert_async(ctx.scaled_by == grad_out, "fused loss: backward run again with another gradient")
         return grad_h, grad_w, None, None, None, None
 
 

@@ -163,11 +163,12 @@ def _recv(src: int, group, device) -> torch.Tensor:
 
 @torch.no_grad()
 def forward_only(parts: list[nn.Module], ids: list[int], n_stages: int, owners: list[int], pp_rank: int,
-                 pp_group, inputs: torch.Tensor) -> torch.Tensor | None:
+                 pp_group, inputs: torch.Tensor, kwargs: dict | None = None) -> torch.Tensor | None:
     """One batch through every stage without gradients, stage after stage (no overlap: for evaluation).
 
-    ``owners[s]`` is the pp rank holding stage ``s``; ``parts``/``ids`` are this rank's stages. Returns the
-    last stage's output (the logits) on the rank holding it, None on the others.
+    ``owners[s]`` is the pp rank holding stage ``s``; ``parts``/``ids`` are this rank's stages; ``kwargs`` go
+    to every stage's forward, as the training schedule passes them. Returns the last stage's output (the
+    logits, or the loss sum of the fused output loss) on the rank holding it, None on the others.
     """
     mine = dict(zip(ids, parts))
     x = inputs
@@ -176,7 +177,7 @@ def forward_only(parts: list[nn.Module], ids: list[int], n_stages: int, owners: 
             continue
         if s > 0 and owners[s - 1] != pp_rank:
             x = _recv(owners[s - 1], pp_group, inputs.device)
-        x = mine[s](x)
+        x = mine[s](x, **(kwargs or {}))
         if s < n_stages - 1 and owners[s + 1] != pp_rank:
             _send(x, owners[s + 1], pp_group)
     return x if owners[n_stages - 1] == pp_rank else None

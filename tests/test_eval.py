@@ -34,7 +34,11 @@ def evaluate_job(world_size: int, rank: int, argv: list[str]) -> float:
 
 
 LAYOUTS = {
-    2: {"pp2_dualpipev": ["--parallelism.pp", "2", "--parallelism.pp_schedule", "DualPipeV"]},
+    2: {
+        "pp2_dualpipev": ["--parallelism.pp", "2", "--parallelism.pp_schedule", "DualPipeV"],
+        # the last stage computes the loss from its hidden state (the output projection fused with the loss)
+        "pp2_fused_loss": ["--parallelism.pp", "2", "--training.loss_chunk_tokens", "24"],
+    },
     4: {
         "pp2_tp2": ["--parallelism.pp", "2", "--parallelism.tp", "2"],
         "fsdp2_cp2": ["--parallelism.dp_shard", "2", "--parallelism.cp", "2", "--training.local_batch_size", "2"],

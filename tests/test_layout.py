@@ -40,7 +40,7 @@ BAD_LAYOUTS = [
     (2, ["--parallelism.cp", "2", "--model.attn", "flex", "--model.attn_mask", "block_causal"], "model.attn_mask"),
     (2, ["--parallelism.cp", "2", "--model.sdpa_backend", "math"], "model.sdpa_backend"),
     # the fused output loss
-    (2, ["--parallelism.pp", "2", "--training.loss_chunk_tokens", "1024"], "training.loss_chunk_tokens"),
+    (2, ["--parallelism.pp", "2", "--training.loss_chunk_tokens", "-8"], "training.loss_chunk_tokens"),
 ]
 
 

@@ -45,6 +45,12 @@ LAYOUTS = {
         "fsdp2_fused_loss": _layout(4, "--parallelism.dp_shard", "2", "--training.loss_chunk_tokens", "48"),
         "cp2_fused_loss": _layout(8, "--parallelism.cp", "2", "--training.loss_chunk_tokens", "100"),
         "tp2_fused_loss": _layout(8, "--parallelism.tp", "2", "--training.loss_chunk_tokens", "80"),
+        # The fused loss on the last stage, with a single-stage schedule and with a V schedule (last stage on
+        # rank 0, backward split into its input and weight halves).
+        "pp2_1F1B_fused_loss": _layout(8, "--parallelism.pp", "2", "--parallelism.pp_schedule", "1F1B",
+                                       "--training.loss_chunk_tokens", "100"),
+        "pp2_ZBVZeroBubble_fused_loss": _layout(8, "--parallelism.pp", "2", "--parallelism.pp_schedule",
+                                                "ZBVZeroBubble", "--training.loss_chunk_tokens", "100"),
     },
     4: {
         "fsdp4": _layout(2, "--parallelism.dp_shard", "4"),
@@ -73,6 +79,8 @@ LAYOUTS = {
         "hsdp2x2_tp2": _layout(2, "--parallelism.dp_replicate", "2", "--parallelism.dp_shard", "2",
                                "--parallelism.tp", "2"),
         "pp2_fsdp2_tp2": _layout(4, "--parallelism.pp", "2", "--parallelism.dp_shard", "2", "--parallelism.tp", "2"),
+        "pp2_fsdp2_tp2_fused_loss": _layout(4, "--parallelism.pp", "2", "--parallelism.dp_shard", "2",
+                                            "--parallelism.tp", "2", "--training.loss_chunk_tokens", "48"),
         "cp2_hsdp2x2": _layout(2, "--parallelism.cp", "2", "--parallelism.dp_replicate", "2",
                                "--parallelism.dp_shard", "2"),
     },
@@ -152,6 +160,22 @@ def test_parallel_layouts_match_single_process(world_results, reference):
         except AssertionError as e:
             failures.append(f"{name}: {str(e)[:600]}")
     assert not failures, "\n".join(failures)
+
+
+def test_pipeline_document_masking_matches_single_process(batches, reference, tmp_path):
+    """Document masking (flex, block-causal) with PP: every stage gets the microbatch's document ids."""
+    doc = ["--model.attn", "flex", "--model.attn_mask", "block_causal"]
+    doc_reference = run_layout(_layout(GLOBAL, *doc), 1, 0, batches, str(tmp_path / "ref"))
+    # The batches hold document boundaries: masking them changes the losses.
+    assert doc_reference["losses"] != pytest.approx(reference["losses"], rel=1e-4)
+    layouts = {
+        "pp2_1F1B": _layout(8, *doc, "--parallelism.pp", "2", "--parallelism.pp_schedule", "1F1B"),
+        "pp2_DualPipeV_fused_loss": _layout(8, *doc, "--parallelism.pp", "2", "--parallelism.pp_schedule",
+                                            "DualPipeV", "--training.loss_chunk_tokens", "100"),
+    }
+    results = run_world(2, layouts, {name: batches for name in layouts}, str(tmp_path / "pp"))
+    for name, result in results.items():
+        _check(result, doc_reference, pipelined=True)
 
 
 def test_schedule_table_matches_torch():

@@ -5,7 +5,7 @@
 
 Enumerates layouts: degrees (dp_replicate, dp_shard, cp, tp, pp), activation checkpointing (none, selective
 op, full), the local batch (and so gradient accumulation) and, with pp > 1, the pipeline schedule (1F1B or
-Interleaved1F1B with 2 stages per rank) and its microbatches, and, without PP, the fused output loss
+Interleaved1F1B with 2 stages per rank) and its microbatches, and the fused output loss
 (training.loss_chunk_tokens = ``--loss-chunk-tokens``, default 2048) where the plain loss's logits do not
 fit: the same FLOPs, so it is tried only for a candidate that would otherwise not fit. Each candidate is a full Config (the model's
 train_configs TOML with the layout's fields overridden); it is dropped when ``engine.config.validate`` rejects
@@ -292,7 +292,7 @@ def plan(base, gpus: int, seq_len: int, global_batch: int, gpu_memory_gib: float
                 # The plain loss first; the fused loss (same FLOPs, less memory) only where that does not fit.
                 examined += 1
                 fitted, rejected_by = None, ""
-                for chunk in (0, loss_chunk_tokens) if loss_chunk_tokens and pp == 1 else (0,):
+                for chunk in (0, loss_chunk_tokens) if loss_chunk_tokens else (0,):
                     cfg = candidate_config(base, dp_replicate, dp_shard, cp, tp, pp, lbs, micro, schedule, ac,
                                            seq_len, global_batch, chunk)
                     try:
@@ -411,8 +411,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dp-overlap", type=float, default=0.8,
                    help="fraction of the compute time that hides FSDP/HSDP/DDP traffic (default 0.8)")
     p.add_argument("--loss-chunk-tokens", type=int, default=2048,
-                   help="training.loss_chunk_tokens of the fused output loss, tried without PP where the plain "
-                        "loss does not fit (default 2048; 0: never)")
+                   help="training.loss_chunk_tokens of the fused output loss, tried where the plain loss does "
+                        "not fit (default 2048; 0: never)")
     p.add_argument("--config", default="", help="base TOML (default: the train_configs file of the model/flavor)")
     p.add_argument("--top", type=int, default=15, help="rows of the table (default 15)")
     p.add_argument("--out", default="", help="write the best layout as a TOML here")
