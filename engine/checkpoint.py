@@ -33,6 +33,7 @@ import re
 import shutil
 import signal
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -57,6 +58,9 @@ COMMIT_FILE = "COMMITTED.json"
 TRAIN_STATE_FILE = "train_state.json"
 FORMAT_VERSION = 1
 _STEP_DIR = re.compile(r"^step-(\d+)$")
+# DCP warns on every single-process save and load, even when asked for one (no_dist=True): a one-process run
+# means it, so the warning would only clutter the console at every checkpoint.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized, assuming")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 

@@ -4,7 +4,8 @@ Every user error (config, data, tokenizer, layout) is found before any model mem
 file is written, and ends the process with one ``error:`` line on stderr and exit status 2. User errors are
 ValueErrors (ConfigError among them) whose message names the field; during set-up they are reported that way,
 while errors inside the training loop keep their traceback, except a diverged run (nan or inf loss or gradient
-norm, engine.trainer.TrainingDiverged): one ``error:`` line and exit status 3.
+norm, engine.trainer.TrainingDiverged): one ``error:`` line and exit status 3, and data found unreadable
+mid-run (engine.data.datasets.DataError, on the rank that reads it): one ``error:`` line and exit status 2.
 """
 
 from __future__ import annotations
@@ -70,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         if rank == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
+    from engine.data.datasets import DataError
     from engine.trainer import TrainingDiverged
 
     try:
@@ -78,6 +80,9 @@ def main(argv: list[str] | None = None) -> int:
         if rank == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
         return 3
+    except DataError as e:  # on the rank whose data shard holds the bad record
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
     finally:
         destroy_distributed()
     return 0

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from engine.checkpoint import Checkpointer, check_data_source, fault_point, find_resume_point, inspect_checkpoint
 from engine.config import Config, dump, grad_accumulation_steps, pp_microbatches, to_toml
+from engine.data.datasets import DataError
 from engine.data.loader import build_dataloader
 from engine.data.tokenizer import build_tokenizer
 from engine.distributed import World, comm_trace_prefix, set_collective_timeout, set_determinism
@@ -50,6 +51,37 @@ def _set_aside_old_metrics(folder: str) -> None:
     while os.path.exists(os.path.join(folder, f"metrics.{n}.jsonl")):
         n += 1
     os.replace(path, os.path.join(folder, f"metrics.{n}.jsonl"))
+
+
+def host_memory_available() -> int | None:
+    """Bytes of memory this machine can still give (MemAvailable of /proc/meminfo); None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def check_host_memory(flavor: str, num_params: int, dims: ParallelDims, world_size: int) -> None:
+    """A run on CPU keeps float32 weights, gradients and AdamW's two moments: 16 bytes per parameter, held once per
+    data-parallel replica and split over the other dimensions. A model whose state alone exceeds the memory
+    this machine has available (its share of the ranks: LOCAL_WORLD_SIZE) is refused before it is allocated,
+    rather than killed by the kernel mid-build."""
+    available = host_memory_available()
+    if available is None:
+        return
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    need = 16 * num_params * dims.dp_replicate * local_ranks / world_size
+    if need > available:
+        gib = 1024**3
+        raise ValueError(
+            f"model.flavor: {flavor} ({num_params / 1e9:.2f}B parameters) needs at least {need / gib:.1f} GiB of host "
+            f"memory on CPU (float32 weights, gradients and AdamW state) and this machine has {available / gib:.1f} "
+            "GiB available; train a smaller model.flavor (debugmodel) here, or this one on GPUs"
+        )
 
 
 class TrainingDiverged(RuntimeError):
@@ -138,6 +170,8 @@ class Trainer:
             model = spec.model_cls(self.model_args)
         self.num_flops_per_token = spec.flops_per_token(self.model_args, cfg.training.seq_len)
         self.num_params = sum(p.numel() for p in model.parameters())
+        if self.device.type == "cpu":
+            check_host_memory(cfg.model.flavor, self.num_params, self.dims, world.world_size)
 
         # Every check has passed: from here on the run writes to its dump folder.
         if world.is_main:
@@ -399,7 +433,12 @@ class Trainer:
             while self.step < cfg.training.steps:
                 self.step += 1
                 t0 = time.perf_counter()
-                microbatches = [next(data_iter) for _ in range(self.grad_accum)]
+                try:
+                    microbatches = [next(data_iter) for _ in range(self.grad_accum)]
+                except DataError:  # a malformed record: the saves so far commit, then the run stops
+                    ckpt.close()
+                    self.metrics.close()
+                    raise
                 window_data_wait += time.perf_counter() - t0
 
                 lr = self.lr_scheduler.get_last_lr()[0]

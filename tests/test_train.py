@@ -82,6 +82,29 @@ def test_bad_input_gives_one_error_line(argv, field, tmp_path, capsys, monkeypat
     assert not dump.exists()
 
 
+def test_model_too_large_for_host_memory_is_one_error_line(tmp_path, capsys, monkeypatch):
+    """On CPU the 8B flavor's float32 state (16 bytes per parameter, 120 GiB) is refused before it is
+    allocated when the machine has less available (here made 20 GiB), not killed later by the kernel."""
+    from engine import trainer
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setattr(trainer, "host_memory_available", lambda: 20 * 1024**3)
+    dump = tmp_path / "run"
+    rc, out, err = run_main(["--job.dump_folder", str(dump), "--model.flavor", "8B"], capsys)
+    lines = err.strip().splitlines()
+    assert rc == 2 and len(lines) == 1, err
+    assert lines[0].startswith("error: model.flavor: 8B (8.03B parameters) needs at least 119.7 GiB"), lines[0]
+    assert "has 20.0 GiB available" in lines[0]
+    assert not dump.exists()
+    # The state is split over the ranks of a replica: 4 of 32 FSDP ranks on this machine hold an eighth of it
+    # (15 GiB), which fits.
+    from parallelize.mesh import ParallelDims
+
+    dims = ParallelDims(dp_replicate=1, dp_shard=32, cp=1, tp=1, pp=1, world_size=32)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    trainer.check_host_memory("8B", 8_030_261_248, dims, 32)
+
+
 def test_bad_data_contents_give_one_error_line(tmp_path, capsys, jsonl_data):
     dump = tmp_path / "run"
     bad_ext = tmp_path / "data.csv"
@@ -141,6 +164,31 @@ def test_malformed_json_line_is_one_error_line(tmp_path, streaming):
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-2000:]
     assert lines[0].startswith("error: data.path: ") and "JSON parse error" in lines[0], lines
     assert not dump.exists()
+
+
+def test_malformed_record_found_mid_run_is_one_error_line(tmp_path):
+    """Streaming data is checked at start-up by its first record only: a malformed file met later (here the
+    second file of a folder, after 130 documents: the loader reads 64 records ahead, so about step 30) stops
+    the run with one error line naming the file, after the checkpoints so far have committed."""
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "a.jsonl").write_text("".join(json.dumps({"text": f"document number {i} " * 20}) + "\n"
+                                          for i in range(130)))
+    (data / "b.jsonl").write_text("{not json\n")
+    dump = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "engine.train", "--data.path", str(data), "--job.dump_folder", str(dump), *SMALL,
+         "--training.steps", "60", "--checkpoint.enable", "--checkpoint.interval", "10"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-2000:]
+    assert lines[0].startswith(f"error: data.path: cannot read '{data}' (2 json files) past record 130"), lines
+    assert f"of shard 0 of 1 (epoch 0): Failed to load JSON from file '{data / 'b.jsonl'}'" in lines[0]
+    assert lines[0].endswith("fix or remove the bad record, then resume from the last checkpoint")
+    steps = sorted(int(name.split("-")[1]) for name in os.listdir(dump / "checkpoint") if name.startswith("step-"))
+    assert steps and steps[-1] >= 20, steps
+    assert len(read_jsonl(dump / "metrics.jsonl")) >= steps[-1]
 
 
 def test_divergence_stops_before_it_is_saved(tmp_path, capsys):

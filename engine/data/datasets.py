@@ -231,7 +231,44 @@ def _datasets_quiet():
             datasets.enable_progress_bars()
 
 
-def _one_line(e: BaseException, limit: int = 300) -> str:
+class _ReaderErrors(logging.Handler):
+    """datasets' file readers (datasets.packaged_modules) log an error that names the file before they raise it.
+    While Tessera streams, that line is kept here, for Tessera's one error line, instead of being printed above
+    it; their other records go on to the datasets logger as before."""
+
+    def __init__(self):
+        super().__init__()
+        self.last = ""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.levelno >= logging.ERROR:
+            self.last = record.getMessage()
+        else:
+            logging.getLogger("datasets").handle(record)
+
+    def pop(self) -> str:
+        last, self.last = self.last, ""
+        return last
+
+
+_READER_ERRORS = _ReaderErrors()
+
+
+def capture_reader_errors() -> _ReaderErrors:
+    """Route the readers' error log to the returned holder from now on (idempotent)."""
+    logger = logging.getLogger("datasets.packaged_modules")
+    if _READER_ERRORS not in logger.handlers:
+        logger.addHandler(_READER_ERRORS)
+        logger.propagate = False
+    return _READER_ERRORS
+
+
+class DataError(ConfigError):
+    """The data turned out unreadable while training (a malformed record beyond the ones checked at start-up):
+    a user error found late, reported as one line like the others (engine/train.py)."""
+
+
+def one_line(e: BaseException, limit: int = 300) -> str:
     """The exception in one line; for a wrapper (datasets' "An error occurred while generating the dataset"),
     the exception it was raised from, which says what is wrong."""
     while e.__cause__ is not None and type(e).__name__ == "DatasetGenerationError":
@@ -263,7 +300,7 @@ def load_full_dataset(cfg: Config, source: DataSource | None = None):
         what = f"'{d.dataset}'" + (f" (config '{d.dataset_config}')" if d.dataset_config else "")
         if source.kind != "hub":
             what = source.describe()
-        raise ConfigError(f"{source.field}: cannot load {what}: {_one_line(e)}") from None
+        raise ConfigError(f"{source.field}: cannot load {what}: {one_line(e)}") from None
 
 
 def build_dataset(cfg: Config, dp_rank: int = 0, dp_world_size: int = 1):
@@ -299,7 +336,7 @@ def build_dataset(cfg: Config, dp_rank: int = 0, dp_world_size: int = 1):
     except ConfigError:
         raise
     except Exception as e:
-        raise ConfigError(f"{source.field}: cannot read {source.describe()}: {_one_line(e)}") from None
+        raise ConfigError(f"{source.field}: cannot read {source.describe()}: {one_line(e)}") from None
     if first is None:
         extra = "" if dp_world_size == 1 else f" for data-parallel rank {dp_rank} of {dp_world_size}"
         raise ConfigError(f"{source.field}: {source.describe()} has no documents{extra}")

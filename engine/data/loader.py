@@ -30,7 +30,8 @@ import numpy as np
 import torch
 
 from engine.config import Config, ConfigError
-from engine.data.datasets import build_dataset, document_text, resolve_source
+from engine.data.datasets import (DataError, build_dataset, capture_reader_errors, document_text, one_line,
+                                  resolve_source)
 
 STATE_VERSION = 1
 READ_AHEAD = 64  # records read and tokenized together
@@ -107,7 +108,20 @@ class DataLoader:
             # state of the same epoch was loaded into this dataset object.
             ds.load_state_dict(copy.deepcopy(ds_state) if ds_state is not None else None)
             before = ds_state
-            for record in ds:
+            reader_errors = capture_reader_errors()
+            records = iter(ds)
+            while True:
+                try:
+                    record = next(records)
+                except StopIteration:
+                    break
+                except Exception as e:  # a malformed record beyond what the start-up checks read
+                    detail = " ".join(reader_errors.pop().split())[:300] or one_line(e)  # the reader's names the file
+                    raise DataError(
+                        f"{self.source.field}: cannot read {self.source.describe()} past record {index} of shard "
+                        f"{self.dp_rank} of {self.dp_world_size} (epoch {epoch}): {detail}; fix or remove the "
+                        "bad record, then resume from the last checkpoint"
+                    ) from None
                 after = ds.state_dict()
                 yield index, before, after, record
                 index += 1
