@@ -885,7 +885,7 @@ def _validate_float8(cfg: Config, machine: Machine) -> None:
 
 
 def _validate_pipeline(cfg: Config, dims, args) -> None:
-    from parallelize.pipeline import SCHEDULES, num_stages
+    from parallelize.pipeline import SCHEDULES, num_stages, split_backward_takes_custom_functions, splits_backward
 
     p = cfg.parallelism
     _choice("parallelism.pp_schedule", p.pp_schedule, list(SCHEDULES))
@@ -906,6 +906,23 @@ def _validate_pipeline(cfg: Config, dims, args) -> None:
             f"parallelism.pp: {stages} pipeline stages ({p.pp_schedule} on pp = {dims.pp}) but {cfg.model.flavor} "
             f"has only {args.n_layers} layers (plus the embedding and the output, which may be stages of their "
             f"own); lower parallelism.pp or parallelism.pp_virtual_stages"
+        )
+    # Features whose autograd node takes weights directly: a zero-bubble schedule's weight pass goes through it.
+    custom_nodes = [(key, what) for key, on, what in (
+        ("training.loss_chunk_tokens", cfg.training.loss_chunk_tokens, "the fused output loss"),
+        ("compile.enable", cfg.compile.enable, "compiled blocks"),
+        ("float8.enable", cfg.float8.enable, "float8 linear layers"),
+    ) if on]
+    if custom_nodes and splits_backward(p.pp_schedule, p.pp_schedule_csv) \
+            and not split_backward_takes_custom_functions():
+        import torch
+
+        key, what = custom_nodes[0]
+        field = "parallelism.pp_schedule_csv" if p.pp_schedule_csv else "parallelism.pp_schedule"
+        raise ConfigError(
+            f"{field}: {p.pp_schedule_csv or p.pp_schedule} splits the backward into input and weight passes, which "
+            f"torch {torch.__version__} cannot run through {what} ({key}; torch 2.13 can); use GPipe, 1F1B, "
+            f"Interleaved1F1B or LoopedBFS, or turn {key} off"
         )
     micro = p.pp_microbatches if p.pp_microbatches != -1 else stages
     if micro < 1:

@@ -123,6 +123,8 @@ def build_model_parts(cfg: Config, dims: ParallelDims, spec, model: nn.Module, d
     else:
         stage_count, stage_ids, parts = 1, [0], [model]
     for part in parts:
+        if cfg.training.loss_chunk_tokens:
+            part.loss_chunk_tokens = cfg.training.loss_chunk_tokens
         spec.parallelize_fn(part, dims, cfg, device.type)
         if materialize_weights:
             part.to_empty(device=device)
@@ -310,7 +312,6 @@ class Trainer:
             kwargs["doc_ids"] = mb["doc_ids"]
         if self.cfg.training.loss_chunk_tokens:
             kwargs["labels"] = mb["labels"]
-            kwargs["loss_chunk_tokens"] = self.cfg.training.loss_chunk_tokens
         return kwargs
 
     def _forward(self, mb: dict[str, torch.Tensor]) -> torch.Tensor:

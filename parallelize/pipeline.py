@@ -13,6 +13,7 @@ A CSV file may give any other schedule, one action list per rank, in torch's CSV
 from __future__ import annotations
 
 import copy
+import functools
 from typing import Callable
 
 import torch
@@ -32,6 +33,49 @@ SCHEDULES = {
     "DualPipeV": ("ScheduleDualPipeV", True),
 }
 V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
+
+
+# Schedules that split a stage's backward into its input half and, later, its weight half (zero-bubble).
+SPLIT_BACKWARD_SCHEDULES = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+
+
+def splits_backward(schedule: str, csv: str = "") -> bool:
+    """Whether the schedule (or the CSV schedule file) runs weight-gradient actions apart from the backward."""
+    if csv:
+        import re
+
+        with open(csv) as f:
+            return re.search(r"\b\d+W\d+\b", f.read()) is not None
+    return schedule in SPLIT_BACKWARD_SCHEDULES
+
+
+@functools.cache
+def split_backward_takes_custom_functions() -> bool:
+    """Whether this torch's split backward can take the weight half through a custom autograd.Function (the fused
+    output loss is one). torch 2.11's cannot (it reads the node's input metadata, which a Python function's node
+    refuses once its backward has run); 2.13's can. Probed on a two-element product, once per process."""
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+    class Product(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, w):
+            ctx.save_for_backward(x, w)
+            return x * w
+
+        @staticmethod
+        def backward(ctx, grad):
+            x, w = ctx.saved_tensors
+            return grad * w, grad * x
+
+    x, w = torch.ones(2, requires_grad=True), nn.Parameter(torch.ones(2))
+    with torch.enable_grad():
+        out = Product.apply(x * 1, w).sum()
+        try:
+            _, groups = stage_backward_input([out], None, [x], iter([w]))
+            stage_backward_weight(iter([w]), groups)
+        except RuntimeError:
+            return False
+    return w.grad is not None
 
 
 def schedule_class(schedule: str) -> type:

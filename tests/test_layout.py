@@ -44,6 +44,25 @@ BAD_LAYOUTS = [
 ]
 
 
+def test_zero_bubble_refuses_custom_nodes_where_torch_cannot(tmp_path, capsys, monkeypatch):
+    """On a torch whose split backward cannot pass through a custom autograd function (2.11), the zero-bubble
+    schedules refuse the fused loss, compile and float8; the other schedules take them."""
+    from parallelize import pipeline
+
+    monkeypatch.setattr(pipeline, "split_backward_takes_custom_functions", lambda: False)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    pp2 = ["--parallelism.pp", "2", "--job.dump_folder", str(tmp_path / "run")]
+    for schedule in pipeline.SPLIT_BACKWARD_SCHEDULES:
+        for feature, key in ((["--compile.enable"], "compile.enable"),
+                             (["--training.loss_chunk_tokens", "256"], "training.loss_chunk_tokens")):
+            assert train.main([*pp2, "--parallelism.pp_schedule", schedule, *feature]) == 2
+            err = capsys.readouterr().err.strip().splitlines()
+            assert len(err) == 1 and err[0].startswith(f"error: parallelism.pp_schedule: {schedule} splits") \
+                and f"({key};" in err[0], err
+    train.check([*pp2, "--parallelism.pp_schedule", "1F1B", "--compile.enable", "--training.loss_chunk_tokens", "256"])
+    train.check([*pp2, "--parallelism.pp_schedule", "ZBVZeroBubble"])  # nothing custom: fine
+
+
 @pytest.mark.parametrize("world, argv, field", BAD_LAYOUTS, ids=[" ".join(b[1]) for b in BAD_LAYOUTS])
 def test_impossible_layout_is_one_error_line(world, argv, field, tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", str(world))

@@ -302,6 +302,9 @@ class Transformer(nn.Module):
         # The output projection fused with the loss (forward with labels): (h, weight, labels, chunk) -> loss
         # sum. A parallel plan replaces it when the projection is sharded (tensor parallelism).
         self.linear_loss: Callable[[Tensor, Tensor, Tensor, int], Tensor] = linear_cross_entropy_sum
+        # Tokens per chunk of the fused loss (training.loss_chunk_tokens; the trainer sets it). An attribute, not
+        # a forward argument: a pipeline schedule hands every forward keyword to autograd as a stage input.
+        self.loss_chunk_tokens = 2048
 
     def _precompute_freqs_cis(self) -> Tensor:
         a = self.args
@@ -349,15 +352,14 @@ class Transformer(nn.Module):
             with unit(self.output, n + 2):
                 nn.init.trunc_normal_(self.output.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
 
-    def forward(self, tokens: Tensor, doc_ids: Optional[Tensor] = None, labels: Optional[Tensor] = None,
-                loss_chunk_tokens: int = 2048) -> Tensor:
+    def forward(self, tokens: Tensor, doc_ids: Optional[Tensor] = None, labels: Optional[Tensor] = None) -> Tensor:
         """``tokens [B, S]`` (or the hidden state ``[B, S, dim]`` when ``tok_embeddings`` is None) -> logits
         ``[B, S, vocab_size]`` (or the hidden state when ``output`` is None).
 
         ``doc_ids [B, S]`` gives each token's document; it is used when ``attn_mask = block_causal`` (and required
         then) and ignored for ``causal``. With ``labels [B, S]`` the model returns the sum of the token
         cross-entropies instead of the logits, the output projection fused with the loss over
-        ``loss_chunk_tokens`` tokens at a time (models/loss.py), so that the logits never exist whole.
+        ``self.loss_chunk_tokens`` tokens at a time (models/loss.py), so that the logits never exist whole.
         """
         seqlen = tokens.shape[1]  # before the embedding: under sequence parallelism h holds a slice
         if seqlen > self.freqs_cis.shape[0]:
@@ -382,7 +384,7 @@ class Transformer(nn.Module):
             h = self.norm(h)
         if self.output is not None:
             if labels is not None:
-                return self.linear_loss(h, self.output.weight, labels, loss_chunk_tokens)
+                return self.linear_loss(h, self.output.weight, labels, self.loss_chunk_tokens)
             h = self.output(h)
         return h
 
