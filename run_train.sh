@@ -40,8 +40,9 @@ fi
 WORLD_SIZE=$NGPU TESSERA_CHECK_ONLY=1 "$PYTHON" -m engine.train "${args[@]}"
 # SIGTERM (SLURM preemption, or a user's kill) goes straight to the training processes, which save a
 # checkpoint at the next step boundary and exit 0 (checkpoint.enable); torchrun then exits 0 too. (torchrun
-# itself, signalled, would stop its workers after a grace period and exit non-zero.)
-"$PYTHON" -m torch.distributed.run \
+# itself, signalled, would stop its workers after a grace period and exit non-zero.) engine.launch is torchrun
+# that ends quietly when the processes stop on a user error (they have printed its line).
+"$PYTHON" -m engine.launch \
   --nproc_per_node="$NGPU" --rdzv_backend=c10d --rdzv_endpoint="localhost:0" \
   --local-ranks-filter="$LOG_RANK" --role=rank --tee=3 \
   -m engine.train "${args[@]}" &

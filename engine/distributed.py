@@ -56,7 +56,8 @@ def init_distributed(cfg=None) -> World:
     if cfg is not None:
         timeout = timedelta(seconds=cfg.comm.init_timeout_seconds)
         if cfg.comm.trace_buf_size > 0:  # read by NCCL when the process group starts; the user's own values win
-            os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", str(cfg.comm.trace_buf_size))
+            if "TORCH_NCCL_TRACE_BUFFER_SIZE" not in os.environ:  # the older name (torch 2.13 warns about it)
+                os.environ.setdefault("TORCH_FR_BUFFER_SIZE", str(cfg.comm.trace_buf_size))
             os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
             os.environ.setdefault("TORCH_FR_DUMP_TEMP_FILE", comm_trace_prefix(cfg.job.dump_folder))
     if world_size > 1 and not dist.is_initialized():

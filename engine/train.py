@@ -48,6 +48,15 @@ def check_dump_folder(folder: str) -> None:
                           "write to") from None
 
 
+def record_for_launcher(e: BaseException) -> None:
+    """Under torchrun, write the user error to this process's error file: the launcher (engine/launch.py) prints
+    it when the console does not show this rank's output (a rank other than 0 may fail alone: its data shard)."""
+    if os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+        ErrorHandler().record_exception(e)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--help" in argv or "-h" in argv:
@@ -68,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
             destroy_distributed()
             raise
     except ValueError as e:  # user errors (ConfigError is one) name their field
+        record_for_launcher(e)
         if rank == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
@@ -77,10 +87,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         trainer.train()
     except TrainingDiverged as e:
+        record_for_launcher(e)
         if rank == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
         return 3
     except DataError as e:  # on the rank whose data shard holds the bad record
+        record_for_launcher(e)
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
     finally:

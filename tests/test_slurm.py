@@ -57,9 +57,9 @@ echo "srun $*" >> "$CALLS"
 while [ "${1#--}" != "$1" ]; do shift; done
 exec "$@"
 """,
-    # PYTHON: a stand-in for `-m torch.distributed.run`, the real interpreter for everything else.
+    # PYTHON: a stand-in for `-m engine.launch` (torchrun), the real interpreter for everything else.
     "python-stub": """#!/bin/bash
-if [ "$1 $2" = "-m torch.distributed.run" ]; then exec "$REAL_PYTHON" "$STUB_DIR/fake_torchrun.py"; fi
+if [ "$1 $2" = "-m engine.launch" ]; then exec "$REAL_PYTHON" "$STUB_DIR/fake_torchrun.py"; fi
 exec "$REAL_PYTHON" "$@"
 """,
     # torchrun stand-in: starts one training process and returns its exit status; records a SIGTERM to itself.

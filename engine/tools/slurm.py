@@ -150,12 +150,13 @@ forward_term() {{
 }}
 trap forward_term TERM
 
-# Each node runs torchrun under a small shell that passes SIGTERM straight to the training processes (children
-# of torchrun): they checkpoint and exit 0, and torchrun, not signalled itself, exits 0 as well.
+# Each node runs torchrun (engine.launch: torchrun with a one-line ending on a user error) under a small shell
+# that passes SIGTERM straight to the training processes (children of torchrun): they checkpoint and exit 0,
+# and torchrun, not signalled itself, exits 0 as well.
 NODE_LAUNCH="$LOG_DIR/launch_node.sh"
 cat > "$NODE_LAUNCH" <<'NODE'
 #!/bin/bash
-"$PYTHON" -m torch.distributed.run "$@" &
+"$PYTHON" -m engine.launch "$@" &
 launcher=$!
 trap 'pkill -TERM -P "$launcher" || true' TERM
 status=0
