@@ -53,6 +53,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from engine.config import Config, ConfigError, read_json_object
+from engine.hf import EXPORT_DTYPES
 
 COMMIT_FILE = "COMMITTED.json"
 TRAIN_STATE_FILE = "train_state.json"
@@ -61,7 +62,6 @@ _STEP_DIR = re.compile(r"^step-(\d+)$")
 # DCP warns on every single-process save and load, even when asked for one (no_dist=True): a one-process run
 # means it, so the warning would only clutter the console at every checkpoint.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized, assuming")
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def step_folder(root: str, step: int) -> str:
@@ -383,7 +383,7 @@ class Checkpointer:
         _fault(step, "begin")
         t0 = time.perf_counter()
         if model_only:
-            state = {k: v.detach().to(_DTYPES[dtype]) for k, v in self.model_state().items()}
+            state = {k: v.detach().to(EXPORT_DTYPES[dtype]) for k, v in self.model_state().items()}
         else:
             state = {**self.model_state(), **self.optimizer_state()[0]}
         self._write_small_files(folder, step, model_only, dtype)
@@ -483,7 +483,7 @@ class Checkpointer:
             self._log(f"checkpoint: {out} already exists; left as it is")
             return
         t0 = time.perf_counter()
-        what = export_checkpoint_hf(step_folder(self.root, step), out, _DTYPES[self.cfg.checkpoint.export_dtype],
+        what = export_checkpoint_hf(step_folder(self.root, step), out, EXPORT_DTYPES[self.cfg.checkpoint.export_dtype],
                                     tokenizer_path, field="checkpoint.last_save_hf")
         self._log(f"checkpoint: Hugging Face folder of {what} ({self.cfg.checkpoint.export_dtype}) written in "
                   f"{time.perf_counter() - t0:.1f}s -> {out}")
@@ -555,7 +555,7 @@ class Checkpointer:
         info = inspect_checkpoint(path, field, self.cfg)
         model = self.model_state()
         self._check_entries(info, model, field)
-        dtype = _DTYPES.get(info.train_state.get("dtype", "float32"), torch.float32)
+        dtype = EXPORT_DTYPES.get(info.train_state.get("dtype", "float32"), torch.float32)
         if dtype != torch.float32:  # a model-only export in another dtype: load, then cast into place
             state = {k: v.detach().to(dtype) for k, v in model.items()}
             dcp.load(state, storage_reader=SafeFileSystemReader(path), process_group=self.pg,

@@ -37,7 +37,8 @@ MAX_SHARD_BYTES = 5 * 10**9
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 CONFIG_FILE = "config.json"
-EXPORT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# The dtypes a checkpoint is exported (or saved model-only) in, by their config names (checkpoint.export_dtype).
+EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # safetensors dtype names of the floating-point tensors a checkpoint may hold (all are loaded as float32).
 FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
 # Tensors some older Hugging Face Llama checkpoints hold that are recomputed, not loaded.
@@ -144,8 +145,8 @@ def export_hf(
     ``folder`` either does not exist or is complete. ``folder`` must not exist or be empty: an existing non-empty
     folder is refused with a ``ValueError`` naming ``field`` (nothing is deleted or overwritten).
     """
-    if dtype not in EXPORT_DTYPES:
-        raise ValueError(f"dtype: cannot export in {dtype}; choose one of {', '.join(map(str, EXPORT_DTYPES))}")
+    if dtype not in EXPORT_DTYPES.values():
+        raise ValueError(f"dtype: cannot export in {dtype}; choose one of {', '.join(EXPORT_DTYPES)}")
     if os.path.exists(folder) and not (os.path.isdir(folder) and not os.listdir(folder)):
         raise ValueError(f"{field}: '{folder}' already exists and is not an empty folder; choose a new folder")
     adapter = _adapter_for(args)

@@ -15,15 +15,11 @@ import argparse
 import os
 import sys
 
-import torch
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from engine.hf import EXPORT_DTYPES, export_checkpoint_hf
 
 
 def to_hf(step_folder: str, out: str, dtype: str = "bfloat16", tokenizer: str = "") -> None:
-    from engine.hf import export_checkpoint_hf
-
-    what = export_checkpoint_hf(step_folder, out, DTYPES[dtype], tokenizer or None, field="out")
+    what = export_checkpoint_hf(step_folder, out, EXPORT_DTYPES[dtype], tokenizer or None, field="out")
     print(f"wrote {out} ({what}, {dtype})")
 
 
@@ -56,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     a = sub.add_parser("to-hf", help="Tessera step folder -> Hugging Face folder")
     a.add_argument("checkpoint")
     a.add_argument("out")
-    a.add_argument("--dtype", choices=list(DTYPES), default="bfloat16")
+    a.add_argument("--dtype", choices=list(EXPORT_DTYPES), default="bfloat16")
     a.add_argument("--tokenizer", default="", help="a tokenizer.json to copy into the folder")
     b = sub.add_parser("from-hf", help="Hugging Face folder -> Tessera model-only step folder")
     b.add_argument("hf_folder")
