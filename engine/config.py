@@ -136,6 +136,10 @@ class Training:
     (GiBs less peak memory at a 128k vocabulary, the same FLOPs). 0 = off (logits, then the loss). Under
     tensor parallelism each rank computes its vocabulary slice of every chunk; under pipeline parallelism the
     last stage does."""
+    gc_freq: int = 50
+    """Python's garbage collector runs between steps, every this many steps, instead of whenever its allocation
+    counters say (a collection in the middle of a step on one rank holds up every other rank at the next
+    collective). 0 = Python's automatic collection."""
 
 
 @dataclass
@@ -707,6 +711,8 @@ def validate(cfg: Config, world_size: int = 1, machine: Optional[Machine] = None
                 f"= {t.local_batch_size} x {dp}"
             )
     _positive("training.max_norm", t.max_norm)
+    if t.gc_freq < 0:
+        raise ConfigError(f"training.gc_freq: must be >= 0 (0 = Python's automatic collection), got {t.gc_freq}")
     _choice("training.mixed_precision_param", t.mixed_precision_param, ["bfloat16", "float32"])
     _choice("training.mixed_precision_reduce", t.mixed_precision_reduce, ["float32", "bfloat16"])
     if t.loss_chunk_tokens < 0:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import gc
 import math
 import os
 import time
@@ -82,6 +83,28 @@ def check_host_memory(flavor: str, num_params: int, dims: ParallelDims, world_si
             f"memory on CPU (float32 weights, gradients and AdamW state) and this machine has {available / gib:.1f} "
             "GiB available; train a smaller model.flavor (debugmodel) here, or this one on GPUs"
         )
+
+
+@contextlib.contextmanager
+def scheduled_gc(every: int):
+    """Python's automatic garbage collection off for the loop; ``collect(step)`` runs it (the young
+    generations) every ``every`` steps, between steps. ``every`` 0: automatic collection, as outside."""
+    if not every:
+        yield lambda step: None
+        return
+
+    def collect(step: int) -> None:
+        if step % every == 0:
+            gc.collect(1)
+
+    was_enabled = gc.isenabled()
+    gc.disable()
+    gc.collect()  # start clean: what set-up left behind
+    try:
+        yield collect
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 class TrainingDiverged(RuntimeError):
@@ -430,9 +453,11 @@ class Trainer:
         self._val_loader = None
         validation: dict = {}
         first_step = self.step + 1
-        with StepProfiler(cfg, self.world.rank, self.step, self.device) as profiler:
+        with StepProfiler(cfg, self.world.rank, self.step, self.device) as profiler, \
+                scheduled_gc(cfg.training.gc_freq) as collect_garbage:
             while self.step < cfg.training.steps:
                 self.step += 1
+                collect_garbage(self.step)
                 t0 = time.perf_counter()
                 try:
                     microbatches = [next(data_iter) for _ in range(self.grad_accum)]

@@ -63,6 +63,7 @@ BAD_INPUTS = [
     (["--profiling.enable_memory_snapshot"], "profiling.enable_memory_snapshot"),  # needs CUDA
     (["--comm.train_timeout_seconds", "0"], "comm.train_timeout_seconds"),
     (["--comm.trace_buf_size", "-1"], "comm.trace_buf_size"),
+    (["--training.gc_freq", "-1"], "training.gc_freq"),
     (["--checkpoint.last_save_hf"], "checkpoint.last_save_hf"),  # needs checkpoint.enable
     (["--optimizer.lr", "nan"], "optimizer.lr"),
     (["--optimizer.lr", "inf"], "optimizer.lr"),
@@ -236,6 +237,27 @@ def test_error_of_a_rank_whose_output_is_hidden_is_printed_by_the_launcher(tmp_p
     assert len(errors) == 1 and errors[0].startswith(f"error: [rank 1] data.path: cannot read '{data}'"), \
         proc.stderr[-3000:]
     assert "JSON parse error" in errors[0] and "ChildFailedError" not in proc.stderr
+
+
+def test_garbage_collection_runs_between_steps(tmp_path, capsys, monkeypatch):
+    """training.gc_freq 2: automatic collection is off during the loop; the young generations are collected
+    before steps 2, 4 and 6 (after one full collection of what set-up left), and automatic collection is back
+    on afterwards."""
+    import gc
+
+    real = gc.collect
+    calls = []
+
+    def collect(generation=2):
+        calls.append((generation, gc.isenabled()))
+        return real(generation)
+
+    monkeypatch.setattr(gc, "collect", collect)
+    rc, out, err = run_main(["--job.dump_folder", str(tmp_path / "run"), *SMALL, "--training.steps", "6",
+                             "--training.gc_freq", "2"], capsys)
+    assert rc == 0, err
+    assert calls == [(2, False), (1, False), (1, False), (1, False)]
+    assert gc.isenabled()
 
 
 def test_help_lists_fields(capsys):
