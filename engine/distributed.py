@@ -6,10 +6,12 @@ NCCL on CUDA, gloo on CPU.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Optional
 
 import numpy as np
 import torch
@@ -63,6 +65,28 @@ def init_distributed(cfg=None) -> World:
     if world_size > 1 and not dist.is_initialized():
         dist.init_process_group(backend=backend, device_id=device if backend == "nccl" else None, timeout=timeout)
     return World(rank=rank, local_rank=local_rank, world_size=world_size, device=device)
+
+
+@contextlib.contextmanager
+def agree_on_user_errors():
+    """Run set-up work whose user errors (ValueError) may differ between ranks (each reads its own data shard),
+    then let every rank know: if any rank failed, every rank raises, the ranks that did not fail with the first
+    failing rank's message prefixed by its rank. So every rank stops at the same point with exit status 2 and
+    rank 0 prints the line, instead of the others waiting in a collective for a rank that is gone."""
+    error: Optional[ValueError] = None
+    try:
+        yield
+    except ValueError as e:
+        error = e
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        messages: list[Optional[str]] = [None] * dist.get_world_size()
+        dist.all_gather_object(messages, None if error is None else str(error))
+        failed = [(rank, message) for rank, message in enumerate(messages) if message is not None]
+        if failed and error is None:
+            rank, message = failed[0]
+            raise ValueError(f"[rank {rank}] {message}")
+    if error is not None:
+        raise error
 
 
 def comm_trace_prefix(dump_folder: str) -> str:

@@ -1,68 +1,68 @@
 """Launch the training processes of one node: torchrun (``torch.distributed.run``) with its own arguments, and
 a one-line ending when the processes stop on a user error.
 
-run_train.sh calls ``python -m engine.launch <torchrun arguments> -m engine.train ...``. A training process
-that stops on a user error exits with status 2 (an error of one rank's own: its data shard, at start-up or
-mid-run) or 3 (the run diverged), and records its message in torchrun's error file (engine/train.py).
-torchrun would add its failure report (the launcher's traceback and a table of the failed ranks), which says
-nothing more. Here the launcher exits with that status instead; when no rank whose output the console shows
-(``--local-ranks-filter``, run_train.sh's LOG_RANK) has printed the error, it prints the failing rank's line
-itself. Any other failure (a crash, with its traceback) keeps torchrun's report.
+run_train.sh calls ``python -m engine.launch <torchrun arguments> -m engine.train ...``. A training process that
+stops on a user error exits with status 2 (a bad config or data; a rank's own data shard may fail alone) or 3
+(the run diverged), and writes its line, and whether it printed it, to torchrun's error file
+(engine/train.py ``user_error``). torchrun would add its failure report (the launcher's traceback and a table
+of the failed ranks), which says nothing more. Here the launcher exits with that status instead, and when no
+rank shown on the console (``--local-ranks-filter``, run_train.sh's LOG_RANK) printed the line, it prints it.
+Other ranks often fail as a consequence (killed by torchrun, or a collective whose peer is gone), maybe within
+the same second: a recorded user error is taken as the cause. Failures without one (a crash, with its
+traceback) keep torchrun's report.
 """
 
 from __future__ import annotations
 
 import logging
 import sys
-
-USER_ERROR_EXIT_CODES = (2, 3)
-"""engine/train.py's exit statuses for a user error (its message recorded in the error file)."""
+from typing import Any, Optional
 
 
-class _QuietUserErrors(logging.Filter):
-    """Drops torchrun's log line about a worker that exited with a user-error status (the error line says it
-    all), and its lines about stopping the other workers after a failure."""
+class _QuietStops(logging.Filter):
+    """Drops torchrun's lines about stopping the workers after one failed (the error line, or the report, says
+    what happened)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         message = str(record.msg)
-        if message.startswith("failed (exitcode:") and record.args:
-            return record.args[0] not in USER_ERROR_EXIT_CODES
-        return not message.startswith("Sending process")  # the other ranks stopped after one failed
+        return not (message.startswith("failed (exitcode:") or message.startswith("Sending process"))
 
 
-def shown_ranks(local_ranks_filter: str | None) -> set[int] | None:
+def shown_ranks(local_ranks_filter: Optional[str]) -> Optional[set[int]]:
     """The local ranks whose output the console shows (None: all)."""
     if not local_ranks_filter:
         return None
     return {int(r) for r in local_ranks_filter.split(",") if r.strip()}
 
 
-def main(argv: list[str] | None = None) -> int:
+def user_error(failure: Any) -> Optional[dict]:
+    """What a training process recorded about its user error: its line, exit status and whether it printed it;
+    None for any other failure."""
+    message = failure.error_file_data.get("message")
+    info = message.get("extraInfo", {}).get("tessera") if isinstance(message, dict) else None
+    if not isinstance(info, dict) or "status" not in info:
+        return None
+    return {**info, "line": message.get("message", "")}
+
+
+def main(argv: Optional[list[str]] = None) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
     args = parse_args(argv)
-    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_QuietUserErrors())
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_QuietStops())
     try:
         run(args)
     except ChildFailedError as e:
-        rank, failure = e.get_first_failure()
-        if failure.exitcode not in USER_ERROR_EXIT_CODES:
+        user = sorted((f.timestamp, rank, f, user_error(f)) for rank, f in e.failures.items() if user_error(f))
+        if not user:
             raise
+        _, rank, _, info = user[0]
         shown = shown_ranks(args.local_ranks_filter)
-        printed = [f for f in e.failures.values() if f.exitcode in USER_ERROR_EXIT_CODES
-                   and (shown is None or f.local_rank in shown)]
-        if not printed:
-            print(f"error: [rank {rank}] {user_message(failure.message)}", file=sys.stderr, flush=True)
-        return failure.exitcode
+        if not any(i["printed"] and (shown is None or f.local_rank in shown) for _, _, f, i in user):
+            print(f"error: [rank {rank}] {info['line']}", file=sys.stderr, flush=True)
+        return int(info["status"])
     return 0
-
-
-def user_message(message) -> str:
-    """The error line a training process recorded ("ConfigError: data.path: ..."), without the class name."""
-    text = message.get("message", "") if isinstance(message, dict) else str(message)
-    head, sep, rest = text.partition(": ")
-    return rest if sep and head.isidentifier() else text
 
 
 if __name__ == "__main__":

@@ -48,13 +48,22 @@ def check_dump_folder(folder: str) -> None:
                           "write to") from None
 
 
-def record_for_launcher(e: BaseException) -> None:
-    """Under torchrun, write the user error to this process's error file: the launcher (engine/launch.py) prints
-    it when the console does not show this rank's output (a rank other than 0 may fail alone: its data shard)."""
-    if os.environ.get("TORCHELASTIC_ERROR_FILE"):
-        from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+def user_error(e: BaseException, status: int, show: bool) -> int:
+    """Report a user error: its ``error:`` line on stderr when ``show``, and, under torchrun, the line and whether
+    it was shown in this process's error file (torchrun's format, with Tessera's entry in extraInfo). The
+    launcher (engine/launch.py) reads it: it prints the line itself when no rank shown on the console printed it
+    (a rank other than 0 may fail alone: its data shard), and exits with ``status``. Returns ``status``."""
+    if show:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:
+        import json
+        import time
 
-        ErrorHandler().record_exception(e)
+        info = {"timestamp": str(int(time.time())), "tessera": {"status": status, "printed": show}}
+        with open(path, "w") as f:
+            json.dump({"message": {"message": str(e), "extraInfo": info}}, f)
+    return status
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -77,24 +86,16 @@ def main(argv: list[str] | None = None) -> int:
             destroy_distributed()
             raise
     except ValueError as e:  # user errors (ConfigError is one) name their field
-        record_for_launcher(e)
-        if rank == 0:
-            print(f"error: {e}", file=sys.stderr, flush=True)
-        return 2
+        return user_error(e, 2, show=rank == 0)
     from engine.data.datasets import DataError
     from engine.trainer import TrainingDiverged
 
     try:
         trainer.train()
-    except TrainingDiverged as e:
-        record_for_launcher(e)
-        if rank == 0:
-            print(f"error: {e}", file=sys.stderr, flush=True)
-        return 3
+    except TrainingDiverged as e:  # every rank sees it
+        return user_error(e, 3, show=rank == 0)
     except DataError as e:  # on the rank whose data shard holds the bad record
-        record_for_launcher(e)
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        return 2
+        return user_error(e, 2, show=True)
     finally:
         destroy_distributed()
     return 0

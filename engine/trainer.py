@@ -26,7 +26,8 @@ from engine.config import Config, dump, grad_accumulation_steps, pp_microbatches
 from engine.data.datasets import DataError
 from engine.data.loader import build_dataloader
 from engine.data.tokenizer import build_tokenizer
-from engine.distributed import World, comm_trace_prefix, set_collective_timeout, set_determinism
+from engine.distributed import (World, agree_on_user_errors, comm_trace_prefix, set_collective_timeout,
+                                set_determinism)
 from engine.metrics import MetricsLogger
 from engine.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
 from engine.profiling import StepProfiler
@@ -173,17 +174,18 @@ class Trainer:
         self.grad_accum = grad_accumulation_steps(cfg, self.dp_size)
         self.loss_group = self.dims.group("dp_cp")  # ranks holding different tokens
 
-        # The checkpoint to resume from, checked now: a bad one stops the run before anything is built.
-        self.resume_from = find_resume_point(cfg)
-        init_path = cfg.checkpoint.initial_load_path
-        if self.resume_from is None and init_path and not os.path.isfile(os.path.join(init_path, "config.json")):
-            inspect_checkpoint(init_path, "checkpoint.initial_load_path", cfg)
-
-        # Tokenizer and data (cheap to build; their errors are user errors).
-        self.tokenizer = build_tokenizer(cfg)
-        self.dataloader = build_dataloader(cfg, self.tokenizer, self.dp_rank, self.dp_size)
-        if self.resume_from is not None:  # its data position must belong to this data
-            check_data_source(self.resume_from, self.dataloader.source, cfg)
+        # The checkpoint to resume from, checked now: a bad one stops the run before anything is built. Then the
+        # tokenizer and this rank's data shard (cheap to build; their errors are user errors). A rank's own
+        # shard may fail where the others do not: the ranks agree before going on.
+        with agree_on_user_errors():
+            self.resume_from = find_resume_point(cfg)
+            init_path = cfg.checkpoint.initial_load_path
+            if self.resume_from is None and init_path and not os.path.isfile(os.path.join(init_path, "config.json")):
+                inspect_checkpoint(init_path, "checkpoint.initial_load_path", cfg)
+            self.tokenizer = build_tokenizer(cfg)
+            self.dataloader = build_dataloader(cfg, self.tokenizer, self.dp_rank, self.dp_size)
+            if self.resume_from is not None:  # its data position must belong to this data
+                check_data_source(self.resume_from, self.dataloader.source, cfg)
 
         # Model on the meta device: shapes and FLOPs without memory; the attention kernel SDPA may use.
         select_sdpa_backend(cfg.model.sdpa_backend)

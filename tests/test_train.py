@@ -167,15 +167,42 @@ def test_malformed_json_line_is_one_error_line(tmp_path, streaming):
     assert not dump.exists()
 
 
+def test_mid_run_error_of_a_hidden_rank_is_printed_by_the_launcher(tmp_path):
+    """Rank 1 reads files b and d of a four-file folder (round robin), d malformed: its shard passes the start-up
+    check (b's first record) and fails in step 1, a DataError on rank 1 alone, whose output LOG_RANK=0 hides. The
+    launcher prints its line and exits with its status, without torchrun's report (rank 0, left waiting in a
+    collective, may fail too: a consequence)."""
+    data = tmp_path / "data"
+    data.mkdir()
+    for name, count in (("a", 100), ("b", 3), ("c", 100)):
+        (data / f"{name}.jsonl").write_text("".join(json.dumps({"text": f"{name} document {i} " * 20}) + "\n"
+                                                    for i in range(count)))
+    (data / "d.jsonl").write_text("{not json\n")
+    proc = subprocess.run(["./run_train.sh", *SMALL, "--data.path", str(data), "--job.dump_folder",
+                           str(tmp_path / "run"), "--training.steps", "5"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "PYTHON": sys.executable, "NGPU": "2"})
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    mine = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(mine) == 1 and mine[0].startswith(f"error: [rank 1] data.path: cannot read '{data}' (4 json files) "
+                                                 "past record 3 of shard 1 of 2 (epoch 0): "), proc.stderr[-3000:]
+    assert "d.jsonl" in mine[0] and "ChildFailedError" not in proc.stderr
+
+
+def folder_with_a_bad_file(tmp_path, good_documents: int):
+    """A data folder of two jsonl files: a.jsonl with ``good_documents`` documents, b.jsonl malformed."""
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "a.jsonl").write_text("".join(json.dumps({"text": f"document number {i} " * 20}) + "\n"
+                                          for i in range(good_documents)))
+    (data / "b.jsonl").write_text("{not json\n")
+    return data
+
+
 def test_malformed_record_found_mid_run_is_one_error_line(tmp_path):
     """Streaming data is checked at start-up by its first record only: a malformed file met later (here the
     second file of a folder, after 130 documents: the loader reads 64 records ahead, so about step 30) stops
     the run with one error line naming the file, after the checkpoints so far have committed."""
-    data = tmp_path / "data"
-    data.mkdir()
-    (data / "a.jsonl").write_text("".join(json.dumps({"text": f"document number {i} " * 20}) + "\n"
-                                          for i in range(130)))
-    (data / "b.jsonl").write_text("{not json\n")
+    data = folder_with_a_bad_file(tmp_path, good_documents=130)
     dump = tmp_path / "run"
     proc = subprocess.run(
         [sys.executable, "-m", "engine.train", "--data.path", str(data), "--job.dump_folder", str(dump), *SMALL,
@@ -220,21 +247,17 @@ def test_divergence_stops_before_it_is_saved(tmp_path, capsys):
 
 
 def test_error_of_a_rank_whose_output_is_hidden_is_printed_by_the_launcher(tmp_path):
-    """Two data-parallel ranks stream a folder of two files, one each; only rank 1's file is malformed. Rank 1
-    stops at start-up (exit 2) without printing (set-up errors print on rank 0), the console shows rank 0 only
-    (LOG_RANK=0): the launcher prints rank 1's recorded error line, and no torchrun report."""
-    data = tmp_path / "data"
-    data.mkdir()
-    (data / "a.jsonl").write_text("".join(json.dumps({"text": f"document number {i} " * 20}) + "\n"
-                                          for i in range(40)))
-    (data / "b.jsonl").write_text("{not json\n")
+    """Two data-parallel ranks stream a folder of two files, one each; only rank 1's file is malformed. At
+    start-up rank 1's shard fails and rank 0's does not: the ranks agree, both exit with status 2, and rank 0
+    (the one the console shows) prints rank 1's line; no traceback, no torchrun report."""
+    data = folder_with_a_bad_file(tmp_path, good_documents=40)
     dump = tmp_path / "run"
     proc = subprocess.run(["./run_train.sh", *SMALL, "--data.path", str(data), "--job.dump_folder", str(dump),
                            "--training.steps", "5"], cwd=ROOT, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "PYTHON": sys.executable, "NGPU": "2"})
     assert proc.returncode == 2, proc.stderr[-3000:]
     errors = [line for line in proc.stderr.splitlines() if "error" in line.lower()]
-    assert len(errors) == 1 and errors[0].startswith(f"error: [rank 1] data.path: cannot read '{data}'"), \
+    assert len(errors) == 1 and errors[0].startswith(f"[rank0]:error: [rank 1] data.path: cannot read '{data}'"), \
         proc.stderr[-3000:]
     assert "JSON parse error" in errors[0] and "ChildFailedError" not in proc.stderr
 
