@@ -156,7 +156,8 @@ class Parallelism:
     """Pipeline-parallel degree: the layers are split into stages on pp ranks."""
     pp_schedule: str = "1F1B"
     """Pipeline schedule: GPipe, 1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble or
-    DualPipeV."""
+    DualPipeV. The zero-bubble ones (the last three) split each backward into input and weight passes; torch
+    2.11 cannot run those through compiled blocks, float8 layers or the fused loss (2.13 can)."""
     pp_schedule_csv: str = ""
     """A CSV file with a custom schedule (torch.distributed.pipelining's format); overrides pp_schedule's
     actions (pp_schedule still names the stage placement)."""
