@@ -310,3 +310,21 @@ def test_dry_run_validates_for_the_cluster_gpus_not_this_cpu():
     assert "validated for CUDA GPUs of compute capability 9.0 with flash-attn" in proc.stdout
     assert "mesh: pp 1 x dp_replicate 1 x dp_shard 4 x cp 1 x tp 2 = 8 ranks" in proc.stdout
     assert "FutureWarning" not in proc.stderr
+
+
+def test_shared_empty_fsdp_chunks_give_torch_shapes():
+    """The dry run's padding of FSDP2's chunks (one shared empty tensor on meta) gives the shapes torch's own
+    gives, leaves other devices to torch, and is undone afterwards."""
+    import torch
+    from torch.distributed.fsdp._fully_shard import _fsdp_param
+
+    from engine.tools.dry_run import shared_empty_fsdp_chunks
+
+    original = _fsdp_param._chunk_with_empty
+    meta = torch.empty(5, 3, device="meta")
+    want = [c.shape for c in original(meta, 8, 0)]
+    with shared_empty_fsdp_chunks():
+        got = [c.shape for c in _fsdp_param._chunk_with_empty(meta, 8, 0)]
+        on_cpu = [c.shape for c in _fsdp_param._chunk_with_empty(torch.empty(5, 3), 8, 0)]
+    assert got == want == on_cpu and len(got) == 8 and got[-1] == torch.Size([0])
+    assert _fsdp_param._chunk_with_empty is original
