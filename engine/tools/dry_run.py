@@ -246,7 +246,8 @@ def run(argv: list[str]) -> int:
     shard = dims.dp_shard * dims.cp
     if shard > 2048:
         print(f"note: FSDP shards every parameter {shard:,} ways; fully_shard's set-up costs O(shard degree) per "
-              f"parameter (chunk views), so this build takes minutes, as it would on every real rank")
+              f"parameter (one chunk view per shard), so this build may take a minute, as every real rank's "
+              f"start-up would")
     rows: list[memory.RankRow] = []
     builds: dict[int, Build] = {}
     for pp_ranks in groups.values():
