@@ -455,76 +455,75 @@ class Trainer:
         self._val_loader = None
         validation: dict = {}
         first_step = self.step + 1
-        with StepProfiler(cfg, self.world.rank, self.step, self.device) as profiler, \
-                scheduled_gc(cfg.training.gc_freq) as collect_garbage:
-            while self.step < cfg.training.steps:
-                self.step += 1
-                collect_garbage(self.step)
-                t0 = time.perf_counter()
-                try:
+        try:
+            with StepProfiler(cfg, self.world.rank, self.step, self.device) as profiler, \
+                    scheduled_gc(cfg.training.gc_freq) as collect_garbage:
+                while self.step < cfg.training.steps:
+                    self.step += 1
+                    collect_garbage(self.step)
+                    t0 = time.perf_counter()
                     microbatches = [next(data_iter) for _ in range(self.grad_accum)]
-                except DataError:  # a malformed record: the saves so far commit, then the run stops
-                    ckpt.close()
-                    self.metrics.close()
-                    raise
-                window_data_wait += time.perf_counter() - t0
+                    window_data_wait += time.perf_counter() - t0
 
-                lr = self.lr_scheduler.get_last_lr()[0]
-                loss, grad_norm = self.train_step(microbatches)
-                if self.step == first_step:  # compilation and set-up are behind: hangs now fail fast
-                    set_collective_timeout(cfg.comm.train_timeout_seconds)
-                window_tokens += tokens_per_step
-                window_loss += loss
-                window_nonfinite += ~torch.isfinite(grad_norm)
-                window_steps += 1
-                if cfg.validation.enable and self.step % cfg.validation.freq == 0:
-                    t_val = time.perf_counter()
-                    validation = {"validation_loss": self._validate(), "validation_step": self.step}
-                    window_start += time.perf_counter() - t_val  # not training time
-                    if self.world.is_main:
-                        print(f"validation: step {self.step}  loss: {validation['validation_loss']:.4f}", flush=True)
+                    lr = self.lr_scheduler.get_last_lr()[0]
+                    loss, grad_norm = self.train_step(microbatches)
+                    if self.step == first_step:  # compilation and set-up are behind: hangs now fail fast
+                        set_collective_timeout(cfg.comm.train_timeout_seconds)
+                    window_tokens += tokens_per_step
+                    window_loss += loss
+                    window_nonfinite += ~torch.isfinite(grad_norm)
+                    window_steps += 1
+                    if cfg.validation.enable and self.step % cfg.validation.freq == 0:
+                        t_val = time.perf_counter()
+                        validation = {"validation_loss": self._validate(), "validation_step": self.step}
+                        window_start += time.perf_counter() - t_val  # not training time
+                        if self.world.is_main:
+                            print(f"validation: step {self.step}  loss: {validation['validation_loss']:.4f}",
+                                  flush=True)
 
-                logging_now, saving_now = self._should_log(self.step), ckpt.should_save(self.step)
-                if logging_now or saving_now:
-                    # The one host sync per log (and per checkpoint, which nan or inf must not reach).
-                    loss_value, grad_norm_value, nonfinite = torch.stack(
-                        [window_loss / window_steps, grad_norm.float(), window_nonfinite]).tolist()
-                    if logging_now:
-                        elapsed = time.perf_counter() - window_start
-                        logged.append(
-                            self.metrics.log(
-                                self.step, loss_value, grad_norm_value, lr, window_tokens, elapsed,
-                                window_data_wait, extra=validation,
+                    logging_now, saving_now = self._should_log(self.step), ckpt.should_save(self.step)
+                    if logging_now or saving_now:
+                        # The one host sync per log (and per checkpoint, which nan or inf must not reach).
+                        loss_value, grad_norm_value, nonfinite = torch.stack(
+                            [window_loss / window_steps, grad_norm.float(), window_nonfinite]).tolist()
+                        if logging_now:
+                            elapsed = time.perf_counter() - window_start
+                            logged.append(
+                                self.metrics.log(
+                                    self.step, loss_value, grad_norm_value, lr, window_tokens, elapsed,
+                                    window_data_wait, extra=validation,
+                                )
                             )
-                        )
-                        window_start = time.perf_counter()
-                        window_tokens, window_data_wait, window_steps = 0, 0.0, 0
-                        window_loss.zero_()
-                        window_nonfinite.zero_()
-                        validation = {}
-                    if nonfinite or not math.isfinite(loss_value):  # every rank holds the same values
-                        ckpt.close()  # an earlier step's save still in flight commits
-                        self.metrics.close()
-                        raise TrainingDiverged(
-                            f"optimizer.lr: training diverged by step {self.step} (loss {loss_value:.4g}, gradient "
-                            f"norm {grad_norm_value:.4g}: nan or inf); this step is not saved. Restart from the "
-                            "last checkpoint with a lower optimizer.lr, more lr_scheduler.warmup_steps or a "
-                            "smaller training.max_norm"
-                        )
+                            window_start = time.perf_counter()
+                            window_tokens, window_data_wait, window_steps = 0, 0.0, 0
+                            window_loss.zero_()
+                            window_nonfinite.zero_()
+                            validation = {}
+                        if nonfinite or not math.isfinite(loss_value):  # every rank holds the same values
+                            raise TrainingDiverged(
+                                f"optimizer.lr: training diverged by step {self.step} (loss {loss_value:.4g}, gradient "
+                                f"norm {grad_norm_value:.4g}: nan or inf); this step is not saved. Restart from the "
+                                "last checkpoint with a lower optimizer.lr, more lr_scheduler.warmup_steps or a "
+                                "smaller training.max_norm"
+                            )
 
-                # Checkpoints: commit a finished background save; save on the interval; on SIGTERM save, stop.
-                ckpt.poll()
-                last = self.step == cfg.training.steps
-                if saving_now:
-                    ckpt.save(self.step, model_only=last and cfg.checkpoint.last_save_model_only)
-                if cfg.checkpoint.enable and not last and ckpt.stop_requested():
-                    if not saving_now:
-                        ckpt.save(self.step, force_sync=True)
-                    ckpt.wait()
-                    if self.world.is_main:
-                        print(f"SIGTERM: checkpoint of step {self.step} saved; exiting", flush=True)
-                    break
-                profiler.step(self.step)
+                    # Checkpoints: commit a finished background save; save on the interval; on SIGTERM save, stop.
+                    ckpt.poll()
+                    last = self.step == cfg.training.steps
+                    if saving_now:
+                        ckpt.save(self.step, model_only=last and cfg.checkpoint.last_save_model_only)
+                    if cfg.checkpoint.enable and not last and ckpt.stop_requested():
+                        if not saving_now:
+                            ckpt.save(self.step, force_sync=True)
+                        ckpt.wait()
+                        if self.world.is_main:
+                            print(f"SIGTERM: checkpoint of step {self.step} saved; exiting", flush=True)
+                        break
+                    profiler.step(self.step)
+        except (DataError, TrainingDiverged):  # a user error mid-run: the saves so far commit, then it stops
+            ckpt.close()
+            self.metrics.close()
+            raise
         ckpt.close()
         if cfg.checkpoint.last_save_hf and self.step == cfg.training.steps:
             ckpt.export_hf(self.step, self.tokenizer.path)
