@@ -273,10 +273,13 @@ def one_line(e: BaseException, limit: int = 300) -> str:
     the exception it was raised from, which says what is wrong."""
     while e.__cause__ is not None and type(e).__name__ == "DatasetGenerationError":
         e = e.__cause__
-    text = " ".join(str(e).split()) or "no details"
-    if len(text) > limit:
-        text = text[: limit - 3] + "..."
-    return f"{type(e).__name__}: {text}"
+    return f"{type(e).__name__}: {one_line_text(str(e), limit) or 'no details'}"
+
+
+def one_line_text(text: str, limit: int = 300) -> str:
+    """``text`` on one line (whitespace runs made one space), cut to ``limit`` characters with "..."."""
+    text = " ".join(text.split())
+    return text[: limit - 3] + "..." if len(text) > limit else text
 
 
 def load_full_dataset(cfg: Config, source: DataSource | None = None):

@@ -31,7 +31,7 @@ import torch
 
 from engine.config import Config, ConfigError
 from engine.data.datasets import (DataError, build_dataset, capture_reader_errors, document_text, one_line,
-                                  resolve_source)
+                                  one_line_text, resolve_source)
 
 STATE_VERSION = 1
 READ_AHEAD = 64  # records read and tokenized together
@@ -116,7 +116,7 @@ class DataLoader:
                 except StopIteration:
                     break
                 except Exception as e:  # a malformed record beyond what the start-up checks read
-                    detail = " ".join(reader_errors.pop().split())[:300] or one_line(e)  # the reader's names the file
+                    detail = one_line_text(reader_errors.pop()) or one_line(e)  # the reader's line names the file
                     raise DataError(
                         f"{self.source.field}: cannot read {self.source.describe()} past record {index} of shard "
                         f"{self.dp_rank} of {self.dp_world_size} (epoch {epoch}): {detail}; fix or remove the "
