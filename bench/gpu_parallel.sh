@@ -8,7 +8,7 @@
 #     the same batches and must match it; FSDP 2's ranks read their own shards of the data), TP 2 with the
 #     vocabulary-parallel fused loss (must match too), and CP 2 with cp_rotate = allgather (same batches as
 #     one rank: its curve must match too).
-#  3. bench/cuda_cp_check.py: ring attention's CUDA kernels (bf16 flash, fp32 matmul) against full SDPA.
+#  3. bench/cuda_cp_check.py: ring attention's CUDA kernels (bf16 flash, fp32 matmul, bf16 document-masked) against full SDPA.
 #
 #   device run (carry .whl):  bash bench/gpu_parallel.sh
 set -uo pipefail

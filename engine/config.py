@@ -74,7 +74,8 @@ class Model:
     """Attention backend: sdpa (torch scaled_dot_product_attention), flex (flex_attention), flash_attn (the
     flash-attn package, when installed)."""
     attn_mask: str = "causal"
-    """Attention mask: causal, or block_causal (causal within each packed document; needs attn = flex)."""
+    """Attention mask: causal, or block_causal (causal within each packed document; needs attn = flex; with
+    context parallelism the ring attention applies it)."""
     sdpa_backend: str = "auto"
     """With attn = sdpa: the kernel scaled_dot_product_attention may use: auto (torch's choice; flash on
     Hopper), flash, cudnn or efficient (CUDA; K/V are repeated to the query heads for cudnn and efficient,
@@ -838,11 +839,9 @@ def validate_parallelism(cfg: Config, world_size: int, spec, machine: Optional[M
         _validate_pipeline(cfg, dims, args)
     if dims.cp > 1:
         _choice("parallelism.cp_rotate", p.cp_rotate, ["allgather", "alltoall"])
-        from parallelize.context import check_cp_supported
-
-        check_cp_supported(cfg.model.attn_mask)
-        if cfg.model.attn != "sdpa":
-            raise ConfigError("model.attn: context parallelism runs its own ring attention; use model.attn = sdpa")
+        if cfg.model.attn not in ("sdpa", "flex"):
+            raise ConfigError("model.attn: context parallelism runs its own ring attention; use model.attn = sdpa "
+                              "(or flex, with model.attn_mask = block_causal)")
         if cfg.model.sdpa_backend != "auto":
             raise ConfigError("model.sdpa_backend: context parallelism's ring attention calls its kernels directly; "
                               "leave it at auto")

@@ -299,11 +299,12 @@ class Trainer:
         return count
 
     def _shard_context(self, mb: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Context parallelism: this rank's load-balanced chunks of every sequence of the batch."""
+        """Context parallelism: this rank's load-balanced chunks of every sequence of the batch. The document
+        ids stay whole: the ring attention masks each chunk pair with both chunks' documents."""
         if not self.dims.cp_enabled:
             return mb
         cp_rank, cp = self.dims.coordinate("cp")
-        return {k: shard_sequence(v, 1, cp_rank, cp) for k, v in mb.items()}
+        return {k: v if k == "doc_ids" else shard_sequence(v, 1, cp_rank, cp) for k, v in mb.items()}
 
     def forward_backward(self, microbatches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
         """Gradients of the step's mean loss; returns this rank's share of that loss (a device scalar)."""

@@ -35,7 +35,14 @@ Attention (``context_attention``)
     gradient accumulation run in fp32. Grouped-query attention: k/v travel with their own (fewer) heads and
     are repeated to the query heads per block; their gradients are summed back over the repeats.
 
-Document masking (``model.attn_mask = block_causal``) is not supported with context parallelism.
+Document masking (``model.attn_mask = block_causal``, ``doc_ids`` given)
+    A query also attends only to keys of its own document. Every rank is given the document ids of the *whole*
+    sequence (they are small, and the same on every rank of the group), so each block's mask (same document,
+    and key not after query on the diagonal) is built locally and nothing more travels. The same blocks are
+    skipped as without masking; a block may now hold query rows with no visible key (a document that starts
+    after the key chunk ends): such a row's lse is -inf and its output 0, and the merge gives it no weight. The
+    CPU kernel takes the mask as an additive bias; on CUDA the flash kernel takes no mask, so masked blocks use
+    the matmul/softmax kernel (it materializes one ``[B, H, S / 2cp, S / 2cp]`` fp32 block at a time).
 """
 
 from __future__ import annotations
@@ -53,7 +60,6 @@ __all__ = [
     "shard_sequence",
     "unshard_sequence",
     "local_positions",
-    "check_cp_supported",
     "context_attention",
 ]
 
@@ -104,38 +110,48 @@ def local_positions(
     return shard_sequence(torch.arange(seq_len, device=device), 0, cp_rank, cp_size)
 
 
-def check_cp_supported(attn_mask: str) -> None:
-    """Raise ``ValueError`` when ``model.attn_mask`` cannot be used with context parallelism."""
-    if attn_mask == "block_causal":
-        raise ValueError(
-            "model.attn_mask: block_causal document masking is not supported with context parallelism "
-            "(parallelism.cp > 1); use model.attn_mask = causal"
+# ----------------------------------------------------------------------------------------------------------------
+# per-block kernels: forward(q, k, v, is_causal, scale, mask) -> (out, lse [B, H, Sq] fp32);
+# backward(dout, q, k, v, out, lse, is_causal, scale, mask) -> (dq, dk, dv). q, k, v have the same number of
+# heads. ``mask`` (bool ``[B, 1, Sq, Sk]``, True = may attend) or None; a mask already holds the causal part, and
+# a row it leaves empty gets lse -inf and output 0.
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _additive(mask: Tensor, dtype: torch.dtype) -> Tensor:
+    """The bool mask as the additive bias the CPU kernel takes (it refuses bool masks)."""
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+
+
+def _cpu_block_forward(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: Optional[float], mask=None):
+    if mask is None:
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, scale=scale)
+        return out, lse
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, 0.0, False, attn_mask=_additive(mask, q.dtype), scale=scale
+    )
+    # The kernel gives an empty row output 0 but lse 0 (not -inf), which would weigh that 0 in the merge.
+    return out, lse.masked_fill(~mask.any(-1), float("-inf"))
+
+
+def _cpu_block_backward(dout, q, k, v, out, lse, is_causal: bool, scale: Optional[float], mask=None):
+    if mask is None:
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout, q, k, v, out, lse, 0.0, is_causal, scale=scale
         )
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# per-block kernels: forward(q, k, v, is_causal, scale) -> (out, lse [B, H, Sq] fp32);
-# backward(dout, q, k, v, out, lse, is_causal, scale) -> (dq, dk, dv). q, k, v have the same number of heads.
-# ----------------------------------------------------------------------------------------------------------------
-
-
-def _cpu_block_forward(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: Optional[float]):
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, scale=scale)
-    return out, lse
-
-
-def _cpu_block_backward(dout, q, k, v, out, lse, is_causal: bool, scale: Optional[float]):
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        dout, q, k, v, out, lse, 0.0, is_causal, scale=scale
+        dout, q, k, v, out, lse, 0.0, False, attn_mask=_additive(mask, q.dtype), scale=scale
     )
 
 
-def _cuda_block_forward(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: Optional[float]):
+def _cuda_block_forward(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: Optional[float], mask=None):
+    assert mask is None, "the CUDA flash kernel takes no mask"
     out, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, is_causal, scale=scale)
     return out, lse
 
 
-def _cuda_block_backward(dout, q, k, v, out, lse, is_causal: bool, scale: Optional[float]):
+def _cuda_block_backward(dout, q, k, v, out, lse, is_causal: bool, scale: Optional[float], mask=None):
+    assert mask is None, "the CUDA flash kernel takes no mask"
     # Dense (not nested) inputs: no cumulative sequence lengths (None = undefined, as the forward returns them);
     # without dropout the philox seed and offset are never read (the forward returns empty ones too).
     unused = torch.empty((), dtype=torch.long)
@@ -146,24 +162,27 @@ def _cuda_block_backward(dout, q, k, v, out, lse, is_causal: bool, scale: Option
     return dq, dk, dv
 
 
-def _math_scores(q: Tensor, k: Tensor, is_causal: bool, scale: Optional[float]) -> Tensor:
+def _math_scores(q: Tensor, k: Tensor, is_causal: bool, scale: Optional[float], mask=None) -> Tensor:
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     s = (q.float() @ k.float().transpose(-1, -2)) * scale
-    if is_causal:
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    elif is_causal:
         s = s.masked_fill(torch.ones_like(s, dtype=torch.bool).triu(1), float("-inf"))
     return s
 
 
-def _math_block_forward(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: Optional[float]):
-    s = _math_scores(q, k, is_causal, scale)
+def _math_block_forward(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: Optional[float], mask=None):
+    s = _math_scores(q, k, is_causal, scale, mask)
     lse = s.logsumexp(-1)
-    out = (s - lse.unsqueeze(-1)).exp() @ v.float()
+    finite_lse = lse.masked_fill(lse.isneginf(), 0.0)  # an empty row: exp(-inf - 0) = 0, not nan
+    out = (s - finite_lse.unsqueeze(-1)).exp() @ v.float()
     return out.to(q.dtype), lse
 
 
-def _math_block_backward(dout, q, k, v, out, lse, is_causal: bool, scale: Optional[float]):
+def _math_block_backward(dout, q, k, v, out, lse, is_causal: bool, scale: Optional[float], mask=None):
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    p = (_math_scores(q, k, is_causal, scale) - lse.unsqueeze(-1)).exp()
+    p = (_math_scores(q, k, is_causal, scale, mask) - lse.unsqueeze(-1)).exp()
     dout = dout.float()
     dv = p.transpose(-1, -2) @ dout
     dp = dout @ v.float().transpose(-1, -2)
@@ -173,22 +192,39 @@ def _math_block_backward(dout, q, k, v, out, lse, is_causal: bool, scale: Option
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
-def _block_kernels(q: Tensor) -> tuple[Callable, Callable]:
-    """The (forward, backward) block kernels for ``q``'s device and dtype."""
+def _block_kernels(q: Tensor, masked: bool) -> tuple[Callable, Callable]:
+    """The (forward, backward) block kernels for ``q``'s device and dtype, and whether blocks carry masks."""
     if q.device.type == "cpu":
         return _cpu_block_forward, _cpu_block_backward
-    if q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16):
+    if q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16) and not masked:
         return _cuda_block_forward, _cuda_block_backward
     return _math_block_forward, _math_block_backward
 
 
-def _block_pairs(rank: int, src: int, cp_size: int) -> Iterator[tuple[int, int, bool]]:
-    """``(local q chunk, local k/v chunk of rank src, is_causal)`` for each block of rank ``rank``'s queries
-    against rank ``src``'s keys that is not entirely masked."""
+def _block_pairs(rank: int, src: int, cp_size: int) -> Iterator[tuple[int, int, int, int]]:
+    """``(local q chunk, local k/v chunk of rank src, global q chunk, global k/v chunk)`` for each block of rank
+    ``rank``'s queries against rank ``src``'s keys that causality does not mask entirely."""
     for qi, q_chunk in enumerate(_chunk_ids(rank, cp_size)):
         for ki, kv_chunk in enumerate(_chunk_ids(src, cp_size)):
             if kv_chunk <= q_chunk:
-                yield qi, ki, kv_chunk == q_chunk
+                yield qi, ki, q_chunk, kv_chunk
+
+
+def _document_mask(doc_ids: Optional[Tensor], q_chunk: int, kv_chunk: int, cp_size: int) -> Optional[Tensor]:
+    """The block's bool mask ``[B, 1, L, L]`` (True: may attend) under document masking: same document, and on
+    the diagonal block key not after query. None without ``doc_ids`` (whole-sequence ``[B, S]``)."""
+    if doc_ids is None:
+        return None
+    chunks = doc_ids.chunk(2 * cp_size, dim=1)
+    return _allowed(chunks[q_chunk], chunks[kv_chunk], diagonal=q_chunk == kv_chunk)
+
+
+def _allowed(doc_q: Tensor, doc_k: Tensor, diagonal: bool) -> Tensor:
+    """``[B, 1, Lq, Lk]``: query i may see key j (same document; on a diagonal block also ``j <= i``)."""
+    allowed = doc_q.unsqueeze(-1) == doc_k.unsqueeze(-2)
+    if diagonal:
+        allowed = allowed & torch.ones(allowed.shape[-2:], dtype=torch.bool, device=allowed.device).tril()
+    return allowed.unsqueeze(1)
 
 
 def _repeat_heads(x: Tensor, rep: int) -> Tensor:
@@ -205,7 +241,10 @@ def _merge(acc: Optional[tuple[Tensor, Tensor]], out: Tensor, lse: Tensor) -> tu
         return out.float(), lse
     acc_out, acc_lse = acc
     new_lse = torch.logaddexp(acc_lse, lse)
-    new_out = acc_out * (acc_lse - new_lse).exp().unsqueeze(-1) + out.float() * (lse - new_lse).exp().unsqueeze(-1)
+    # Rows still empty under document masking (both lse -inf) keep weight 0 instead of exp(-inf + inf) = nan.
+    finite_lse = new_lse.masked_fill(new_lse.isneginf(), 0.0)
+    new_out = (acc_out * (acc_lse - finite_lse).exp().unsqueeze(-1)
+               + out.float() * (lse - finite_lse).exp().unsqueeze(-1))
     return new_out, new_lse
 
 
@@ -306,35 +345,38 @@ def _rotation(rotate: str, group: dist.ProcessGroup):
 class _RingAttention(torch.autograd.Function):
     """Causal attention of the local load-balanced q chunks against the whole sequence (see the module doc).
 
-    q ``[B, Hq, S_local, D]``, k/v ``[B, Hkv, S_local, D]`` -> out ``[B, Hq, S_local, D]``.
+    q ``[B, Hq, S_local, D]``, k/v ``[B, Hkv, S_local, D]`` -> out ``[B, Hq, S_local, D]``; ``doc_ids``: None, or
+    the whole sequence's document ids ``[B, S]`` (document masking).
     """
 
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup, rotate: str, scale):
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup, rotate: str, scale,
+                doc_ids: Optional[Tensor]):
         rank, size = dist.get_rank(group), dist.get_world_size(group)
-        block_forward, _ = _block_kernels(q)
+        block_forward, _ = _block_kernels(q, masked=doc_ids is not None)
         rep = q.shape[1] // k.shape[1]
         q_chunks = q.chunk(2, dim=2)
         merged: list[Optional[tuple[Tensor, Tensor]]] = [None, None]
         for src, kv in _rotation(rotate, group).kv_blocks(torch.stack([k, v])):
             k_chunks, v_chunks = kv[0].chunk(2, dim=2), kv[1].chunk(2, dim=2)
-            for qi, ki, is_causal in _block_pairs(rank, src, size):
+            for qi, ki, q_chunk, kv_chunk in _block_pairs(rank, src, size):
                 out, lse = block_forward(
-                    q_chunks[qi], _repeat_heads(k_chunks[ki], rep), _repeat_heads(v_chunks[ki], rep), is_causal,
-                    scale,
+                    q_chunks[qi], _repeat_heads(k_chunks[ki], rep), _repeat_heads(v_chunks[ki], rep),
+                    kv_chunk == q_chunk, scale, _document_mask(doc_ids, q_chunk, kv_chunk, size),
                 )
                 merged[qi] = _merge(merged[qi], out, lse)
         out = torch.cat([m[0] for m in merged], dim=2).to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, merged[0][1], merged[1][1])
+        ctx.save_for_backward(q, k, v, out, merged[0][1], merged[1][1], doc_ids)
         ctx.group, ctx.rotate, ctx.scale = group, rotate, scale
         return out
 
     @staticmethod
     def backward(ctx, dout: Tensor):
-        q, k, v, out, *lse = ctx.saved_tensors
+        q, k, v, out, lse0, lse1, doc_ids = ctx.saved_tensors
+        lse = (lse0, lse1)
         group, scale = ctx.group, ctx.scale
         rank, size = dist.get_rank(group), dist.get_world_size(group)
-        _, block_backward = _block_kernels(q)
+        _, block_backward = _block_kernels(q, masked=doc_ids is not None)
         rep = q.shape[1] // k.shape[1]
         q_chunks, out_chunks = q.chunk(2, dim=2), out.chunk(2, dim=2)
         dout_chunks = dout.contiguous().chunk(2, dim=2)
@@ -344,17 +386,18 @@ class _RingAttention(torch.autograd.Function):
             k_chunks, v_chunks = kv[0].chunk(2, dim=2), kv[1].chunk(2, dim=2)
             dkv = torch.zeros_like(kv, dtype=torch.float32)
             dk_chunks, dv_chunks = dkv[0].chunk(2, dim=2), dkv[1].chunk(2, dim=2)
-            for qi, ki, is_causal in _block_pairs(rank, src, size):
+            for qi, ki, q_chunk, kv_chunk in _block_pairs(rank, src, size):
                 gq, gk, gv = block_backward(
                     dout_chunks[qi], q_chunks[qi], _repeat_heads(k_chunks[ki], rep),
-                    _repeat_heads(v_chunks[ki], rep), out_chunks[qi], lse[qi], is_causal, scale,
+                    _repeat_heads(v_chunks[ki], rep), out_chunks[qi], lse[qi], kv_chunk == q_chunk, scale,
+                    _document_mask(doc_ids, q_chunk, kv_chunk, size),
                 )
                 dq[qi].add_(gq)
                 dk_chunks[ki].add_(_sum_heads(gk, rep))
                 dv_chunks[ki].add_(_sum_heads(gv, rep))
             rotation.send_grad(dkv)
         dkv = rotation.finish_grads()
-        return torch.cat(dq, dim=2).to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
+        return torch.cat(dq, dim=2).to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
 
 
 def context_attention(
@@ -364,6 +407,7 @@ def context_attention(
     cp_group: Optional[dist.ProcessGroup],
     rotate: str = "allgather",
     scale: Optional[float] = None,
+    doc_ids: Optional[Tensor] = None,
 ) -> Tensor:
     """Causal attention of this rank's queries against the whole sequence, split over ``cp_group``.
 
@@ -371,7 +415,9 @@ def context_attention(
     ``shard_sequence`` parts of the sequence (two chunks); returns ``[B, Hq, S_local, D]``, this rank's part of
     the causal attention over the whole sequence, and is differentiable in q, k and v. ``rotate`` is how k/v
     reach the other ranks: ``allgather`` or ``alltoall`` (a point-to-point ring); ``scale`` defaults to
-    ``D ** -0.5``. With a group of one rank this is plain causal ``scaled_dot_product_attention``.
+    ``D ** -0.5``. ``doc_ids [B, S]`` (the *whole* sequence's document ids, the same on every rank; not
+    sharded) restricts each query to keys of its own document. With a group of one rank this is plain
+    ``scaled_dot_product_attention``.
 
     Under ``torch.compile(fullgraph=True)`` only ``allgather`` traces (its collectives become functional
     collectives); dynamo refuses the point-to-point ops of ``alltoall``, which needs ``fullgraph=False`` (the
@@ -383,6 +429,14 @@ def context_attention(
         )
     if q.shape[1] % k.shape[1] != 0:
         raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})")
-    if dist.get_world_size(cp_group) == 1:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
-    return _RingAttention.apply(q, k, v, cp_group, rotate, scale)
+    size = dist.get_world_size(cp_group)
+    if doc_ids is not None:
+        assert doc_ids.shape == (q.shape[0], q.shape[2] * size), (
+            f"doc_ids {tuple(doc_ids.shape)}: expected the whole sequence's, {(q.shape[0], q.shape[2] * size)}"
+        )
+    if size == 1:
+        if doc_ids is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        mask = _allowed(doc_ids, doc_ids, diagonal=True)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    return _RingAttention.apply(q, k, v, cp_group, rotate, scale, doc_ids)

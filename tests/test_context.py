@@ -2,8 +2,9 @@
 
 The ring-attention checks spawn one gloo process group per world size (CPU) and run every case of that size in
 it: each rank builds the same seeded full q/k/v, computes full causal SDPA and its gradients as the reference,
-and checks its own shard of the output and of the q/k/v gradients from ``context_attention``. A failing check
-raises in the worker, which fails the spawn.
+and checks its own shard of the output and of the q/k/v gradients from ``context_attention``; the same with
+document masking, against SDPA with the dense block-causal mask. A failing check raises in the worker, which
+fails the spawn.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ from parallelize.context import (
     _cpu_block_forward,
     _math_block_backward,
     _math_block_forward,
-    check_cp_supported,
     context_attention,
     local_positions,
     shard_sequence,
@@ -43,19 +43,45 @@ def _full_inputs(seq_len: int, seed: int) -> tuple[torch.Tensor, ...]:
     return q, k, v, grad
 
 
-def _check_case(group, rank: int, cp: int, seq_len: int, rotate: str, scale) -> None:
+def _document_ids(seq_len: int, cp: int) -> torch.Tensor:
+    """``[B, S]`` document ids whose boundaries fall inside chunks (chunk length ``S / 2cp``), on a chunk edge, and
+    (second row) a document that spans several chunks: many blocks then hold query rows with no visible key."""
+    chunk = seq_len // (2 * cp)
+    starts = [
+        sorted({0, 3, chunk, chunk + chunk // 2 + 1, 3 * chunk - 2, seq_len - 5}),
+        [0, 5, 4 * chunk - 1],
+    ]
+    rows = []
+    for row in starts:
+        ids = torch.zeros(seq_len, dtype=torch.long)
+        for start in row[1:]:
+            ids[start:] += 1
+        rows.append(ids)
+    return torch.stack(rows)
+
+
+def _dense_block_causal(doc_ids: torch.Tensor) -> torch.Tensor:
+    same = doc_ids.unsqueeze(-1) == doc_ids.unsqueeze(-2)
+    return (same & torch.ones(same.shape[-2:], dtype=torch.bool).tril()).unsqueeze(1)
+
+
+def _check_case(group, rank: int, cp: int, seq_len: int, rotate: str, scale, documents: bool = False) -> None:
     q, k, v, grad = _full_inputs(seq_len, seed=seq_len + cp)
     full = [t.clone().requires_grad_() for t in (q, k, v)]
-    ref = F.scaled_dot_product_attention(*full, is_causal=True, scale=scale, enable_gqa=True)
+    doc_ids = _document_ids(seq_len, cp) if documents else None
+    if documents:
+        ref = F.scaled_dot_product_attention(*full, attn_mask=_dense_block_causal(doc_ids), scale=scale, enable_gqa=True)
+    else:
+        ref = F.scaled_dot_product_attention(*full, is_causal=True, scale=scale, enable_gqa=True)
     ref.backward(grad)
 
     def shard(t):
         return shard_sequence(t, 2, rank, cp)
 
     local = [shard(t).requires_grad_() for t in (q, k, v)]
-    out = context_attention(*local, group, rotate=rotate, scale=scale)
+    out = context_attention(*local, group, rotate=rotate, scale=scale, doc_ids=doc_ids)
     out.backward(shard(grad))
-    where = f"cp={cp} S={seq_len} rotate={rotate} scale={scale} rank={rank}"
+    where = f"cp={cp} S={seq_len} rotate={rotate} scale={scale} documents={documents} rank={rank}"
     torch.testing.assert_close(out, shard(ref), rtol=1e-5, atol=1e-5, msg=lambda m: f"out, {where}: {m}")
     for name, x, x_full in zip("qkv", local, full):
         torch.testing.assert_close(
@@ -73,13 +99,19 @@ def _worker(rank: int, world_size: int, port: int) -> None:
         for seq_len in SEQ_LENS[world_size]:
             for rotate in ("allgather", "alltoall"):
                 _check_case(group, rank, world_size, seq_len, rotate, scale=None)
+                _check_case(group, rank, world_size, seq_len, rotate, scale=None, documents=True)
         _check_case(group, rank, world_size, SEQ_LENS[world_size][0], "alltoall", scale=0.3)
-        # A one-rank group: plain causal attention.
+        # A one-rank group: plain (block-)causal attention.
         singles = [dist.new_group([r]) for r in range(world_size)]
         q, k, v, _ = _full_inputs(16, seed=0)
         torch.testing.assert_close(
             context_attention(q, k, v, singles[rank]),
             F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
+        )
+        doc_ids = _document_ids(16, 1)
+        torch.testing.assert_close(
+            context_attention(q, k, v, singles[rank], doc_ids=doc_ids),
+            F.scaled_dot_product_attention(q, k, v, attn_mask=_dense_block_causal(doc_ids), enable_gqa=True),
         )
         dist.barrier()
     finally:
@@ -127,24 +159,27 @@ def test_bad_rotate_name():
         context_attention(q, q, q, None, rotate="ring")
 
 
-def test_check_cp_supported():
-    check_cp_supported("causal")
-    with pytest.raises(ValueError, match="block_causal document masking is not supported with context paral"):
-        check_cp_supported("block_causal")
-
-
-@pytest.mark.parametrize("is_causal", [False, True])
-def test_math_block_kernels_match_cpu_flash(is_causal):
-    """The matmul kernels (used where no flash kernel fits, e.g. fp32 on CUDA) agree with the CPU flash ones,
-    also when the backward is given another output and lse (as ring attention does)."""
+@pytest.mark.parametrize("is_causal,masked", [(False, False), (True, False), (False, True)])
+def test_math_block_kernels_match_cpu_flash(is_causal, masked):
+    """The matmul kernels (used where no flash kernel fits, e.g. fp32 on CUDA, or masked blocks on CUDA) agree
+    with the CPU flash ones, also when the backward is given another output and lse (as ring attention does).
+    Masked: a query row with no visible key has lse -inf and output 0 from both."""
     g = torch.Generator().manual_seed(1)
     q, k, v, dout = (torch.randn(2, 3, 8, 16, generator=g) for _ in range(4))
-    out_m, lse_m = _math_block_forward(q, k, v, is_causal, 0.4)
-    out_c, lse_c = _cpu_block_forward(q, k, v, is_causal, 0.4)
+    mask = None
+    if masked:
+        doc_q, doc_k = torch.tensor([[0, 0, 1, 1, 1, 2, 2, 2]] * 2), torch.tensor([[0, 0, 0, 0, 0, 1, 1, 1]] * 2)
+        mask = doc_q.unsqueeze(-1) == doc_k.unsqueeze(-2)
+        mask = mask.unsqueeze(1)  # rows 5-7 (document 2) see no key
+    out_m, lse_m = _math_block_forward(q, k, v, is_causal, 0.4, mask)
+    out_c, lse_c = _cpu_block_forward(q, k, v, is_causal, 0.4, mask)
     torch.testing.assert_close(out_m, out_c, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(lse_m, lse_c, rtol=1e-5, atol=1e-5)
+    if masked:
+        assert lse_c[..., 5:].isneginf().all() and (out_c[..., 5:, :] == 0).all()
+        lse_c = lse_c.masked_fill(lse_c.isneginf(), 1.0)  # the merged lse of a whole row is always finite
     other_out, other_lse = torch.randn(2, 3, 8, 16, generator=g), lse_c + 0.5
-    grads_m = _math_block_backward(dout, q, k, v, other_out, other_lse, is_causal, 0.4)
-    grads_c = _cpu_block_backward(dout, q, k, v, other_out, other_lse, is_causal, 0.4)
+    grads_m = _math_block_backward(dout, q, k, v, other_out, other_lse, is_causal, 0.4, mask)
+    grads_c = _cpu_block_backward(dout, q, k, v, other_out, other_lse, is_causal, 0.4, mask)
     for gm, gc in zip(grads_m, grads_c):
         torch.testing.assert_close(gm, gc, rtol=1e-5, atol=1e-5)

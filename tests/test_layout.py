@@ -37,7 +37,7 @@ BAD_LAYOUTS = [
     (2, ["--parallelism.pp", "2", "--parallelism.pp_schedule_csv", "/no/such.csv"], "parallelism.pp_schedule_csv"),
     (4, ["--parallelism.cp", "2", "--parallelism.tp", "2", "--training.seq_len", "100"], "training.seq_len"),
     (2, ["--parallelism.cp", "2", "--parallelism.cp_rotate", "ring"], "parallelism.cp_rotate"),
-    (2, ["--parallelism.cp", "2", "--model.attn", "flex", "--model.attn_mask", "block_causal"], "model.attn_mask"),
+    (2, ["--parallelism.cp", "2", "--model.attn", "flash_attn"], "model.attn"),
     (2, ["--parallelism.cp", "2", "--model.sdpa_backend", "math"], "model.sdpa_backend"),
     # the fused output loss
     (2, ["--parallelism.pp", "2", "--training.loss_chunk_tokens", "-8"], "training.loss_chunk_tokens"),

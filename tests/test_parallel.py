@@ -169,21 +169,34 @@ def test_parallel_layouts_match_single_process(world_results, reference):
     assert not failures, "\n".join(failures)
 
 
-def test_pipeline_document_masking_matches_single_process(batches, reference, tmp_path):
-    """Document masking (flex, block-causal) with PP: every stage gets the microbatch's document ids."""
+def test_document_masking_matches_single_process(batches, reference, tmp_path):
+    """Document masking (flex, block-causal) with PP (every stage gets the microbatch's document ids) and with CP
+    (the ring attention masks each chunk pair; the batches' document boundaries fall inside chunks)."""
     doc = ["--model.attn", "flex", "--model.attn_mask", "block_causal"]
     doc_reference = run_layout(_layout(GLOBAL, *doc), 1, 0, batches, str(tmp_path / "ref"))
     # The batches hold document boundaries: masking them changes the losses.
     assert doc_reference["losses"] != pytest.approx(reference["losses"], rel=1e-4)
-    layouts = {
-        "pp2_1F1B": _layout(8, *doc, "--parallelism.pp", "2", "--parallelism.pp_schedule", "1F1B"),
-        "pp2_DualPipeV_fused_loss": _layout(8, *doc, "--parallelism.pp", "2", "--parallelism.pp_schedule",
-                                            "DualPipeV" if ZB_FUSED else "Interleaved1F1B",
-                                            "--training.loss_chunk_tokens", "100"),
+    cp2 = ["--parallelism.cp", "2"]
+    worlds = {
+        2: {
+            "pp2_1F1B": _layout(8, *doc, "--parallelism.pp", "2", "--parallelism.pp_schedule", "1F1B"),
+            "pp2_DualPipeV_fused_loss": _layout(8, *doc, "--parallelism.pp", "2", "--parallelism.pp_schedule",
+                                                "DualPipeV" if ZB_FUSED else "Interleaved1F1B",
+                                                "--training.loss_chunk_tokens", "100"),
+            "cp2": _layout(8, *doc, *cp2),
+            "cp2_alltoall_fused_loss": _layout(8, *doc, *cp2, "--parallelism.cp_rotate", "alltoall",
+                                               "--training.loss_chunk_tokens", "100"),
+        },
+        4: {
+            "cp2_fsdp2": _layout(4, *doc, *cp2, "--parallelism.dp_shard", "2"),
+            "cp2_tp2": _layout(8, *doc, *cp2, "--parallelism.tp", "2"),
+            "pp2_cp2": _layout(8, *doc, *cp2, "--parallelism.pp", "2", "--parallelism.pp_schedule", "1F1B"),
+        },
     }
-    results = run_world(2, layouts, {name: batches for name in layouts}, str(tmp_path / "pp"))
-    for name, result in results.items():
-        _check(result, doc_reference, pipelined=True)
+    for world, layouts in worlds.items():
+        results = run_world(world, layouts, {name: batches for name in layouts}, str(tmp_path / f"w{world}"))
+        for name, result in results.items():
+            _check(result, doc_reference, pipelined="pp" in name)
 
 
 def test_split_backward_probe():

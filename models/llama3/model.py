@@ -188,7 +188,7 @@ class Attention(nn.Module):
         self.head_dim = args.head_dim
         self.attn_backend = args.attn
         # Set by a parallel plan to replace the kernel call (context parallelism's ring attention):
-        # attn_fn(q, k, v) -> out, all [B, H, S, D].
+        # attn_fn(q, k, v, doc_ids=...) -> out, all [B, H, S, D]; doc_ids as the model's forward got them.
         self.attn_fn: Optional[Callable] = None
         self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
         self.wk = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
@@ -212,7 +212,7 @@ class Attention(nn.Module):
         xq, xk = apply_rotary_emb(xq, xk, freqs_cis)
         q, k, v = xq.transpose(1, 2), xk.transpose(1, 2), xv.transpose(1, 2)
         if self.attn_fn is not None:
-            out = self.attn_fn(q, k, v)
+            out = self.attn_fn(q, k, v, doc_ids=doc_ids)
         else:
             out = attention(q, k, v, backend=self.attn_backend, doc_ids=doc_ids, block_mask=block_mask)
         out = out.transpose(1, 2).reshape(bs, seqlen, -1)
@@ -299,6 +299,9 @@ class Transformer(nn.Module):
         # Set by a parallel plan when each rank holds only some positions of a sequence (context
         # parallelism): maps the RoPE table to the rows of this rank's tokens, in their local order.
         self.rope_transform: Optional[Callable[[Tensor], Tensor]] = None
+        # Set by a parallel plan under context parallelism: tokens then hold this rank's chunks of each sequence
+        # while doc_ids stay whole (the blocks' ring attention masks every chunk pair locally).
+        self.context_parallel = False
         # The output projection fused with the loss (forward with labels): (h, weight, labels, chunk) -> loss
         # sum. A parallel plan replaces it when the projection is sharded (tensor parallelism).
         self.linear_loss: Callable[[Tensor, Tensor, Tensor, int], Tensor] = linear_cross_entropy_sum
@@ -357,7 +360,8 @@ class Transformer(nn.Module):
         ``[B, S, vocab_size]`` (or the hidden state when ``output`` is None).
 
         ``doc_ids [B, S]`` gives each token's document; it is used when ``attn_mask = block_causal`` (and required
-        then) and ignored for ``causal``. With ``labels [B, S]`` the model returns the sum of the token
+        then) and ignored for ``causal``. Under context parallelism (``self.context_parallel``) it covers the whole
+        sequence while ``tokens`` hold this rank's chunks. With ``labels [B, S]`` the model returns the sum of the token
         cross-entropies instead of the logits, the output projection fused with the loss over
         ``self.loss_chunk_tokens`` tokens at a time (models/loss.py), so that the logits never exist whole.
         """
@@ -374,7 +378,7 @@ class Transformer(nn.Module):
             doc_ids = None
         block_mask = None
         grad_on_cpu = h.device.type == "cpu" and torch.is_grad_enabled()
-        if self.args.attn == "flex" and not grad_on_cpu:
+        if self.args.attn == "flex" and not grad_on_cpu and not self.context_parallel:
             # One BlockMask per forward, shared by all layers (on CPU with grad flex falls back to a dense mask).
             block_mask = flex_block_mask(doc_ids, seqlen, h.device)
 

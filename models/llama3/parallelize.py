@@ -91,10 +91,11 @@ def tp_plan_block(block: nn.Module | None = None, float8_comm: bool = False) -> 
 
 def apply_cp(model: nn.Module, cp_group, cp_rank: int, cp: int, seq_len: int, rotate: str) -> None:
     """Context parallelism: ring attention in every block, and the RoPE rows of this rank's positions (the
-    trainer gives each rank its load-balanced chunks of every sequence)."""
+    trainer gives each rank its load-balanced chunks of every sequence, and the whole sequence's document ids)."""
     attn_fn = partial(context_attention, cp_group=cp_group, rotate=rotate)
     for block in model.layers.values():
         block.attention.attn_fn = attn_fn
+    model.context_parallel = True
     model.rope_transform = lambda table: shard_sequence(table[:seq_len], 0, cp_rank, cp)
 
 
