@@ -17,6 +17,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
+from parallelize import context
 from parallelize.context import (
     _cpu_block_backward,
     _cpu_block_forward,
@@ -101,6 +102,13 @@ def _worker(rank: int, world_size: int, port: int) -> None:
                 _check_case(group, rank, world_size, seq_len, rotate, scale=None)
                 _check_case(group, rank, world_size, seq_len, rotate, scale=None, documents=True)
         _check_case(group, rank, world_size, SEQ_LENS[world_size][0], "alltoall", scale=0.3)
+        # The kernels masked blocks take on CUDA (matmul/softmax), inside the ring.
+        kernels = context._block_kernels
+        context._block_kernels = lambda q, masked: (_math_block_forward, _math_block_backward)
+        try:
+            _check_case(group, rank, world_size, SEQ_LENS[world_size][0], "allgather", scale=None, documents=True)
+        finally:
+            context._block_kernels = kernels
         # A one-rank group: plain (block-)causal attention.
         singles = [dist.new_group([r]) for r in range(world_size)]
         q, k, v, _ = _full_inputs(16, seed=0)
