@@ -42,7 +42,8 @@ WORLD_SIZE=$NGPU TESSERA_CHECK_ONLY=1 "$PYTHON" -m engine.train "${args[@]}"
 # checkpoint at the next step boundary and exit 0 (checkpoint.enable); torchrun then exits 0 too. (torchrun
 # itself, signalled, would stop its workers after a grace period and exit non-zero.) engine.launch is torchrun
 # that ends quietly when the processes stop on a user error (they have printed its line).
-"$PYTHON" -m engine.launch \
+# One OpenMP thread per process unless set: torchrun's own default, without its banner about it.
+OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} "$PYTHON" -m engine.launch \
   --nproc_per_node="$NGPU" --rdzv_backend=c10d --rdzv_endpoint="localhost:0" \
   --local-ranks-filter="$LOG_RANK" --role=rank --tee=3 \
   -m engine.train "${args[@]}" &

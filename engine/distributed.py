@@ -89,6 +89,45 @@ def agree_on_user_errors():
         raise error
 
 
+_USER_ERROR_KEY = "tessera/user_error"
+
+
+def _default_store():
+    """The default process group's key-value store (torch's private ``_get_default_store``, called here only);
+    None outside a process group."""
+    if not dist.is_initialized():
+        return None
+    from torch.distributed import distributed_c10d as c10d
+
+    return c10d._get_default_store()
+
+
+def announce_user_error(message: str, status: int) -> None:
+    """Tell the other ranks that this rank stops on a user error found mid-run (its data shard), before it
+    leaves: a rank whose collective then fails because this one is gone reports this error (peer_user_error)
+    instead of its own traceback."""
+    store = _default_store()
+    if store is not None and dist.get_world_size() > 1:
+        import json
+
+        store.set(_USER_ERROR_KEY, json.dumps({"rank": dist.get_rank(), "message": message, "status": status}))
+
+
+def peer_user_error(wait_seconds: float = 5.0) -> Optional[dict]:
+    """The user error another rank announced (``{"rank", "message", "status"}``), waiting up to ``wait_seconds``
+    for it; None when none comes (this rank's failure is its own)."""
+    store = _default_store()
+    if store is None or dist.get_world_size() == 1:
+        return None
+    import json
+
+    try:
+        store.wait([_USER_ERROR_KEY], timedelta(seconds=wait_seconds))
+        return json.loads(store.get(_USER_ERROR_KEY))
+    except Exception:  # the wait timed out, or the store is gone with the job
+        return None
+
+
 def comm_trace_prefix(dump_folder: str) -> str:
     """Where the NCCL flight recorder writes on a timeout (rank_<R> files), inside the run's dump folder."""
     return os.path.join(os.path.abspath(dump_folder), "comm_traces", "rank_")

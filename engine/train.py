@@ -5,7 +5,8 @@ file is written, and ends the process with one ``error:`` line on stderr and exi
 ValueErrors (ConfigError among them) whose message names the field; during set-up they are reported that way,
 while errors inside the training loop keep their traceback, except a diverged run (nan or inf loss or gradient
 norm, engine.trainer.TrainingDiverged): one ``error:`` line and exit status 3, and data found unreadable
-mid-run (engine.data.datasets.DataError, on the rank that reads it): one ``error:`` line and exit status 2.
+mid-run (engine.data.datasets.DataError, on the rank that reads it): one ``error:`` line and exit status 2. The
+other ranks, whose next collective then fails, report that rank's line (rank 0 prints it) and its status.
 """
 
 from __future__ import annotations
@@ -88,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:  # user errors (ConfigError is one) name their field
         return user_error(e, 2, show=rank == 0)
     from engine.data.datasets import DataError
+    from engine.distributed import announce_user_error, peer_user_error
     from engine.trainer import TrainingDiverged
 
     try:
@@ -95,7 +97,13 @@ def main(argv: list[str] | None = None) -> int:
     except TrainingDiverged as e:  # every rank sees it
         return user_error(e, 3, show=rank == 0)
     except DataError as e:  # on the rank whose data shard holds the bad record
+        announce_user_error(str(e), 2)
         return user_error(e, 2, show=True)
+    except Exception:  # a collective failed: maybe its peer left on a user error (above); then report that
+        peer = peer_user_error()
+        if peer is None:
+            raise
+        return user_error(ValueError(f"[rank {peer['rank']}] {peer['message']}"), peer["status"], show=rank == 0)
     finally:
         destroy_distributed()
     return 0

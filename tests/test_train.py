@@ -167,11 +167,11 @@ def test_malformed_json_line_is_one_error_line(tmp_path, streaming):
     assert not dump.exists()
 
 
-def test_mid_run_error_of_a_hidden_rank_is_printed_by_the_launcher(tmp_path):
+def test_mid_run_error_of_a_hidden_rank_is_one_line(tmp_path):
     """Rank 1 reads files b and d of a four-file folder (round robin), d malformed: its shard passes the start-up
-    check (b's first record) and fails in step 1, a DataError on rank 1 alone, whose output LOG_RANK=0 hides. The
-    launcher prints its line and exits with its status, without torchrun's report (rank 0, left waiting in a
-    collective, may fail too: a consequence)."""
+    check (b's first record) and fails in step 1, a DataError on rank 1 alone, whose output LOG_RANK=0 hides.
+    Rank 1 announces it before leaving; rank 0, whose collective then fails, prints rank 1's line instead of its
+    own traceback, and the launcher exits with the status, without torchrun's report."""
     data = tmp_path / "data"
     data.mkdir()
     for name, count in (("a", 100), ("b", 3), ("c", 100)):
@@ -182,10 +182,50 @@ def test_mid_run_error_of_a_hidden_rank_is_printed_by_the_launcher(tmp_path):
                            str(tmp_path / "run"), "--training.steps", "5"], cwd=ROOT, capture_output=True,
                           text=True, timeout=300, env={**os.environ, "PYTHON": sys.executable, "NGPU": "2"})
     assert proc.returncode == 2, proc.stderr[-3000:]
-    mine = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
-    assert len(mine) == 1 and mine[0].startswith(f"error: [rank 1] data.path: cannot read '{data}' (4 json files) "
-                                                 "past record 3 of shard 1 of 2 (epoch 0): "), proc.stderr[-3000:]
-    assert "d.jsonl" in mine[0] and "ChildFailedError" not in proc.stderr
+    ours = proc.stderr.strip().splitlines()
+    assert len(ours) == 1 and ours[0].startswith(f"[rank0]:error: [rank 1] data.path: cannot read '{data}' "
+                                                 "(4 json files) past record 3 of shard 1 of 2 (epoch 0): "), \
+        proc.stderr[-3000:]
+    assert "d.jsonl" in ours[0]
+
+
+def _failure(tmp_path, local_rank: int, record: dict | None, timestamp: int = 100):
+    """A torchrun ProcessFailure of ``local_rank``, with engine.train's error-file record when ``record``."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    path = tmp_path / f"error_{local_rank}.json"
+    if record is not None:
+        info = {"timestamp": str(timestamp), "tessera": {"status": record["status"], "printed": record["printed"]}}
+        path.write_text(json.dumps({"message": {"message": record["line"], "extraInfo": info}}))
+    return ProcessFailure(local_rank=local_rank, pid=1000 + local_rank, exitcode=1, error_file=str(path))
+
+
+@pytest.mark.parametrize("printed_by_rank0", [False, True])
+def test_launcher_ends_with_the_recorded_user_error(tmp_path, monkeypatch, capsys, printed_by_rank0):
+    """engine/launch.py: a user error recorded in a rank's error file ends the launch with its status and no
+    torchrun report; the launcher prints the line only when no rank the console shows (LOG_RANK) printed it.
+    A failure without a record (a crash) keeps torchrun's ChildFailedError."""
+    import torch.distributed.run as torchrun
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    from engine import launch
+
+    rank1 = {"line": "data.path: cannot read 'x'", "status": 2, "printed": True}
+    rank0 = {"line": "[rank 1] data.path: cannot read 'x'", "status": 2, "printed": True} if printed_by_rank0 else None
+    failures = {0: _failure(tmp_path, 0, rank0, timestamp=101), 1: _failure(tmp_path, 1, rank1)}
+
+    def run(args):
+        raise ChildFailedError("engine.train", failures)
+
+    monkeypatch.setattr(torchrun, "run", run)
+    argv = ["--nproc_per_node=2", "--local-ranks-filter=0", "-m", "engine.train"]
+    assert launch.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.splitlines() == ([] if printed_by_rank0 else ["error: [rank 1] data.path: cannot read 'x'"]), err
+
+    failures.update({0: _failure(tmp_path / "none", 0, None), 1: _failure(tmp_path / "none", 1, None)})
+    with pytest.raises(ChildFailedError):
+        launch.main(argv)
 
 
 def folder_with_a_bad_file(tmp_path, good_documents: int):
