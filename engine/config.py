@@ -907,6 +907,11 @@ def _validate_pipeline(cfg: Config, dims, args) -> None:
             )
         if any(n < 0 for n in p.pp_layers_per_stage):
             raise ConfigError("parallelism.pp_layers_per_stage: layer counts must be >= 0")
+        if any(n == 0 for n in p.pp_layers_per_stage[1:-1]):
+            raise ConfigError(
+                f"parallelism.pp_layers_per_stage: {p.pp_layers_per_stage} leaves a middle stage without layers "
+                "(only the first and last stages, which hold the embedding and the output, may have 0)"
+            )
     elif stages > args.n_layers + 2:
         raise ConfigError(
             f"parallelism.pp: {stages} pipeline stages ({p.pp_schedule} on pp = {dims.pp}) but {cfg.model.flavor} "
@@ -942,6 +947,18 @@ def _validate_pipeline(cfg: Config, dims, args) -> None:
         raise ConfigError(
             f"parallelism.pp_microbatches: {p.pp_schedule} needs a multiple of pp = {dims.pp}, got {micro}"
         )
+    if p.pp_schedule == "DualPipeV" and not p.pp_schedule_csv and micro < stages:
+        raise ConfigError(
+            f"parallelism.pp_microbatches: DualPipeV needs at least as many microbatches as stages ({stages} on "
+            f"pp = {dims.pp}), got {micro}"
+        )
+    if p.pp_schedule_csv:
+        from parallelize.pipeline import check_schedule_csv
+
+        try:
+            check_schedule_csv(p.pp_schedule_csv, dims.pp, p.pp_schedule, p.pp_virtual_stages, micro)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     if cfg.training.local_batch_size % micro:
         raise ConfigError(
             f"training.local_batch_size: {cfg.training.local_batch_size} samples do not split into "

@@ -105,6 +105,50 @@ def stage_ids(pp_rank: int, pp: int, schedule: str, virtual_stages: int, csv: st
     return [pp_rank + i * pp for i in range(virtual_stages)]
 
 
+def check_schedule_csv(csv: str, pp: int, schedule: str, virtual_stages: int, n_microbatches: int) -> None:
+    """Raise ``ValueError`` (naming parallelism.pp_schedule_csv) when the CSV schedule does not fit the layout
+    Tessera builds: one row per pp rank, each row running only the stages its rank holds (``stage_ids``: the
+    placement of ``schedule`` with ``virtual_stages``), every stage running a forward of every microbatch.
+    torch checks none of this before the model is built, and some of it never (a rank that meets an action
+    for a stage it does not hold fails mid-step)."""
+    import csv as csv_module
+
+    from torch.distributed.pipelining.schedules import _Action, _ComputationType
+
+    field = f"parallelism.pp_schedule_csv: '{csv}'"
+    with open(csv, newline="") as f:
+        rows = [row for row in csv_module.reader(f) if any(cell.strip() for cell in row)]
+    if len(rows) != pp:
+        raise ValueError(f"{field} has {len(rows)} row{'s' * (len(rows) != 1)}; it needs one per pipeline rank "
+                         f"(parallelism.pp = {pp})")
+    n_stages = num_stages(pp, schedule, virtual_stages, csv)
+    forwards: dict[int, set[int]] = {s: set() for s in range(n_stages)}
+    for rank, row in enumerate(rows):
+        held = stage_ids(rank, pp, schedule, virtual_stages, csv)
+        for cell in row:
+            try:
+                action = _Action.from_str(cell.strip())
+            except (ValueError, RuntimeError) as e:
+                raise ValueError(f"{field}: row {rank}: {e}") from None
+            if action is None:
+                continue
+            if action.stage_index not in held:
+                raise ValueError(
+                    f"{field}: row {rank} runs stage {action.stage_index} ({cell.strip()}), but pp rank {rank} holds "
+                    f"stages {held} ({schedule} placement with parallelism.pp_virtual_stages = {virtual_stages}); "
+                    "set parallelism.pp_schedule to the schedule whose placement the CSV follows"
+                )
+            if action.computation_type == _ComputationType.FORWARD:
+                forwards[action.stage_index].add(action.microbatch_index)
+    expected = set(range(n_microbatches))
+    for stage, seen in forwards.items():
+        if seen != expected:
+            raise ValueError(
+                f"{field}: stage {stage} runs forwards of microbatches {sorted(seen)}, but the step has "
+                f"{n_microbatches} (parallelism.pp_microbatches); make them agree"
+            )
+
+
 def split_layers(n_layers: int, n_stages: int, layers_per_stage: list[int] | None = None) -> list[range]:
     """Which layers each stage holds: the given counts, or an even split where the first and last stages
     take fewer when the layers do not divide (they also hold the embedding and the output)."""

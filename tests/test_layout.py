@@ -35,6 +35,9 @@ BAD_LAYOUTS = [
     (2, ["--parallelism.pp", "2", "--training.local_batch_size", "3"], "training.local_batch_size"),
     (2, ["--parallelism.pp", "2", "--parallelism.pp_layers_per_stage", "2,2"], "parallelism.pp_layers_per_stage"),
     (2, ["--parallelism.pp", "2", "--parallelism.pp_schedule_csv", "/no/such.csv"], "parallelism.pp_schedule_csv"),
+    (2, ["--parallelism.pp", "2", "--parallelism.pp_schedule", "DualPipeV", "--parallelism.pp_microbatches", "2"],
+     "parallelism.pp_microbatches"),  # 4 stages
+    (4, ["--parallelism.pp", "4", "--parallelism.pp_layers_per_stage", "3,0,0,3"], "parallelism.pp_layers_per_stage"),
     (4, ["--parallelism.cp", "2", "--parallelism.tp", "2", "--training.seq_len", "100"], "training.seq_len"),
     (2, ["--parallelism.cp", "2", "--parallelism.cp_rotate", "ring"], "parallelism.cp_rotate"),
     (2, ["--parallelism.cp", "2", "--model.attn", "flash_attn"], "model.attn"),
@@ -61,6 +64,35 @@ def test_zero_bubble_refuses_custom_nodes_where_torch_cannot(tmp_path, capsys, m
                 and f"({key};" in err[0], err
     train.check([*pp2, "--parallelism.pp_schedule", "1F1B", "--compile.enable", "--training.loss_chunk_tokens", "256"])
     train.check([*pp2, "--parallelism.pp_schedule", "ZBVZeroBubble"])  # nothing custom: fine
+
+
+def test_schedule_csv_that_does_not_fit_the_layout_is_one_error_line(tmp_path, capsys, monkeypatch):
+    """The CSV schedule is checked against the stages each rank holds and the microbatch count before anything
+    is built: torch would find a mismatch only in the first step, or fail with an assertion."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    looped = open(os.path.join(ROOT, "tests", "data", "pp2_looped_bfs.csv")).read()
+    cases = {
+        "one_row": (looped.splitlines()[0] + "\n", [], "has 1 row; it needs one per pipeline rank"),
+        "v_placement": (looped.replace("0F0,0F1,0F2,0F3,2F0", "0F0,0F1,0F2,0F3,3F0"), [],
+                        "row 0 runs stage 3 (3F0), but pp rank 0 holds stages [0, 2]"),
+        "microbatches": (looped, ["--parallelism.pp_microbatches", "2"], "stage 0 runs forwards of microbatches "
+                         "[0, 1, 2, 3], but the step has 2"),
+        "bad_action": (looped.replace("0F1", "0Q1"), [], "row 0: "),
+    }
+    for name, (text, extra, message) in cases.items():
+        path = tmp_path / f"{name}.csv"
+        path.write_text(text)
+        dump = tmp_path / name
+        argv = ["--parallelism.pp", "2", "--parallelism.pp_schedule", "Interleaved1F1B",
+                "--parallelism.pp_schedule_csv", str(path), "--job.dump_folder", str(dump), *extra]
+        assert train.main(argv) == 2, name
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"error: parallelism.pp_schedule_csv: '{path}'") \
+            and message in err[0], (name, err)
+        assert not dump.exists()
+    train.check(["--parallelism.pp", "2", "--parallelism.pp_schedule", "Interleaved1F1B",
+                 "--parallelism.pp_schedule_csv", os.path.join(ROOT, "tests", "data", "pp2_looped_bfs.csv"),
+                 "--job.dump_folder", str(tmp_path / "good")])
 
 
 @pytest.mark.parametrize("world, argv, field", BAD_LAYOUTS, ids=[" ".join(b[1]) for b in BAD_LAYOUTS])
