@@ -7,7 +7,8 @@
 #     debug model in fp32, FSDP 2 and TP 2, loss curves printed beside the single-rank CUDA run's (TP 2 reads
 #     the same batches and must match it; FSDP 2's ranks read their own shards of the data), TP 2 with the
 #     vocabulary-parallel fused loss (must match too), and CP 2 with cp_rotate = allgather (same batches as
-#     one rank: its curve must match too).
+#     one rank: its curve must match too). Then FSDP on one rank with CPU offload (parameters, gradients and
+#     AdamW in host memory, the process group cuda:nccl,cpu:gloo): its curve must match the single-rank one.
 #  3. bench/cuda_cp_check.py: ring attention's CUDA kernels (bf16 flash, fp32 matmul, bf16 document-masked) against full SDPA.
 #
 #   device run (carry .whl):  bash bench/gpu_parallel.sh
@@ -27,6 +28,14 @@ SMALL=(--training.steps 8 --training.seq_len 256 --training.local_batch_size 4 -
        --lr_scheduler.warmup_steps 2 --debug.deterministic --training.mixed_precision_param float32)
 python3 -m engine.train --config train_configs/debug_model.toml --job.dump_folder "$OUT/one" "${SMALL[@]}" \
   --training.global_batch_size 8 > "$OUT/one.log" 2>&1 || tail -n 20 "$OUT/one.log"
+compare_to_one() {  # the run in $OUT/$1 beside the single-rank run's losses
+  python3 - "$OUT/one" "$OUT/$1" <<'PY'
+import json, sys
+a, b = ([json.loads(l)["loss"] for l in open(f"{d}/metrics.jsonl")] for d in sys.argv[1:3])
+print(sys.argv[2].split("/")[-1], "losses", [round(x, 5) for x in b], "one rank", [round(x, 5) for x in a])
+print("  max relative difference", max(abs(x - y) / abs(x) for x, y in zip(a, b)))
+PY
+}
 for layout in "--parallelism.dp_shard 2" "--parallelism.tp 2 --training.global_batch_size 8" \
               "--parallelism.tp 2 --training.global_batch_size 8 --training.loss_chunk_tokens 300" \
               "--parallelism.cp 2 --training.global_batch_size 8"; do
@@ -34,12 +43,11 @@ for layout in "--parallelism.dp_shard 2" "--parallelism.tp 2 --training.global_b
   TESSERA_BACKEND=gloo python3 -m torch.distributed.run --nproc_per_node 2 --local-ranks-filter 0 -m engine.train \
     --config train_configs/debug_model.toml --job.dump_folder "$OUT/$name" "${SMALL[@]}" $layout \
     > "$OUT/$name.log" 2>&1 || tail -n 30 "$OUT/$name.log"
-  python3 - "$OUT/one" "$OUT/$name" <<'PY'
-import json, sys
-a, b = ([json.loads(l)["loss"] for l in open(f"{d}/metrics.jsonl")] for d in sys.argv[1:3])
-print(sys.argv[2].split("/")[-1], "losses", [round(x, 5) for x in b], "one rank", [round(x, 5) for x in a])
-print("  max relative difference", max(abs(x - y) / abs(x) for x, y in zip(a, b)))
-PY
+  compare_to_one "$name"
 done
+python3 -m engine.train --config train_configs/debug_model.toml --job.dump_folder "$OUT/fsdp_cpu_offload" \
+  "${SMALL[@]}" --training.global_batch_size 8 --parallelism.fsdp_single_rank --parallelism.fsdp_cpu_offload \
+  > "$OUT/fsdp_cpu_offload.log" 2>&1 || tail -n 30 "$OUT/fsdp_cpu_offload.log"
+compare_to_one fsdp_cpu_offload
 
 python3 bench/cuda_cp_check.py

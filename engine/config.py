@@ -835,6 +835,9 @@ def validate_parallelism(cfg: Config, world_size: int, spec, machine: Optional[M
     if p.fsdp_cpu_offload:
         if not cuda:
             raise ConfigError("parallelism.fsdp_cpu_offload: offloading to CPU memory needs CUDA GPUs")
+        if not dims.data_parallel:
+            raise ConfigError("parallelism.fsdp_cpu_offload: FSDP does the offloading, and this layout has no FSDP; "
+                              "set parallelism.fsdp_single_rank = true on one GPU, or use data parallelism")
     if dims.pp > 1:
         _validate_pipeline(cfg, dims, args)
     if dims.cp > 1:

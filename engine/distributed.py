@@ -34,6 +34,11 @@ class World:
         return self.rank == 0
 
 
+CPU_OFFLOAD_BACKEND = "cuda:nccl,cpu:gloo"
+"""The process group's backends under FSDP CPU offload: the gradients (and so the gradient norm's collectives)
+live in CPU memory, which NCCL cannot reduce."""
+
+
 def world_size_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
@@ -52,6 +57,8 @@ def init_distributed(cfg=None) -> World:
     else:
         device = torch.device("cpu")
         backend = "gloo"
+    if backend == "nccl" and cfg is not None and cfg.parallelism.fsdp_cpu_offload:
+        backend = CPU_OFFLOAD_BACKEND
     # TESSERA_BACKEND=gloo lets several ranks share one GPU (NCCL refuses that): a check of CUDA code paths.
     backend = os.environ.get("TESSERA_BACKEND", backend)
     timeout = None
@@ -63,7 +70,7 @@ def init_distributed(cfg=None) -> World:
             os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
             os.environ.setdefault("TORCH_FR_DUMP_TEMP_FILE", comm_trace_prefix(cfg.job.dump_folder))
     if world_size > 1 and not dist.is_initialized():
-        dist.init_process_group(backend=backend, device_id=device if backend == "nccl" else None, timeout=timeout)
+        dist.init_process_group(backend=backend, device_id=device if "nccl" in backend else None, timeout=timeout)
     return World(rank=rank, local_rank=local_rank, world_size=world_size, device=device)
 
 

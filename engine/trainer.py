@@ -26,8 +26,8 @@ from engine.config import Config, dump, grad_accumulation_steps, pp_microbatches
 from engine.data.datasets import DataError
 from engine.data.loader import build_dataloader
 from engine.data.tokenizer import build_tokenizer
-from engine.distributed import (World, agree_on_user_errors, comm_trace_prefix, set_collective_timeout,
-                                set_determinism)
+from engine.distributed import (CPU_OFFLOAD_BACKEND, World, agree_on_user_errors, comm_trace_prefix,
+                                set_collective_timeout, set_determinism)
 from engine.metrics import MetricsLogger
 from engine.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
 from engine.profiling import StepProfiler
@@ -146,14 +146,18 @@ def build_model_parts(cfg: Config, dims: ParallelDims, spec, model: nn.Module, d
         parts = [pipeline.stage_module(model, i, stage_count, layers[i]) for i in stage_ids]
     else:
         stage_count, stage_ids, parts = 1, [0], [model]
+    # FSDP's CPU offload wants its parameters in CPU memory (it moves each unit's to the GPU for its forward and
+    # backward); the buffers (the RoPE table) stay on the GPU.
+    offload = p.fsdp_cpu_offload and dims.data_parallel
     for part in parts:
         if cfg.training.loss_chunk_tokens:
             part.loss_chunk_tokens = cfg.training.loss_chunk_tokens
         spec.parallelize_fn(part, dims, cfg, device.type)
         if materialize_weights:
-            part.to_empty(device=device)
+            part.to_empty(device=torch.device("cpu") if offload else device)
             with torch.no_grad():
-                part.init_weights(buffer_device=None, materialize=materialize, seed=cfg.debug.seed)
+                part.init_weights(buffer_device=device if offload else None, materialize=materialize,
+                                  seed=cfg.debug.seed)
         part.train()
     return ModelParts(parts, stage_ids, stage_count)
 
@@ -168,7 +172,8 @@ class Trainer:
         # The mesh: which ranks share data, shards and tokens.
         self.dims = ParallelDims.from_config(cfg.parallelism, world.world_size)
         if self.dims.distributed:
-            self.dims.build_mesh(self.device.type)
+            cpu_offload = cfg.parallelism.fsdp_cpu_offload and self.device.type == "cuda"
+            self.dims.build_mesh(self.device.type, CPU_OFFLOAD_BACKEND if cpu_offload else None)
             set_collective_timeout(cfg.comm.init_timeout_seconds)  # the mesh's new groups too, until step 1
         self.dp_rank, self.dp_size = self.dims.coordinate("dp")
         self.grad_accum = grad_accumulation_steps(cfg, self.dp_size)

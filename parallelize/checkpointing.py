@@ -22,12 +22,18 @@ def _save_list() -> set:
         torch.ops.aten.addmm.default,
         torch.ops.aten.bmm.default,
         torch.ops.aten._scaled_mm.default,  # float8 matmuls (torchao)
+        torch.ops.aten.max.default,  # float8 tensorwise scales: the amax of each input (a whole-tensor reduction)
         torch.ops.aten._scaled_dot_product_flash_attention.default,
         torch.ops.aten._scaled_dot_product_efficient_attention.default,
         torch.ops.aten._scaled_dot_product_cudnn_attention.default,
         torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+        torch.ops.higher_order.flex_attention,  # model.attn = flex (document masking)
         torch.ops._c10d_functional.reduce_scatter_tensor.default,
     }
+    try:  # model.attn = flash_attn: the package registers its kernels as torch ops (flash-attn >= 2.7)
+        ops.add(torch.ops.flash_attn._flash_attn_forward.default)
+    except (AttributeError, RuntimeError):
+        pass
     return ops
 
 

@@ -98,11 +98,12 @@ def test_gpu_foundation_configs_are_valid_on_hopper(tmp_path):
 
 def test_gpu_parallel_configs_are_valid_on_hopper(tmp_path):
     rows = _run_script(tmp_path, "gpu_parallel.sh", {})
-    # five single-GPU 8B_L8 runs, the one-rank debug run, then four two-rank layouts over gloo
-    assert [r["world"] for r in rows] == [1] * 6 + [2] * 4, rows
-    two_rank = [" ".join(r["argv"]) for r in rows[6:]]
+    # five single-GPU 8B_L8 runs, the one-rank debug run, four two-rank layouts over gloo, then CPU offload
+    assert [r["world"] for r in rows] == [1] * 6 + [2] * 4 + [1], rows
+    two_rank = [" ".join(r["argv"]) for r in rows[6:10]]
     assert any("--parallelism.cp 2" in a for a in two_rank)
     assert any("--training.loss_chunk_tokens" in a and "--parallelism.tp 2" in a for a in two_rank)
+    assert "--parallelism.fsdp_cpu_offload" in rows[10]["argv"]
 
 
 def test_perf_vs_reference_configs_are_valid_on_hopper(tmp_path):

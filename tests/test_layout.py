@@ -187,3 +187,15 @@ def test_run_train_sh_refuses_impossible_layout(tmp_path):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: parallelism.tp: 3 does not divide"), proc.stderr
     assert not dump.exists()
+
+
+def test_cpu_offload_needs_cuda_and_fsdp():
+    """FSDP does the offloading: refused without CUDA, and on a GPU layout without FSDP (it was ignored there)."""
+    from engine.config import HOPPER, ConfigError, validate
+
+    with pytest.raises(ConfigError, match=r"^parallelism\.fsdp_cpu_offload: offloading to CPU memory needs CUDA"):
+        validate(parse_args(["--parallelism.fsdp_cpu_offload"]), 1)
+    with pytest.raises(ConfigError, match=r"^parallelism\.fsdp_cpu_offload: FSDP does the offloading"):
+        validate(parse_args(["--parallelism.fsdp_cpu_offload"]), 1, HOPPER)
+    validate(parse_args(["--parallelism.fsdp_cpu_offload", "--parallelism.fsdp_single_rank"]), 1, HOPPER)
+    validate(parse_args(["--parallelism.fsdp_cpu_offload", "--parallelism.dp_shard", "2"]), 2, HOPPER)
