@@ -45,10 +45,20 @@ def user_error(failure: Any) -> Optional[dict]:
     return {**info, "line": message.get("message", "")}
 
 
+def ignore_step_signal() -> None:
+    """Ignore SIGUSR2, in this process and (inherited) the training processes: the SLURM templates send it to
+    every process of the job step (scancel --signal), and each node's launch_node.sh turns it into SIGTERM for
+    the training processes alone; torchrun itself must not die of it."""
+    import signal
+
+    signal.signal(signal.SIGUSR2, signal.SIG_IGN)
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
+    ignore_step_signal()
     args = parse_args(argv)
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_QuietStops())
     try:

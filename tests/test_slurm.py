@@ -51,19 +51,39 @@ STUBS = {
 echo "scontrol $*" >> "$CALLS"
 if [ "$1 $2" = "show hostnames" ]; then printf 'node-a\\nnode-b\\nnode-c\\nnode-d\\n'; fi
 """,
-    # srun: record the arguments, then become the task (everything from the first non-option on).
+    # srun: record the arguments, then run the task (everything from the first non-option on); a SIGTERM to srun
+    # kills the tasks, as the real srun does ("forcing job termination": it forwards SIGKILL).
     "srun": """#!/bin/bash
 echo "srun $*" >> "$CALLS"
 while [ "${1#--}" != "$1" ]; do shift; done
-exec "$@"
+"$@" &
+task=$!
+trap 'echo "srun got SIGTERM" >> "$CALLS"; pkill -KILL -P "$task"; kill -KILL "$task"' TERM
+wait "$task"; status=$?
+while kill -0 "$task" 2>/dev/null; do wait "$task"; status=$?; done
+exit "$status"
+""",
+    # scancel --signal=SIG JOB: record the call, then signal every process of the job step, as slurmstepd does
+    # (the srun stub became launch_node.sh: it and all its descendants).
+    "scancel": """#!/bin/bash
+echo "scancel $*" >> "$CALLS"
+sig=${1#--signal=}
+tree() { echo "$1"; for child in $(pgrep -P "$1"); do tree "$child"; done; }
+for root in $(pgrep -f "^bash $DUMP_FOLDER/slurm/.*/launch_node.sh"); do
+  for pid in $(tree "$root"); do kill -"$sig" "$pid" 2>/dev/null; done
+done
 """,
     # PYTHON: a stand-in for `-m engine.launch` (torchrun), the real interpreter for everything else.
     "python-stub": """#!/bin/bash
 if [ "$1 $2" = "-m engine.launch" ]; then exec "$REAL_PYTHON" "$STUB_DIR/fake_torchrun.py"; fi
 exec "$REAL_PYTHON" "$@"
 """,
-    # torchrun stand-in: starts one training process and returns its exit status; records a SIGTERM to itself.
+    # torchrun stand-in: ignores the step signal as engine.launch does (its own code), starts one training process
+    # and returns its exit status; records a SIGTERM to itself.
     "fake_torchrun.py": """import os, signal, subprocess, sys
+sys.path.insert(0, os.getcwd())
+from engine.launch import ignore_step_signal
+ignore_step_signal()
 def told(*_):
     open(os.environ["CALLS"], "a").write("torchrun got SIGTERM\\n")
     sys.exit(1)
@@ -71,9 +91,13 @@ signal.signal(signal.SIGTERM, told)
 worker = subprocess.Popen([sys.executable, os.path.join(os.environ["STUB_DIR"], "fake_worker.py")])
 sys.exit(worker.wait())
 """,
-    # training process stand-in: on SIGTERM "saves" and exits 0; otherwise it would time out with status 3.
+    # training process stand-in: on SIGTERM "saves" and exits 0 (FAKE_SAVE=0: dies, as without checkpoint.enable);
+    # otherwise it would time out with status 3.
     "fake_worker.py": """import os, signal, sys, time
 def done(*_):
+    if os.environ.get("FAKE_SAVE") == "0":
+        open(os.environ["CALLS"], "a").write("worker got SIGTERM, no checkpoint\\n")
+        sys.exit(143)
     open(os.environ["CALLS"], "a").write("worker got SIGTERM, saved\\n")
     sys.exit(0)
 signal.signal(signal.SIGTERM, done)
@@ -84,10 +108,9 @@ sys.exit(3)
 }
 
 
-def test_sigterm_is_forwarded_then_the_job_requeued(tmp_path):
-    """Run the rendered script with stub srun/scontrol and a stand-in torchrun: SIGTERM to the batch shell
-    reaches the training process (torchrun's child), which exits 0 as after its checkpoint; torchrun itself is
-    not signalled and exits 0; the job is requeued."""
+def _terminated_job(tmp_path, save: bool):
+    """Run the rendered 4 x 8 script with stub srun/scontrol/scancel and a stand-in torchrun until the training
+    process runs, send SIGTERM to the batch shell; returns (exit status, its output, the recorded calls)."""
     stub_dir = tmp_path / "bin"
     stub_dir.mkdir()
     for name, text in STUBS.items():
@@ -98,7 +121,7 @@ def test_sigterm_is_forwarded_then_the_job_requeued(tmp_path):
     env = dict(os.environ, PATH=f"{stub_dir}:{os.environ['PATH']}", CALLS=str(calls), STUB_DIR=str(stub_dir),
                REAL_PYTHON=sys.executable, PYTHON=str(stub_dir / "python-stub"), SLURM_JOB_ID="4242",
                SLURM_NNODES="4", SLURM_JOB_NODELIST="node-[a-d]", SLURM_SUBMIT_DIR=ROOT,
-               DUMP_FOLDER=str(tmp_path / "run"), VIRTUAL_ENV="set")
+               DUMP_FOLDER=str(tmp_path / "run"), VIRTUAL_ENV="set", FAKE_SAVE="1" if save else "0")
     proc = subprocess.Popen(["bash", str(script)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
     deadline = time.time() + 90
@@ -107,12 +130,29 @@ def test_sigterm_is_forwarded_then_the_job_requeued(tmp_path):
     assert calls.exists() and "worker running" in calls.read_text(), proc.communicate()[0]
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=60)
-    assert proc.returncode == 0, out
-    log = calls.read_text()
+    return proc.returncode, out, calls.read_text()
+
+
+def test_sigterm_is_forwarded_then_the_job_requeued(tmp_path):
+    """SIGTERM to the batch shell reaches the training process (torchrun's child) through scancel's USR2 and
+    launch_node.sh, never through srun (which would kill it): it exits 0 as after its checkpoint; torchrun
+    ignores the USR2 (engine.launch) and exits 0; the job is requeued."""
+    status, out, log = _terminated_job(tmp_path, save=True)
+    assert status == 0, out
     srun = next(line for line in log.splitlines() if line.startswith("srun "))
     assert "--rdzv_endpoint=node-a:29500" in srun and "--nnodes=4" in srun and "--nproc_per_node=8" in srun
     assert f"--job.dump_folder {tmp_path / 'run'}" in srun
+    assert "scancel --signal=USR2 4242" in log and "srun got SIGTERM" not in log
     assert "worker got SIGTERM, saved" in log and "torchrun got SIGTERM" not in log
     assert "training stopped with status 0 after SIGTERM" in out
     assert log.strip().splitlines()[-1] == "scontrol requeue 4242"
     assert (tmp_path / "run" / "slurm" / "4242_0" / "launch_node.sh").is_file()
+
+
+def test_sigterm_without_a_checkpoint_is_not_requeued(tmp_path):
+    """Training processes that stop on SIGTERM without saving (checkpoint.enable off) end the job with their
+    status: a requeue would start the run over, again and again."""
+    status, out, log = _terminated_job(tmp_path, save=False)
+    assert status != 0, out
+    assert "worker got SIGTERM, no checkpoint" in log and "scontrol requeue" not in log
+    assert "not requeued (a requeue would start over: set checkpoint.enable = true)" in out

@@ -141,24 +141,27 @@ MASTER_PORT=${{MASTER_PORT:-29500}}
 echo "rendezvous: $HEAD_NODE:$MASTER_PORT (c10d, id ${{SLURM_JOB_ID:-0}})"
 
 # ---- SIGTERM (time limit or preemption): forward, let the ranks checkpoint, requeue ----
+# Not through srun: srun turns a SIGTERM into SIGKILL for its tasks. scancel --signal reaches every process of
+# the job steps (not this shell): USR2, which engine.launch (torchrun) ignores and each node's launch_node.sh
+# turns into SIGTERM for the training processes alone.
 SRUN_PID=""
 TERMINATED=0
 forward_term() {{
   TERMINATED=1
-  echo "SIGTERM received: forwarding to the training processes (checkpoint at the next step boundary)"
-  if [ -n "$SRUN_PID" ]; then kill -TERM "$SRUN_PID" 2>/dev/null; fi
+  echo "SIGTERM received: telling the training processes (checkpoint at the next step boundary)"
+  if [ -n "$SRUN_PID" ]; then scancel --signal=USR2 "$SLURM_JOB_ID"; fi
 }}
 trap forward_term TERM
 
 # Each node runs torchrun (engine.launch: torchrun with a one-line ending on a user error) under a small shell
-# that passes SIGTERM straight to the training processes (children of torchrun): they checkpoint and exit 0,
-# and torchrun, not signalled itself, exits 0 as well.
+# that passes SIGTERM (or the USR2 above) as SIGTERM straight to the training processes (children of torchrun):
+# they checkpoint and exit 0, and torchrun, not signalled itself, exits 0 as well.
 NODE_LAUNCH="$LOG_DIR/launch_node.sh"
 cat > "$NODE_LAUNCH" <<'NODE'
 #!/bin/bash
 "$PYTHON" -m engine.launch "$@" &
 launcher=$!
-trap 'pkill -TERM -P "$launcher" || true' TERM
+trap 'pkill -TERM -P "$launcher" || true' TERM USR2
 status=0
 wait "$launcher" || status=$?
 while kill -0 "$launcher" 2>/dev/null; do status=0; wait "$launcher" || status=$?; done
@@ -180,10 +183,13 @@ while kill -0 "$SRUN_PID" 2>/dev/null; do  # a trapped signal interrupts wait: w
   wait "$SRUN_PID" || STATUS=$?
 done
 
-if [ "$TERMINATED" = 1 ]; then
-  echo "training stopped with status $STATUS after SIGTERM; requeueing job ${{SLURM_JOB_ID:-?}} to resume from the newest checkpoint"
+if [ "$TERMINATED" = 1 ] && [ "$STATUS" = 0 ]; then
+  echo "training stopped with status 0 after SIGTERM; requeueing job ${{SLURM_JOB_ID:-?}} to resume from the newest checkpoint"
   scontrol requeue "$SLURM_JOB_ID"
   exit 0
+fi
+if [ "$TERMINATED" = 1 ]; then  # no checkpoint was saved at the signal (checkpoint.enable off, or a failure)
+  echo "training stopped with status $STATUS after SIGTERM; not requeued (a requeue would start over: set checkpoint.enable = true)"
 fi
 echo "training finished with status $STATUS"
 exit "$STATUS"
