@@ -108,6 +108,20 @@ def test_cli_writes_a_toml_the_launcher_accepts(tmp_path, capsys):
     assert "; fits in 80 GiB per GPU" in proc.stdout
 
 
+def test_cli_toml_drops_the_base_pipeline_split(tmp_path, capsys):
+    """A base TOML's own pipeline split (or CSV) fits its own layout only: the written TOML does not keep it."""
+    base = tmp_path / "base.toml"
+    with open(os.path.join(ROOT, "train_configs", "llama3_8b.toml")) as f:
+        base.write_text(f.read() + "\n[parallelism]\npp = 2\npp_layers_per_stage = [16, 16]\n")
+    out = tmp_path / "best.toml"
+    rc = planner.main(["--flavor", "8B", "--gpus", "8", "--seq-len", "8192", "--global-batch", "16",
+                       "--config", str(base), "--out", str(out), "--top", "1"])
+    assert rc == 0, capsys.readouterr()
+    cfg = parse_args(["--config", str(out)])
+    assert cfg.parallelism.pp_layers_per_stage == [] and cfg.parallelism.pp_schedule_csv == ""
+    memory.validate_layout(cfg, 8)
+
+
 def test_cli_errors_are_one_line(capsys):
     rc = planner.main(["--flavor", "13B", "--gpus", "8", "--seq-len", "8192", "--global-batch", "8"])
     err = capsys.readouterr().err.strip().splitlines()
@@ -115,3 +129,8 @@ def test_cli_errors_are_one_line(capsys):
     rc = planner.main(["--flavor", "8B", "--gpus", "0", "--seq-len", "8192", "--global-batch", "8"])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and "--gpus" in err[0], err
+    # --out is checked before the search
+    rc = planner.main(["--flavor", "8B", "--gpus", "8", "--seq-len", "8192", "--global-batch", "8",
+                       "--out", "/no/such/folder/best.toml"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and err[0].startswith("error: --out: cannot write"), err

@@ -45,7 +45,28 @@ def test_an_impossible_value_stops_before_any_run(tmp_path, capsys):
     rc = sweep.main(["--dim", "parallelism.tp", "--values", "1,3", "--ngpu", "4", "--out", str(out)])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and err[0].startswith("error: parallelism.tp = 3: parallelism"), err
-    assert not (out / "1").exists() and not (out / "sweep.json").exists()
+    assert not out.exists()  # every value is checked before the first config is written
+
+
+def test_a_sweep_into_an_earlier_one_is_refused(tmp_path, capsys):
+    """A run folder that holds an earlier run: its metrics.jsonl (appended to) would mix into the new CSV row."""
+    out = tmp_path / "sweep"
+    (out / "2").mkdir(parents=True)
+    (out / "2" / "metrics.jsonl").write_text('{"step": 1}\n')
+    rc = sweep.main(["--dim", "parallelism.tp", "--values", "1,2", "--ngpu", "2", "--out", str(out)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and err[0].startswith(f"error: --out: {out / '2'} holds an earlier run"), err
+    assert sorted(os.listdir(out)) == ["2"] and (out / "2" / "metrics.jsonl").read_text() == '{"step": 1}\n'
+
+
+def test_sbatch_runs_are_checked_for_the_cluster_gpus(tmp_path, monkeypatch, capsys):
+    """Runs for sbatch are validated for the cluster's GPUs: float8 passes on this CPU machine (a local sweep
+    of it does not)."""
+    monkeypatch.setattr(sweep, "launch_sbatch", lambda run, *a: setattr(run, "status", "submitted (stub)"))
+    args = ["--dim", "parallelism.tp", "--values", "1", "--ngpu", "8", "--float8.enable", "true"]
+    assert sweep.main([*args, "--launcher", "sbatch", "--out", str(tmp_path / "a")]) == 0, capsys.readouterr()
+    assert sweep.main([*args, "--out", str(tmp_path / "b")]) == 2
+    assert "float8" in capsys.readouterr().err
 
 
 def test_summary_is_the_median_after_warmup(tmp_path):

@@ -17,7 +17,7 @@ Ranks of one pipeline stage are symmetric, so the plan is built once per pipelin
 pp coordinate and 0 in every other dimension (the rank holding the largest FSDP shard when sizes do not
 divide); pp ranks whose stages have the same shape (the same layer counts, and the embedding/output on the
 same side) share one build. torch.compile is lazy (it traces on the first forward, which a dry run never
-runs), so compile.enable costs nothing here and its memory is estimated as eager.
+runs), so compile.enable costs nothing here; the estimate uses memory.py's compiled activation formulas.
 
 Environment: WORLD_SIZE (the simulated world, set from NGPU by run_train.sh), GPU_MEMORY_GIB (the memory of
 one GPU the table compares with, default 80).
@@ -258,8 +258,8 @@ def run(argv: list[str]) -> int:
         print(line)
     print(memory.describe_layout(cfg, dims))
     if cfg.compile.enable:
-        print("compile.enable: blocks wrapped for torch.compile (lazy: nothing is traced in a dry run); memory "
-              "estimated as eager")
+        print("compile.enable: blocks wrapped for torch.compile (lazy: nothing is traced in a dry run); activations "
+              "estimated as compiled (engine/tools/memory.py)")
     mismatched = []
     for pp_rank in range(dims.pp):
         build = builds[pp_rank]

@@ -659,16 +659,20 @@ def copy_config(cfg):
 
 
 def validate_layout(cfg, world_size: int):
-    """``engine.config.validate`` on a copy without the tokenizer and data paths (which a layout does not
-    depend on, and which a planning machine may lack); returns the ParallelDims. Raises ConfigError."""
-    from engine.config import validate
+    """``engine.config.validate`` for the cluster's GPUs (Hopper: float8, flash-attn and CUDA-only options are
+    allowed, whatever this planning machine has) on a copy without the files a layout does not depend on and a
+    planning machine may lack (tokenizer, assets, data, initial weights; a data.path becomes the built-in
+    dataset); returns the ParallelDims. Raises ConfigError."""
+    from engine.config import HOPPER, validate
     from parallelize.mesh import ParallelDims
 
     probe = copy_config(cfg)
     probe.model.hf_assets_path = ""
     probe.data.tokenizer = ""
-    probe.data.path = ""
-    validate(probe, world_size)
+    if probe.data.path:
+        probe.data.path, probe.data.dataset = "", probe.data.dataset or "tessera_docs"
+    probe.checkpoint.initial_load_path = ""
+    validate(probe, world_size, HOPPER)
     return ParallelDims.from_config(cfg.parallelism, world_size)
 
 

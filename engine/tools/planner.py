@@ -164,10 +164,10 @@ def candidate_config(base, dp_replicate, dp_shard, cp, tp, pp, lbs, micro, sched
     cfg.training.loss_chunk_tokens = loss_chunk_tokens
     p = cfg.parallelism
     p.dp_replicate, p.dp_shard, p.cp, p.tp, p.pp = dp_replicate, dp_shard, cp, tp, pp
+    p.pp_layers_per_stage, p.pp_schedule_csv = [], ""  # the base's own split or schedule fits its own layout only
     if pp > 1:
         p.pp_schedule, p.pp_microbatches = schedule, micro
         p.pp_virtual_stages = 2
-        p.pp_layers_per_stage = []
     cfg.training.seq_len = seq_len
     cfg.training.local_batch_size = lbs
     cfg.training.global_batch_size = global_batch
@@ -375,7 +375,8 @@ def write_toml(best: Candidate, base_path: Optional[str], path: str, summary: st
     p, t, ac = cfg.parallelism, cfg.training, cfg.activation_checkpoint
     data.setdefault("model", {}).update(name=cfg.model.name, flavor=cfg.model.flavor)
     par = data.setdefault("parallelism", {})
-    par.update(dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, cp=p.cp, tp=p.tp, pp=p.pp)
+    par.update(dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, cp=p.cp, tp=p.tp, pp=p.pp,
+               pp_layers_per_stage=p.pp_layers_per_stage, pp_schedule_csv=p.pp_schedule_csv)
     if p.pp > 1:
         par.update(pp_schedule=p.pp_schedule, pp_microbatches=p.pp_microbatches,
                    pp_virtual_stages=p.pp_virtual_stages)
@@ -432,6 +433,11 @@ def _check_args(a) -> None:
             raise ConfigError(f"--{name.replace('_', '-')}: must be > 0, got {getattr(a, name)}")
     if not 0 <= a.memory_margin < 1 or not 0 <= a.dp_overlap <= 1 or a.mfu > 1:
         raise ConfigError("--memory-margin must be in [0, 1), --dp-overlap in [0, 1] and --mfu in (0, 1]")
+    if a.out:  # before the search, not after it
+        folder = os.path.dirname(os.path.abspath(a.out))
+        if os.path.isdir(a.out) or not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+            raise ConfigError(f"--out: cannot write the TOML to '{a.out}'; give a file path in an existing folder "
+                              "you can write to")
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -62,14 +62,17 @@ class Run:
 
 
 def run_configs(base: str, dim: str, values: list[str], overrides: list[str], steps: Optional[int], out: str,
-                world_size: int) -> list[Run]:
-    """Write and validate one config per value; raises ConfigError (naming the field) before anything runs."""
-    from engine.config import ConfigError, parse_args, set_value, to_toml, validate
+                world_size: int, cluster: bool = False) -> list[Run]:
+    """Validate one config per value, then write them all; raises ConfigError (naming the field) before anything
+    is written. ``cluster``: the runs go to sbatch, so they are validated for the cluster's GPUs (Hopper), not
+    this machine. A value whose run folder already holds a run is refused: its metrics would mix with the new
+    run's (and its checkpoints would be resumed)."""
+    from engine.config import HOPPER, ConfigError, parse_args, set_value, to_toml, validate
     from engine.data.datasets import check_data_config
     from parallelize.mesh import ParallelDims
 
     section, _, name = dim.partition(".")
-    runs = []
+    runs, configs = [], []
     for value in values:
         if not value or "/" in value or value.startswith("."):
             raise ConfigError(f"--values: {value!r} cannot name a run folder; give plain values such as 1,2,4")
@@ -81,14 +84,19 @@ def run_configs(base: str, dim: str, values: list[str], overrides: list[str], st
             cfg.training.steps = steps
             cfg.lr_scheduler.warmup_steps = min(cfg.lr_scheduler.warmup_steps, steps)
         cfg.job.dump_folder = os.path.join(os.path.abspath(out), value)
+        if os.path.isdir(cfg.job.dump_folder) and os.listdir(cfg.job.dump_folder):
+            raise ConfigError(f"--out: {cfg.job.dump_folder} holds an earlier run; give another --out, or remove it "
+                              "(python -m engine.tools.sweep --collect --out ... reads what is there)")
         try:
-            validate(cfg, world_size)
+            validate(cfg, world_size, HOPPER if cluster else None)
             check_data_config(cfg)
         except ConfigError as e:
             raise ConfigError(f"{dim} = {value}: {e}") from None
         layout = ParallelDims.from_config(cfg.parallelism, world_size).describe()
-        config_dir = os.path.join(out, "configs")
-        os.makedirs(config_dir, exist_ok=True)
+        configs.append((value, cfg, layout))
+    config_dir = os.path.join(out, "configs")
+    os.makedirs(config_dir, exist_ok=True)
+    for value, cfg, layout in configs:
         path = os.path.join(config_dir, f"{value}.toml")
         with open(path, "w") as f:
             f.write(to_toml(cfg))
@@ -270,7 +278,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         values = [v.strip() for v in args.values.split(",") if v.strip()]
         if len(set(values)) != len(values):
             raise ConfigError(f"--values: {args.values!r} repeats a value")
-        runs = run_configs(args.config, args.dim, values, overrides, args.steps, out, args.ngpu * args.nodes)
+        runs = run_configs(args.config, args.dim, values, overrides, args.steps, out, args.ngpu * args.nodes,
+                           cluster=args.launcher == "sbatch")
     except ValueError as e:  # ConfigError is one
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
