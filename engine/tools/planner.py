@@ -28,9 +28,11 @@ are ranked by the step time of this cost model (per GPU, per optimizer step):
                 bytes; on the critical path
     pp p2p    = per microbatch and local stage, the activation forward and its gradient back: 2 x T d / tp x 2
     fsdp      = per pass, the bf16 all-gather of the stage's parameters forward and backward and the fp32
-                reduce-scatter of their gradients (once per step under PP, which accumulates unsharded):
+                reduce-scatter of their gradients (under PP once per gradient-accumulation step: each pipeline
+                step() accumulates its microbatches unsharded and reduces at its end):
                 (n - 1) / n x params after TP x (2 + 2 + 4) bytes, n = dp_shard x cp
-    replicate = HSDP/DDP: all-reduce of the gradient shards over dp_replicate: 2 (r - 1) / r x 4 bytes each
+    replicate = HSDP/DDP: all-reduce of the gradient shards over dp_replicate, once per gradient-accumulation
+                step: 2 (r - 1) / r x 4 bytes each
     step      = compute + bubble + tp + cp + pp p2p + max(0, fsdp + replicate - overlap x compute)
 FSDP and replicate traffic is prefetched and overlaps the compute (``--dp-overlap``, default 0.8 of it);
 TP, CP and PP transfers are waited on. Each transfer takes volume / bandwidth, where the bandwidth is
@@ -230,13 +232,13 @@ def step_cost(cfg, dims, shape: memory.ModelShape, flops_per_token: float, rows:
     dp_time = 0.0
     n = dims.dp_shard * cp
     if n > 1:
-        reduces = ga if dims.pp == 1 else 1
+        reduces = ga  # one reduce per pipeline step() call too (torch reduces at the end of each)
         volume = (n - 1) / n * held.tp * (4 * passes + 4 * reduces)
         bw, links["dp"] = bandwidth(tp, n)
         dp_time += volume / bw
     r = dims.dp_replicate
     if r > 1:
-        reduces = ga if dims.pp == 1 else 1
+        reduces = ga  # one reduce per pipeline step() call too (torch reduces at the end of each)
         volume = 2 * (r - 1) / r * held.local * 4 * reduces
         bw, link = bandwidth(tp * n, r)
         links["dp"] = link if links.get("dp", "NVLink") == "NVLink" else links["dp"]
