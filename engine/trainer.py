@@ -368,16 +368,16 @@ class Trainer:
         return sum(to_local_scalar(loss.detach()) for loss in losses) / self.backward_scale
 
     def train_step(self, microbatches: list[dict[str, torch.Tensor]],
-                   after_backward: Optional[Callable[[], None]] = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """One optimizer step over ``microbatches``; returns (mean loss, grad norm) as device tensors.
-        ``after_backward`` (if given) is called once the gradients are complete, before they are clipped:
-        a place to read or record them."""
+                   after_clip: Optional[Callable[[], None]] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """One optimizer step over ``microbatches``; returns (mean loss, grad norm before clipping) as device
+        tensors. ``after_clip`` (if given) is called once the gradients are complete and clipped, before the
+        optimizer reads them: a place to read or record them."""
         loss = self.forward_backward(microbatches)
-        if after_backward is not None:
-            after_backward()
         fault_point(self.step, "sigterm")  # tests: a preemption signal arriving mid-step
         grad_norm = clip_grad_norm_(self.model.parameters(), self.cfg.training.max_norm, self.dims.group("pp")
                                     if self.dims.pp_enabled else None)
+        if after_clip is not None:
+            after_clip()
         self.optimizer.step()
         float8_after_optimizer_step(self.model_parts, self.cfg.float8)  # precomputed float8 scales for FSDP
         self.lr_scheduler.step()

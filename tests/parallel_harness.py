@@ -73,11 +73,19 @@ def run_layout(args: list[str], world_size: int, rank: int, batches, dump: str) 
     local = cfg.training.local_batch_size
     losses, norms, grads = [], [], {}
 
-    def record_grads():  # the first step's gradients, complete and not yet clipped
+    def record_grads():  # the first step's gradients, complete and clipped (training.max_norm clips them)
         for part in trainer.model_parts:  # with pipeline stages: only this rank's stages
             for name, p in part.named_parameters():
                 g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
                 grads[_strip(name)] = g.detach().clone()
+        if trainer.dims.pp_enabled:  # every stage's, from the ranks holding them (replicas give the same)
+            import torch.distributed as dist
+
+            by_rank: list = [None] * dist.get_world_size()
+            dist.all_gather_object(by_rank, grads)
+            for theirs in by_rank:
+                for name, g in theirs.items():
+                    grads.setdefault(name, g)
 
     for step, batch in enumerate(batches):
         rows = batch["input_ids"].shape[0]
@@ -87,11 +95,32 @@ def run_layout(args: list[str], world_size: int, rank: int, batches, dump: str) 
             {key: v[(k * dp + dp_rank) * local:(k * dp + dp_rank + 1) * local] for key, v in batch.items()}
             for k in range(accum)
         ]
-        loss, norm = trainer.train_step(micro, after_backward=record_grads if step == 0 else None)
+        loss, norm = trainer.train_step(micro, after_clip=record_grads if step == 0 else None)
         losses.append(float(loss))
         norms.append(float(norm))
     trainer.metrics.close()
-    return {"losses": losses, "grad_norms": norms, "grads": grads} if rank == 0 else None
+    if rank != 0:
+        return None
+    return {"losses": losses, "grad_norms": norms, "grads": grads, "built": built_features(trainer)}
+
+
+def built_features(trainer) -> dict:
+    """What the plan did to rank 0's model parts, so that a test can tell a feature applied from a flag ignored
+    (the losses of an ignored AC, compile or CSV schedule would match the reference too): blocks held,
+    checkpoint-wrapped, compiled; Float8Linear modules; DTensor parameters; the pipeline schedule's class."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+    from torch.distributed.tensor import DTensor
+
+    blocks = [b for part in trainer.model_parts for b in part.layers.values()]
+    modules = [m for part in trainer.model_parts for m in part.modules()]
+    return {
+        "blocks": len(blocks),
+        "checkpointed": sum(isinstance(b, CheckpointWrapper) for b in blocks),
+        "compiled": sum(getattr(b, "_compiled_call_impl", None) is not None for b in blocks),
+        "float8": sum(type(m).__name__ == "Float8Linear" for m in modules),
+        "dtensor_params": all(isinstance(p, DTensor) for part in trainer.model_parts for p in part.parameters()),
+        "schedule": type(trainer.pp_schedule).__name__ if trainer.dims.pp_enabled else None,
+    }
 
 
 def _worker(rank: int, world_size: int, port: int, fn, jobs: dict[str, tuple], out: str):

@@ -43,3 +43,25 @@ def test_scheduler_drives_the_optimizer():
         sched.step()
     assert seen[:4] == pytest.approx([0.25, 0.5, 0.75, 1.0])
     assert seen[4:] == pytest.approx([0.75, 0.5, 0.25, 0.0])
+
+
+@pytest.mark.parametrize("max_norm", [0.5, 1e6])
+def test_clip_grad_norm_matches_torch(max_norm):
+    """engine.optim.clip_grad_norm_ against torch's own on plain tensors: the same total norm and, clipping
+    (0.5) or not (1e6), the same gradients; parameters without a gradient are left out."""
+    from engine.optim import clip_grad_norm_
+
+    g = torch.Generator().manual_seed(0)
+    ours = [torch.nn.Parameter(torch.zeros(s)) for s in ((4, 3), (7,), (2, 2, 2))]
+    theirs = [torch.nn.Parameter(torch.zeros(s)) for s in ((4, 3), (7,), (2, 2, 2))]
+    for a, b in zip(ours, theirs):
+        a.grad = torch.randn(a.shape, generator=g)
+        b.grad = a.grad.clone()
+    no_grad = torch.nn.Parameter(torch.zeros(3))
+    total = clip_grad_norm_([*ours, no_grad], max_norm)
+    expected = torch.nn.utils.clip_grad_norm_(theirs, max_norm)
+    assert total > 0.5 and total.item() == pytest.approx(expected.item(), rel=1e-6)
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-6, atol=1e-7)
+    if max_norm == 0.5:
+        assert torch.cat([p.grad.flatten() for p in ours]).norm().item() == pytest.approx(0.5, rel=1e-4)

@@ -115,14 +115,13 @@ def world_results(request, batches, tmp_path_factory):
     return run_world(world, layouts, {name: batches for name in layouts}, str(tmp_path_factory.mktemp(f"w{world}")))
 
 
-def _check(result, reference, pipelined=False):
+def _check(result, reference):
+    """Losses and gradient norms of every step, and the first step's clipped gradients of every parameter (from
+    every pipeline stage)."""
     assert "error" not in result, result.get("error")
     assert result["losses"] == pytest.approx(reference["losses"], rel=1e-5)
     assert result["grad_norms"] == pytest.approx(reference["grad_norms"], rel=1e-5)
-    if pipelined:  # rank 0 holds the first stage (and, for V schedules, the last)
-        assert result["grads"] and set(result["grads"]) < set(reference["grads"])
-    else:
-        assert set(result["grads"]) == set(reference["grads"])
+    assert set(result["grads"]) == set(reference["grads"])
     for name, g in result["grads"].items():
         torch.testing.assert_close(g, reference["grads"][name], rtol=1e-4, atol=1e-7, msg=lambda m: f"{name}: {m}")
 
@@ -130,23 +129,30 @@ def _check(result, reference, pipelined=False):
 def test_reference_trains(reference):
     assert len(reference["losses"]) == STEPS
     assert reference["losses"][-1] < reference["losses"][0]
+    assert reference["grad_norms"][0] > 1.0  # training.max_norm = 1: the recorded first-step gradients are clipped
 
 
 def test_single_process_ac_matches_reference(batches, reference, tmp_path):
     for mode in (["full"], ["selective"], ["selective", "--activation_checkpoint.selective_option", "3"]):
-        result = run_layout(_layout(GLOBAL, "--activation_checkpoint.mode", *mode), 1, 0, batches, str(tmp_path))
+        args = _layout(GLOBAL, "--activation_checkpoint.mode", *mode)
+        result = run_layout(args, 1, 0, batches, str(tmp_path))
         _check(result, reference)
+        _check_built(args, result["built"])
 
 
 def test_single_process_fused_loss_matches_reference(batches, reference, tmp_path):
     # 8 x 64 tokens in chunks of 48 (the last one shorter), with compile: the blocks compiled, the loss eager.
     for extra in ([], ["--compile.enable"]):
         args = _layout(GLOBAL, "--training.loss_chunk_tokens", "48", *extra)
-        _check(run_layout(args, 1, 0, batches, str(tmp_path)), reference)
+        result = run_layout(args, 1, 0, batches, str(tmp_path))
+        _check(result, reference)
+        _check_built(args, result["built"])
 
 
 def test_single_process_compile_matches_reference(batches, reference, tmp_path):
-    _check(run_layout(_layout(GLOBAL, "--compile.enable"), 1, 0, batches, str(tmp_path)), reference)
+    result = run_layout(_layout(GLOBAL, "--compile.enable"), 1, 0, batches, str(tmp_path))
+    _check(result, reference)
+    _check_built(_layout(GLOBAL, "--compile.enable"), result["built"])
 
 
 def test_fsdp_on_a_single_rank_matches_reference(batches, reference, tmp_path):
@@ -154,16 +160,45 @@ def test_fsdp_on_a_single_rank_matches_reference(batches, reference, tmp_path):
 
     try:
         args = _layout(GLOBAL, "--parallelism.fsdp_single_rank", "--activation_checkpoint.mode", "selective")
-        _check(run_layout(args, 1, 0, batches, str(tmp_path)), reference)
+        result = run_layout(args, 1, 0, batches, str(tmp_path))
+        _check(result, reference)
+        _check_built(args, result["built"])
+        assert result["built"]["dtensor_params"]  # FSDP2 did wrap it
     finally:
         destroy_distributed()
 
 
+def _check_built(args: list[str], built: dict) -> None:
+    """The features the layout's flags ask for were applied (not ignored) on rank 0's model parts."""
+    from parallelize.pipeline import SCHEDULES
+
+    a = " ".join(args)
+    blocks = built["blocks"]
+    if "--activation_checkpoint.mode full" in a or ("--activation_checkpoint.mode selective" in a
+                                                     and "selective_option" not in a):
+        assert built["checkpointed"] == blocks, built
+    elif "--activation_checkpoint.selective_option" in a:
+        every = int(args[args.index("--activation_checkpoint.selective_option") + 1])
+        assert built["checkpointed"] == len(range(0, blocks, every)) > 0, built
+    else:
+        assert built["checkpointed"] == 0, built
+    assert built["compiled"] == (blocks if "--compile.enable" in a else 0), built
+    if "--parallelism.pp_schedule_csv" in a:
+        assert built["schedule"] == "_PipelineScheduleRuntime", built
+    elif "--parallelism.pp " in a:
+        name = args[args.index("--parallelism.pp_schedule") + 1] if "--parallelism.pp_schedule" in args else "1F1B"
+        assert built["schedule"] == SCHEDULES[name][0], built
+    else:
+        assert built["schedule"] is None, built
+
+
 def test_parallel_layouts_match_single_process(world_results, reference):
     failures = []
+    args_by_name = {name: args for layouts in LAYOUTS.values() for name, args in layouts.items()}
     for name, result in world_results.items():
         try:
-            _check(result, reference, pipelined="pp" in name)
+            _check(result, reference)
+            _check_built(args_by_name[name], result["built"])
         except AssertionError as e:
             failures.append(f"{name}: {str(e)[:600]}")
     assert not failures, "\n".join(failures)
@@ -196,7 +231,7 @@ def test_document_masking_matches_single_process(batches, reference, tmp_path):
     for world, layouts in worlds.items():
         results = run_world(world, layouts, {name: batches for name in layouts}, str(tmp_path / f"w{world}"))
         for name, result in results.items():
-            _check(result, doc_reference, pipelined="pp" in name)
+            _check(result, doc_reference)
 
 
 def test_split_backward_probe():

@@ -367,7 +367,8 @@ def test_deterministic_runs_are_identical(tmp_path, capsys):
 
 
 def test_gradient_accumulation_matches_one_big_batch(tmp_path, capsys):
-    """local 2 x accumulation 2 sees the same samples as local 4 in one pass: same losses."""
+    """local 2 x accumulation 2 sees the same samples as local 4 in one pass: same losses and gradient norms (a
+    gradient scaled by the accumulation count would leave the losses nearly alone: clipping and Adam absorb it)."""
     common = ["--training.seq_len", "64", "--metrics.log_freq", "1", "--training.steps", "4",
               "--debug.deterministic", "--lr_scheduler.warmup_steps", "1"]
     big, acc = str(tmp_path / "big"), str(tmp_path / "acc")
@@ -375,3 +376,5 @@ def test_gradient_accumulation_matches_one_big_batch(tmp_path, capsys):
     assert run_main(["--job.dump_folder", acc, *common, "--training.local_batch_size", "2",
                      "--training.global_batch_size", "4"], capsys)[0] == 0
     assert _losses(big) == pytest.approx(_losses(acc), rel=1e-5)
+    norms = [[r["grad_norm"] for r in read_jsonl(os.path.join(d, "metrics.jsonl"))] for d in (big, acc)]
+    assert len(norms[0]) == 4 and norms[0] == pytest.approx(norms[1], rel=1e-5)
