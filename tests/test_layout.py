@@ -62,6 +62,7 @@ def test_zero_bubble_refuses_custom_nodes_where_torch_cannot(tmp_path, capsys, m
             err = capsys.readouterr().err.strip().splitlines()
             assert len(err) == 1 and err[0].startswith(f"error: parallelism.pp_schedule: {schedule} splits") \
                 and f"({key};" in err[0], err
+    assert not (tmp_path / "run").exists()
     train.check([*pp2, "--parallelism.pp_schedule", "1F1B", "--compile.enable", "--training.loss_chunk_tokens", "256"])
     train.check([*pp2, "--parallelism.pp_schedule", "ZBVZeroBubble"])  # nothing custom: fine
 

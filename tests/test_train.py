@@ -284,6 +284,9 @@ def test_divergence_stops_before_it_is_saved(tmp_path, capsys):
     assert len(errors) == 1 and errors[0].startswith("[rank0]:error: optimizer.lr: training diverged by step "), \
         proc.stderr[-3000:]
     assert "ChildFailedError" not in proc.stderr and "exitcode" not in proc.stderr  # no launcher report
+    stopped2 = int(errors[0].split("by step ")[1].split()[0])
+    saved2 = sorted(int(p.name.split("-")[1]) for p in (dump2 / "checkpoint").iterdir())
+    assert 2 < stopped2 < 30 and saved2 == list(range(2, stopped2, 2)), (stopped2, saved2)
 
 
 def test_error_of_a_rank_whose_output_is_hidden_is_printed_by_the_launcher(tmp_path):
@@ -300,6 +303,7 @@ def test_error_of_a_rank_whose_output_is_hidden_is_printed_by_the_launcher(tmp_p
     assert len(errors) == 1 and errors[0].startswith(f"[rank0]:error: [rank 1] data.path: cannot read '{data}'"), \
         proc.stderr[-3000:]
     assert "JSON parse error" in errors[0] and "ChildFailedError" not in proc.stderr
+    assert not dump.exists()  # the ranks agreed before anything was written
 
 
 def test_garbage_collection_runs_between_steps(tmp_path, capsys, monkeypatch):
