@@ -182,7 +182,8 @@ class Parallelism:
     """FSDP: keep sharded parameters, gradients and optimizer state in CPU memory (CUDA only)."""
     disable_loss_parallel: bool = False
     """With tp > 1, gather the full vocabulary logits before the loss instead of computing the
-    cross-entropy on vocabulary shards."""
+    cross-entropy on vocabulary shards. No effect with training.loss_chunk_tokens: the fused loss never
+    forms the logits and always works on the vocabulary shards."""
     enable_async_tp: bool = False
     """Overlap TP communication with matmuls (CUDA, tp > 1 and compile.enable only)."""
 

@@ -21,3 +21,12 @@ def apply_compile(blocks: nn.ModuleDict, fullgraph: bool = True) -> None:
 
 def compile_loss(loss_fn: Callable) -> Callable:
     return torch.compile(loss_fn)
+
+
+def set_inductor_option(name: str, value) -> None:
+    """Set one of the compiler's (inductor's) process-wide options. torch offers no public API for these; every
+    plan that needs one (async TP's micro-pipelining, float8's eager-identical casts) goes through here."""
+    import torch._inductor.config as inductor_config
+
+    assert hasattr(inductor_config, name), f"this torch's inductor has no option {name}"
+    setattr(inductor_config, name, value)

@@ -185,9 +185,9 @@ def convert_float8(
     if recipe == "rowwise":
         # Compiled rowwise scaling with activation checkpointing can recompute a float8 cast with other rounding
         # than the forward's (NaNs seen in torchtitan, pytorch/pytorch#150859): make inductor round as eager does.
-        import torch._inductor.config as inductor_config
+        from parallelize.compile import set_inductor_option
 
-        inductor_config.emulate_precision_casts = True
+        set_inductor_option("emulate_precision_casts", True)
     converted: list[str] = []
 
     def record(module: nn.Module, fqn: str) -> bool:

@@ -27,18 +27,18 @@ def materialize(module: nn.Module | None):
         return
     swapped = []  # (owner, name, original DTensor parameter, full tensor)
     for owner in module.modules():
-        for name, param in list(owner._parameters.items()):
+        for name, param in list(owner.named_parameters(recurse=False)):
             if isinstance(param, DTensor):
                 local = param.to_local()
                 full = torch.empty(param.shape, dtype=param.dtype, device=local.device)
-                owner._parameters[name] = nn.Parameter(full, requires_grad=param.requires_grad)
+                owner.register_parameter(name, nn.Parameter(full, requires_grad=param.requires_grad))
                 swapped.append((owner, name, param, full))
     try:
         yield
     finally:
         with torch.no_grad():
             for owner, name, param, full in swapped:
-                owner._parameters[name] = param
+                owner.register_parameter(name, param)
                 mesh = param.device_mesh
                 whole = DTensor.from_local(full, mesh, [Replicate()] * mesh.ndim, run_check=False)
                 # Replicate -> Shard is a local slice on every rank: no communication.

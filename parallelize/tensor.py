@@ -53,10 +53,11 @@ def to_local_scalar(t):
 
 def enable_async_tp(tp_mesh) -> None:
     """Let the compiler overlap TP collectives with matmuls (symmetric-memory micro-pipelining, CUDA)."""
-    import torch._inductor.config as inductor_config
     from torch.distributed._symmetric_memory import enable_symm_mem_for_group
 
-    inductor_config._micro_pipeline_tp = True
+    from parallelize.compile import set_inductor_option
+
+    set_inductor_option("_micro_pipeline_tp", True)
     with warnings.catch_warnings():  # needed on torch 2.11; newer torch deprecates it as a no-op
         warnings.simplefilter("ignore", FutureWarning)
         enable_symm_mem_for_group(tp_mesh.get_group().group_name)

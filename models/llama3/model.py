@@ -275,11 +275,6 @@ def _no_materialize(module: Any) -> contextlib.AbstractContextManager:
     return contextlib.nullcontext()
 
 
-def _unwrap(block: nn.Module) -> nn.Module:
-    """The block inside an activation-checkpoint wrapper (or the block itself)."""
-    return getattr(block, "_checkpoint_wrapped_module", block)
-
-
 class Transformer(nn.Module):
     """Llama 3 decoder: ``tok_embeddings -> layers["0".."n-1"] -> norm -> output`` (logits, no loss)."""
 
@@ -345,8 +340,9 @@ class Transformer(nn.Module):
                 nn.init.normal_(self.tok_embeddings.weight, mean=0.0, std=0.02)
         for layer in self.layers.values():
             if layer is not None:
-                with unit(layer, 1 + _unwrap(layer).layer_id):
-                    _unwrap(layer).init_weights()
+                # An activation-checkpoint wrapper passes attribute lookups on to the block it wraps.
+                with unit(layer, 1 + layer.layer_id):
+                    layer.init_weights()
         if self.norm is not None:
             with unit(self.norm, n + 1):
                 self.norm.reset_parameters()
