@@ -40,7 +40,16 @@ live in CPU memory, which NCCL cannot reduce."""
 
 
 def world_size_from_env() -> int:
-    return int(os.environ.get("WORLD_SIZE", "1"))
+    """WORLD_SIZE (run_train.sh sets it from NGPU; torchrun sets it), default 1; a ValueError naming both when
+    it is not a positive integer."""
+    text = os.environ.get("WORLD_SIZE", "1")
+    try:
+        world_size = int(text)
+    except ValueError:
+        world_size = 0
+    if world_size < 1:
+        raise ValueError(f"NGPU (WORLD_SIZE): must be a positive number of processes, got {text!r}")
+    return world_size
 
 
 def init_distributed(cfg=None) -> World:

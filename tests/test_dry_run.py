@@ -76,6 +76,11 @@ def test_dry_run_user_error_is_one_line(monkeypatch, capsys):
                        "--parallelism.tp", "3"])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and err[0].startswith("error: parallelism."), err
+    for bad in ("0", "-3", "eight"):  # NGPU (run_train.sh passes it as WORLD_SIZE)
+        monkeypatch.setenv("WORLD_SIZE", bad)
+        assert dry_run.main(["--config", "train_configs/debug_model.toml"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err == [f"error: NGPU (WORLD_SIZE): must be a positive number of processes, got '{bad}'"], err
 
 
 def test_dry_run_refuses_what_a_launch_refuses(monkeypatch, capsys):

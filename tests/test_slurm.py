@@ -28,13 +28,24 @@ def test_render_4_nodes_x_8_gpus(tmp_path):
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
     for line in ["#SBATCH --job-name=tessera-test", "#SBATCH --nodes=4", "#SBATCH --gpus-per-node=8",
                  "#SBATCH --ntasks-per-node=1", "#SBATCH --partition=gpu", "#SBATCH --time=02:00:00",
-                 "#SBATCH --signal=B:TERM@120", "#SBATCH --requeue", "GPUS_PER_NODE=${GPUS_PER_NODE:-8}",
+                 "#SBATCH --signal=B:TERM@120", "#SBATCH --requeue", "GPUS_PER_NODE=${GPUS_PER_NODE:-${SLURM_GPUS_ON_NODE:-8}}",
                  'scontrol show hostnames "$SLURM_JOB_NODELIST"', "--rdzv_backend=c10d",
                  '--rdzv_endpoint="$HEAD_NODE:$MASTER_PORT"', '--nnodes="$NNODES"',
                  "export NCCL_DEBUG=", "export TORCH_NCCL_ASYNC_ERROR_HANDLING=", 'scontrol requeue "$SLURM_JOB_ID"',
                  'LOG_DIR="$DUMP_FOLDER/slurm/', "trap forward_term TERM", "--training.steps 100"]:
         assert line in text, line
     assert text.startswith("#!/bin/bash\n")
+
+
+def test_workdir_with_spaces_and_dollars(tmp_path):
+    """The checkout folder is quoted for the double quotes it stands in: the script changes into it."""
+    workdir = tmp_path / "my checkout $HOME"
+    workdir.mkdir()
+    text = slurm.render(slurm.JobSpec(nodes=1, workdir=str(workdir)))
+    cd = next(line for line in text.splitlines() if line.startswith("cd "))
+    env = {k: v for k, v in os.environ.items() if k != "TESSERA_DIR"}
+    proc = subprocess.run(["bash", "-c", f"{cd}; pwd"], capture_output=True, text=True, env=env)
+    assert proc.returncode == 0 and proc.stdout.strip() == str(workdir), (cd, proc.stdout, proc.stderr)
 
 
 def test_committed_templates_are_the_renderer_output():

@@ -65,6 +65,11 @@ class JobSpec:
     """Seconds before the time limit at which SLURM sends SIGTERM to the batch shell."""
 
 
+def _double_quoted(text: str) -> str:
+    """``text`` escaped to stand inside double quotes in bash."""
+    return "".join("\\" + c if c in '\\"$`' else c for c in text)
+
+
 def render(spec: JobSpec) -> str:
     """The sbatch script for ``spec``."""
     q = shlex.quote
@@ -91,16 +96,17 @@ def render(spec: JobSpec) -> str:
         f"#SBATCH --signal=B:TERM@{spec.signal_seconds}",
         "#SBATCH --requeue",
     ]
-    workdir = q(spec.workdir) if spec.workdir else '"$SLURM_SUBMIT_DIR"'
+    # Inside the double quotes of cd "${TESSERA_DIR:-...}", single quotes would stay literal: escape for them.
+    workdir = _double_quoted(spec.workdir) if spec.workdir else "$SLURM_SUBMIT_DIR"
     train_args = " ".join(q(a) for a in spec.train_args)
     body = f'''
 set -uo pipefail
 
 # ---- what to run (each overridable from the submitting shell) ----
-cd "${{TESSERA_DIR:-{workdir}}}"
+cd "${{TESSERA_DIR:-{workdir}}}" || exit 2
 CONFIG=${{CONFIG:-{q(spec.config)}}}
 DUMP_FOLDER=${{DUMP_FOLDER:-{q(spec.dump_folder) if spec.dump_folder else ""}}}
-GPUS_PER_NODE=${{GPUS_PER_NODE:-{spec.gpus_per_node}}}
+GPUS_PER_NODE=${{GPUS_PER_NODE:-${{SLURM_GPUS_ON_NODE:-{spec.gpus_per_node}}}}}
 PYTHON=${{PYTHON:-python3}}
 if [ -z "${{VIRTUAL_ENV:-}}" ] && [ -f .venv/bin/activate ]; then source .venv/bin/activate; fi
 if [ -z "$DUMP_FOLDER" ]; then  # the config's job.dump_folder
