@@ -9,7 +9,6 @@ display and no global backend change are needed.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -18,6 +17,8 @@ from typing import Optional
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+
+from engine.tools import ArgumentParser
 
 
 class MetricsFileError(ValueError):
@@ -120,7 +121,7 @@ def plot_metrics(jsonl_path: str, out_dir: str) -> list[str]:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m engine.plot", description="Plot a Tessera run's metrics.jsonl.")
+    parser = ArgumentParser(prog="python -m engine.plot", description="Plot a Tessera run's metrics.jsonl.")
     parser.add_argument("path", metavar="RUN_DIR_OR_JSONL", help="a run folder (its metrics.jsonl) or a .jsonl file")
     parser.add_argument("--out", default=None, help="output folder (default: the folder of the jsonl)")
     args = parser.parse_args(argv)

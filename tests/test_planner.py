@@ -134,3 +134,18 @@ def test_cli_errors_are_one_line(capsys):
                        "--out", "/no/such/folder/best.toml"])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and err[0].startswith("error: --out: cannot write"), err
+
+
+@pytest.mark.parametrize("module, argv", [
+    ("engine.tools.planner", ["--flavor", "8B", "--gpus", "x"]),
+    ("engine.tools.sweep", ["--ngpu", "x"]),
+    ("engine.tools.slurm", ["--nodes", "two"]),
+    ("engine.tools.convert_hf", ["to-hf", "--bogus"]),
+    ("engine.plot", []),
+])
+def test_tool_flag_errors_are_one_line(module, argv):
+    """argparse's own errors (a flag's type, a missing argument) keep the tools' contract: one error: line."""
+    proc = subprocess.run([sys.executable, "-m", module, *argv], cwd=ROOT, capture_output=True, text=True)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+    assert f"(see python -m {module}" in lines[0] and lines[0].endswith(" --help)"), lines

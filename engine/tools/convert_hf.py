@@ -11,11 +11,11 @@ Hugging Face folder directly). One process, CPU; the whole model is held in memo
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
 from engine.hf import EXPORT_DTYPES, export_checkpoint_hf
+from engine.tools import ArgumentParser
 
 
 def to_hf(step_folder: str, out: str, dtype: str = "bfloat16", tokenizer: str = "") -> None:
@@ -47,7 +47,7 @@ def from_hf(hf_folder: str, out: str, flavor: str, model_name: str = "llama3") -
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m engine.tools.convert_hf", description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(prog="python -m engine.tools.convert_hf", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="direction", required=True)
     a = sub.add_parser("to-hf", help="Tessera step folder -> Hugging Face folder")
     a.add_argument("checkpoint")

@@ -55,7 +55,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
-from engine.tools import memory
+from engine.tools import ArgumentParser, memory
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 AC_MODES = (("none", "op"), ("selective", "op"), ("full", "op"))
@@ -397,7 +397,7 @@ def write_toml(best: Candidate, base_path: Optional[str], path: str, summary: st
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m engine.tools.planner", description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(prog="python -m engine.tools.planner", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="llama3", help="model.name (default llama3)")
     p.add_argument("--flavor", required=True, help="model.flavor, e.g. 8B, 70B, 405B")
     p.add_argument("--gpus", type=int, required=True, help="GPUs in the job")

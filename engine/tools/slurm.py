@@ -32,12 +32,13 @@ training arguments from the submitting shell: ``CONFIG=my.toml sbatch --nodes 16
 
 from __future__ import annotations
 
-import argparse
 import os
 import shlex
 import sys
 from dataclasses import dataclass, field
 from typing import Optional
+
+from engine.tools import ArgumentParser
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -228,7 +229,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if "--" in argv:
         i = argv.index("--")
         argv, train_args = argv[:i], argv[i + 1:]
-    p = argparse.ArgumentParser(prog="python -m engine.tools.slurm",
+    p = ArgumentParser(prog="python -m engine.tools.slurm",
                                 description="Render an sbatch script for Tessera (see the module docstring).")
     p.add_argument("--nodes", type=int, default=1)
     p.add_argument("--gpus-per-node", type=int, default=8)

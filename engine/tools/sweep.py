@@ -35,6 +35,8 @@ import sys
 from dataclasses import dataclass
 from typing import Optional
 
+from engine.tools import ArgumentParser
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEGREES = ("dp_replicate", "dp_shard", "cp", "tp", "pp")
 CSV_FIELDS = ["dim", "value", "status", "world_size", "layout", "steps_measured", "tps", "tps_per_gpu", "tflops",
@@ -237,7 +239,7 @@ def collect(out: str, warmup: Optional[int]) -> tuple[list[dict], list[str]]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m engine.tools.sweep", description=__doc__.split("\n\n")[0],
+    p = ArgumentParser(prog="python -m engine.tools.sweep", description=__doc__.split("\n\n")[0],
                                 allow_abbrev=False,
                                 epilog="Other --section.key value arguments override the base config for every run.")
     p.add_argument("--config", default="", help="base TOML (default: the built-in defaults)")
