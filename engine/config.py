@@ -173,8 +173,9 @@ class Parallelism:
     """How context parallelism moves keys and values between ranks: allgather, or alltoall (a ring of
     point-to-point transfers overlapped with compute)."""
     fsdp_reshard_after_forward: str = "default"
-    """FSDP: free gathered parameters after forward: default (yes, except for the root module, whose
-    parameters the backward needs first), always, or never (faster, more memory)."""
+    """FSDP: free gathered parameters after forward: default (every block's but the last one's, which the
+    backward needs first, and not the root's; with pipeline parallelism none, as the stages keep them
+    gathered over the step's microbatches anyway), always, or never (faster, more memory)."""
     fsdp_single_rank: bool = False
     """On a world of one rank, wrap the model in FSDP2 anyway (a one-rank mesh): its mixed precision (bf16
     compute from fp32 weights) replaces autocast, exactly as on many ranks."""

@@ -30,6 +30,7 @@ def apply_fsdp(
     mp_policy: MixedPrecisionPolicy,
     reshard_after_forward: str = "default",
     cpu_offload: bool = False,
+    pipelined: bool = False,
 ) -> None:
     """``fully_shard`` each block, then the root (which takes the parameters no block holds).
 
@@ -38,12 +39,15 @@ def apply_fsdp(
 
     ``reshard_after_forward``: "always" frees every block's gathered parameters after its forward;
     "never" keeps them until backward (no second all-gather, more memory); "default" frees all but the
-    last block's, whose parameters backward needs first.
+    last block's, whose parameters backward needs first, and the root's. With ``pipelined`` (a pipeline
+    stage) "default" frees none: torch's pipeline keeps a stage's parameters gathered from its first
+    backward to the end of the step anyway (set_reshard_after_backward(False) until the last microbatch), so
+    freeing them after each microbatch's forward would only gather them again, twice per microbatch.
     """
     offload: OffloadPolicy = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
     for i, block in enumerate(blocks):
         if reshard_after_forward == "default":
-            reshard = i < len(blocks) - 1
+            reshard = i < len(blocks) - 1 and not pipelined
         else:
             reshard = reshard_after_forward == "always"
         fully_shard(block, mesh=mesh, mp_policy=mp_policy, offload_policy=offload, reshard_after_forward=reshard)

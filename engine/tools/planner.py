@@ -27,10 +27,12 @@ are ranked by the step time of this cost model (per GPU, per optimizer step):
                 reduce-scatter (and the forward's again with full AC): (cp - 1) x T x 2 hkv / tp x (2 + 2 + 4)
                 bytes; on the critical path
     pp p2p    = per microbatch and local stage, the activation forward and its gradient back: 2 x T d / tp x 2
-    fsdp      = per pass, the bf16 all-gather of the stage's parameters forward and backward and the fp32
-                reduce-scatter of their gradients (under PP once per gradient-accumulation step: each pipeline
-                step() accumulates its microbatches unsharded and reduces at its end):
-                (n - 1) / n x params after TP x (2 + 2 + 4) bytes, n = dp_shard x cp
+    fsdp      = (n - 1) / n x params after TP x (2 per all-gather + 4 per reduce-scatter) bytes, n = dp_shard x cp:
+                per pass a bf16 all-gather of the stage's parameters forward and one again in backward (forward
+                only with fsdp_reshard_after_forward = never), and per gradient-accumulation step one fp32
+                reduce-scatter of their gradients. Under PP a pipeline step() keeps its stage gathered over all
+                its microbatches and reduces at its end: one all-gather and one reduce-scatter per
+                accumulation step (unless reshard "always": the forward's gathers return)
     replicate = HSDP/DDP: all-reduce of the gradient shards over dp_replicate, once per gradient-accumulation
                 step: 2 (r - 1) / r x 4 bytes each
     step      = compute + bubble + tp + cp + pp p2p + max(0, fsdp + replicate - overlap x compute)
@@ -232,8 +234,12 @@ def step_cost(cfg, dims, shape: memory.ModelShape, flops_per_token: float, rows:
     dp_time = 0.0
     n = dims.dp_shard * cp
     if n > 1:
-        reduces = ga  # one reduce per pipeline step() call too (torch reduces at the end of each)
-        volume = (n - 1) / n * held.tp * (4 * passes + 4 * reduces)
+        policy = cfg.parallelism.fsdp_reshard_after_forward
+        if dims.pp > 1 and policy != "always":
+            gathers = ga  # the stage stays gathered over each pipeline step()'s microbatches
+        else:
+            gathers = passes * (1 if policy == "never" or dims.pp > 1 else 2)
+        volume = (n - 1) / n * held.tp * (2 * gathers + 4 * ga)
         bw, links["dp"] = bandwidth(tp, n)
         dp_time += volume / bw
     r = dims.dp_replicate

@@ -144,5 +144,6 @@ def parallelize_llama(model: nn.Module, dims: ParallelDims, cfg: Any, device_typ
             mixed_precision_policy(cfg.training.mixed_precision_param, cfg.training.mixed_precision_reduce, device_type),
             reshard_after_forward=p.fsdp_reshard_after_forward,
             cpu_offload=p.fsdp_cpu_offload,
+            pipelined=dims.pp_enabled,
         )
     return model
