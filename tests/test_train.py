@@ -171,7 +171,8 @@ def test_mid_run_error_of_a_hidden_rank_is_one_line(tmp_path):
     """Rank 1 reads files b and d of a four-file folder (round robin), d malformed: its shard passes the start-up
     check (b's first record) and fails in step 1, a DataError on rank 1 alone, whose output LOG_RANK=0 hides.
     Rank 1 announces it before leaving; rank 0, whose collective then fails, prints rank 1's line instead of its
-    own traceback, and the launcher exits with the status, without torchrun's report."""
+    own traceback (or, when torchrun stops rank 0 first, the launcher prints it), and the launcher exits with the
+    status, without torchrun's report: one line either way."""
     data = tmp_path / "data"
     data.mkdir()
     for name, count in (("a", 100), ("b", 3), ("c", 100)):
@@ -183,9 +184,8 @@ def test_mid_run_error_of_a_hidden_rank_is_one_line(tmp_path):
                           text=True, timeout=300, env={**os.environ, "PYTHON": sys.executable, "NGPU": "2"})
     assert proc.returncode == 2, proc.stderr[-3000:]
     ours = proc.stderr.strip().splitlines()
-    assert len(ours) == 1 and ours[0].startswith(f"[rank0]:error: [rank 1] data.path: cannot read '{data}' "
-                                                 "(4 json files) past record 3 of shard 1 of 2 (epoch 0): "), \
-        proc.stderr[-3000:]
+    line = f"error: [rank 1] data.path: cannot read '{data}' (4 json files) past record 3 of shard 1 of 2 (epoch 0): "
+    assert len(ours) == 1 and ours[0].removeprefix("[rank0]:").startswith(line), proc.stderr[-3000:]
     assert "d.jsonl" in ours[0]
 
 
