@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from models.attention import dense_causal_mask  # noqa: E402
 from parallelize.context import context_attention, shard_sequence  # noqa: E402
 
 # dtype, B, Hq, Hkv, S, D, document masking
@@ -45,8 +46,7 @@ def _worker(rank: int, port: int) -> None:
         full = [t.clone().requires_grad_() for t in (q, k, v)]
         doc_ids = _document_ids(b, s) if documents else None
         if documents:
-            same = doc_ids.unsqueeze(-1) == doc_ids.unsqueeze(-2)
-            mask = (same & torch.ones(s, s, dtype=torch.bool, device="cuda").tril()).unsqueeze(1)
+            mask = dense_causal_mask(doc_ids, s, "cuda")
             ref = F.scaled_dot_product_attention(*full, attn_mask=mask, enable_gqa=True)
         else:
             ref = F.scaled_dot_product_attention(*full, is_causal=True, enable_gqa=True)
@@ -58,7 +58,8 @@ def _worker(rank: int, port: int) -> None:
         for name, mine, theirs in zip("qkv", local, full):
             errors["d" + name] = (mine.grad - shard_sequence(theirs.grad, 2, rank, 2)).abs().max().item()
         scale = {n: t.abs().max().item() for n, t in (("out", ref), ("dq", full[0].grad))}
-        print(f"rank {rank} {dtype} S={s} documents={documents}: max abs error {errors} (|ref| max {scale})", flush=True)
+        print(f"rank {rank} {dtype} S={s} documents={documents}: max abs error {errors} (|ref| max {scale})",
+              flush=True)
     dist.destroy_process_group()
 
 

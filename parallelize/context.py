@@ -437,6 +437,8 @@ def context_attention(
     if size == 1:
         if doc_ids is None:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
-        mask = _allowed(doc_ids, doc_ids, diagonal=True)
+        from models.attention import dense_causal_mask  # models imports this module: not at the top
+
+        mask = dense_causal_mask(doc_ids, q.shape[2], q.device)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     return _RingAttention.apply(q, k, v, cp_group, rotate, scale, doc_ids)

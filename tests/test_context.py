@@ -17,6 +17,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
+from models.attention import dense_causal_mask
 from parallelize import context
 from parallelize.context import (
     _cpu_block_backward,
@@ -61,17 +62,13 @@ def _document_ids(seq_len: int, cp: int) -> torch.Tensor:
     return torch.stack(rows)
 
 
-def _dense_block_causal(doc_ids: torch.Tensor) -> torch.Tensor:
-    same = doc_ids.unsqueeze(-1) == doc_ids.unsqueeze(-2)
-    return (same & torch.ones(same.shape[-2:], dtype=torch.bool).tril()).unsqueeze(1)
-
-
 def _check_case(group, rank: int, cp: int, seq_len: int, rotate: str, scale, documents: bool = False) -> None:
     q, k, v, grad = _full_inputs(seq_len, seed=seq_len + cp)
     full = [t.clone().requires_grad_() for t in (q, k, v)]
     doc_ids = _document_ids(seq_len, cp) if documents else None
     if documents:
-        ref = F.scaled_dot_product_attention(*full, attn_mask=_dense_block_causal(doc_ids), scale=scale, enable_gqa=True)
+        mask = dense_causal_mask(doc_ids, seq_len, "cpu")
+        ref = F.scaled_dot_product_attention(*full, attn_mask=mask, scale=scale, enable_gqa=True)
     else:
         ref = F.scaled_dot_product_attention(*full, is_causal=True, scale=scale, enable_gqa=True)
     ref.backward(grad)
@@ -119,7 +116,7 @@ def _worker(rank: int, world_size: int, port: int) -> None:
         doc_ids = _document_ids(16, 1)
         torch.testing.assert_close(
             context_attention(q, k, v, singles[rank], doc_ids=doc_ids),
-            F.scaled_dot_product_attention(q, k, v, attn_mask=_dense_block_causal(doc_ids), enable_gqa=True),
+            F.scaled_dot_product_attention(q, k, v, attn_mask=dense_causal_mask(doc_ids, 16, "cpu"), enable_gqa=True),
         )
         dist.barrier()
     finally:
