@@ -34,9 +34,12 @@ class World:
         return self.rank == 0
 
 
-CPU_OFFLOAD_BACKEND = "cuda:nccl,cpu:gloo"
-"""The process group's backends under FSDP CPU offload: the gradients (and so the gradient norm's collectives)
-live in CPU memory, which NCCL cannot reduce."""
+def process_group_backend(device_type: str, cpu_offload: bool = False) -> str:
+    """nccl on CUDA, gloo elsewhere. Under FSDP's CPU offload (``cpu_offload``) CUDA gets gloo beside nccl: the
+    gradients, and so the gradient norm's collectives, live in CPU memory, which NCCL cannot reduce."""
+    if device_type != "cuda":
+        return "gloo"
+    return "cuda:nccl,cpu:gloo" if cpu_offload else "nccl"
 
 
 def world_size_from_env() -> int:
@@ -62,12 +65,9 @@ def init_distributed(cfg=None) -> World:
     if torch.cuda.is_available():
         device = torch.device("cuda", local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
-        backend = "nccl"
     else:
         device = torch.device("cpu")
-        backend = "gloo"
-    if backend == "nccl" and cfg is not None and cfg.parallelism.fsdp_cpu_offload:
-        backend = CPU_OFFLOAD_BACKEND
+    backend = process_group_backend(device.type, cfg is not None and cfg.parallelism.fsdp_cpu_offload)
     # TESSERA_BACKEND=gloo lets several ranks share one GPU (NCCL refuses that): a check of CUDA code paths.
     backend = os.environ.get("TESSERA_BACKEND", backend)
     timeout = None

@@ -26,7 +26,7 @@ from engine.config import Config, dump, grad_accumulation_steps, pp_microbatches
 from engine.data.datasets import DataError
 from engine.data.loader import build_dataloader
 from engine.data.tokenizer import build_tokenizer
-from engine.distributed import (CPU_OFFLOAD_BACKEND, World, agree_on_user_errors, comm_trace_prefix,
+from engine.distributed import (World, agree_on_user_errors, comm_trace_prefix, process_group_backend,
                                 set_collective_timeout, set_determinism)
 from engine.metrics import MetricsLogger
 from engine.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
@@ -172,8 +172,8 @@ class Trainer:
         # The mesh: which ranks share data, shards and tokens.
         self.dims = ParallelDims.from_config(cfg.parallelism, world.world_size)
         if self.dims.distributed:
-            cpu_offload = cfg.parallelism.fsdp_cpu_offload and self.device.type == "cuda"
-            self.dims.build_mesh(self.device.type, CPU_OFFLOAD_BACKEND if cpu_offload else None)
+            self.dims.build_mesh(self.device.type,
+                                 process_group_backend(self.device.type, cfg.parallelism.fsdp_cpu_offload))
             set_collective_timeout(cfg.comm.init_timeout_seconds)  # the mesh's new groups too, until step 1
         self.dp_rank, self.dp_size = self.dims.coordinate("dp")
         self.grad_accum = grad_accumulation_steps(cfg, self.dp_size)

@@ -117,16 +117,15 @@ class ParallelDims:
         return self.world_size > 1 or self.fsdp_single_rank
 
     # -- the mesh ----------------------------------------------------------------------------------------
-    def build_mesh(self, device_type: str, backend: Optional[str] = None):
+    def build_mesh(self, device_type: str, backend: str = "gloo"):
         """Build the 5-D mesh and its flattened views (needs an initialized process group of world_size, or, for
-        fsdp_single_rank, makes one of ``backend``: by default nccl on CUDA, gloo elsewhere)."""
+        fsdp_single_rank, makes one of ``backend``: the trainer passes engine.distributed.process_group_backend's)."""
         from torch.distributed.device_mesh import init_device_mesh
 
         assert self.distributed, "a world of one rank has no mesh"
         import torch.distributed as dist
 
         if not dist.is_initialized():  # fsdp_single_rank: a process group of one, no launcher needed
-            backend = backend or ("nccl" if device_type == "cuda" else "gloo")
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
         shape = tuple(getattr(self, name) for name in DIM_NAMES)
         root = init_device_mesh(device_type, shape, mesh_dim_names=DIM_NAMES)
