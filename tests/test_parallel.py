@@ -115,15 +115,16 @@ def world_results(request, batches, tmp_path_factory):
     return run_world(world, layouts, {name: batches for name in layouts}, str(tmp_path_factory.mktemp(f"w{world}")))
 
 
-def _check(result, reference):
-    """Losses and gradient norms of every step, and the first step's clipped gradients of every parameter (from
-    every pipeline stage)."""
+def _check(result, reference, args: list[str]):
+    """Losses and gradient norms of every step, the first step's clipped gradients of every parameter (from
+    every pipeline stage), and that the features ``args`` ask for were built (``_check_built``)."""
     assert "error" not in result, result.get("error")
     assert result["losses"] == pytest.approx(reference["losses"], rel=1e-5)
     assert result["grad_norms"] == pytest.approx(reference["grad_norms"], rel=1e-5)
     assert set(result["grads"]) == set(reference["grads"])
     for name, g in result["grads"].items():
         torch.testing.assert_close(g, reference["grads"][name], rtol=1e-4, atol=1e-7, msg=lambda m: f"{name}: {m}")
+    _check_built(args, result["built"])
 
 
 def test_reference_trains(reference):
@@ -136,8 +137,7 @@ def test_single_process_ac_matches_reference(batches, reference, tmp_path):
     for mode in (["full"], ["selective"], ["selective", "--activation_checkpoint.selective_option", "3"]):
         args = _layout(GLOBAL, "--activation_checkpoint.mode", *mode)
         result = run_layout(args, 1, 0, batches, str(tmp_path))
-        _check(result, reference)
-        _check_built(args, result["built"])
+        _check(result, reference, args)
 
 
 def test_single_process_fused_loss_matches_reference(batches, reference, tmp_path):
@@ -145,14 +145,12 @@ def test_single_process_fused_loss_matches_reference(batches, reference, tmp_pat
     for extra in ([], ["--compile.enable"]):
         args = _layout(GLOBAL, "--training.loss_chunk_tokens", "48", *extra)
         result = run_layout(args, 1, 0, batches, str(tmp_path))
-        _check(result, reference)
-        _check_built(args, result["built"])
+        _check(result, reference, args)
 
 
 def test_single_process_compile_matches_reference(batches, reference, tmp_path):
-    result = run_layout(_layout(GLOBAL, "--compile.enable"), 1, 0, batches, str(tmp_path))
-    _check(result, reference)
-    _check_built(_layout(GLOBAL, "--compile.enable"), result["built"])
+    args = _layout(GLOBAL, "--compile.enable")
+    _check(run_layout(args, 1, 0, batches, str(tmp_path)), reference, args)
 
 
 def test_fsdp_on_a_single_rank_matches_reference(batches, reference, tmp_path):
@@ -161,8 +159,7 @@ def test_fsdp_on_a_single_rank_matches_reference(batches, reference, tmp_path):
     try:
         args = _layout(GLOBAL, "--parallelism.fsdp_single_rank", "--activation_checkpoint.mode", "selective")
         result = run_layout(args, 1, 0, batches, str(tmp_path))
-        _check(result, reference)
-        _check_built(args, result["built"])
+        _check(result, reference, args)
         assert result["built"]["dtensor_params"]  # FSDP2 did wrap it
     finally:
         destroy_distributed()
@@ -197,8 +194,7 @@ def test_parallel_layouts_match_single_process(world_results, reference):
     args_by_name = {name: args for layouts in LAYOUTS.values() for name, args in layouts.items()}
     for name, result in world_results.items():
         try:
-            _check(result, reference)
-            _check_built(args_by_name[name], result["built"])
+            _check(result, reference, args_by_name[name])
         except AssertionError as e:
             failures.append(f"{name}: {str(e)[:600]}")
     assert not failures, "\n".join(failures)
@@ -231,7 +227,7 @@ def test_document_masking_matches_single_process(batches, reference, tmp_path):
     for world, layouts in worlds.items():
         results = run_world(world, layouts, {name: batches for name in layouts}, str(tmp_path / f"w{world}"))
         for name, result in results.items():
-            _check(result, doc_reference)
+            _check(result, doc_reference, layouts[name])
 
 
 def test_split_backward_probe():
