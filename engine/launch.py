@@ -64,7 +64,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         run(args)
     except ChildFailedError as e:
-        user = sorted((f.timestamp, rank, f, user_error(f)) for rank, f in e.failures.items() if user_error(f))
+        recorded = ((f.timestamp, rank, f, user_error(f)) for rank, f in e.failures.items())
+        user = sorted(r for r in recorded if r[3] is not None)
         if not user:
             raise
         _, rank, _, info = user[0]

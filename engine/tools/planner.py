@@ -235,10 +235,10 @@ def step_cost(cfg, dims, shape: memory.ModelShape, flops_per_token: float, rows:
     n = dims.dp_shard * cp
     if n > 1:
         policy = cfg.parallelism.fsdp_reshard_after_forward
-        if dims.pp > 1 and policy != "always":
-            gathers = ga  # the stage stays gathered over each pipeline step()'s microbatches
+        if dims.pp > 1:  # a pipeline step() keeps its stage gathered after each backward
+            gathers = passes if policy == "always" else ga  # "always": gathered again for each backward
         else:
-            gathers = passes * (1 if policy == "never" or dims.pp > 1 else 2)
+            gathers = passes if policy == "never" else 2 * passes
         volume = (n - 1) / n * held.tp * (2 * gathers + 4 * ga)
         bw, links["dp"] = bandwidth(tp, n)
         dp_time += volume / bw

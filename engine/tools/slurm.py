@@ -230,7 +230,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         i = argv.index("--")
         argv, train_args = argv[:i], argv[i + 1:]
     p = ArgumentParser(prog="python -m engine.tools.slurm",
-                                description="Render an sbatch script for Tessera (see the module docstring).")
+                       description="Render an sbatch script for Tessera (see the module docstring).")
     p.add_argument("--nodes", type=int, default=1)
     p.add_argument("--gpus-per-node", type=int, default=8)
     p.add_argument("--config", default=JobSpec.config)

@@ -240,8 +240,8 @@ def collect(out: str, warmup: Optional[int]) -> tuple[list[dict], list[str]]:
 
 def _parser() -> argparse.ArgumentParser:
     p = ArgumentParser(prog="python -m engine.tools.sweep", description=__doc__.split("\n\n")[0],
-                                allow_abbrev=False,
-                                epilog="Other --section.key value arguments override the base config for every run.")
+                       allow_abbrev=False,
+                       epilog="Other --section.key value arguments override the base config for every run.")
     p.add_argument("--config", default="", help="base TOML (default: the built-in defaults)")
     p.add_argument("--dim", help="the config key to sweep, e.g. parallelism.tp")
     p.add_argument("--values", help="comma-separated values of --dim, e.g. 1,2,4")
