@@ -42,7 +42,8 @@ Document masking (``model.attn_mask = block_causal``, ``doc_ids`` given)
     skipped as without masking; a block may now hold query rows with no visible key (a document that starts
     after the key chunk ends): such a row's lse is -inf and its output 0, and the merge gives it no weight. The
     CPU kernel takes the mask as an additive bias; on CUDA the flash kernel takes no mask, so masked blocks use
-    the matmul/softmax kernel (it materializes one ``[B, H, S / 2cp, S / 2cp]`` fp32 block at a time).
+    the matmul/softmax kernel (it materializes the fp32 scores of at most ``MATH_TILE_BYTES`` at a time: a
+    block's query rows in tiles).
 """
 
 from __future__ import annotations
@@ -162,34 +163,61 @@ def _cuda_block_backward(dout, q, k, v, out, lse, is_causal: bool, scale: Option
     return dq, dk, dv
 
 
-def _math_scores(q: Tensor, k: Tensor, is_causal: bool, scale: Optional[float], mask=None) -> Tensor:
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
+MATH_TILE_BYTES = 256 * 2**20
+"""At most this many bytes of fp32 scores at a time in the matmul/softmax kernels: a block's query rows are
+processed in tiles of ``MATH_TILE_BYTES / (B * H * Sk * 4)`` rows (at 128k tokens over cp 8 a whole
+``[1, 32, 8192, 8192]`` block would be 8 GiB)."""
+
+
+def _row_tiles(q: Tensor, k: Tensor) -> list[tuple[int, int]]:
+    """``(first, end)`` query rows of each tile of a block of ``q`` against ``k``."""
+    batch, heads, rows_total, keys = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
+    rows = max(1, MATH_TILE_BYTES // (batch * heads * keys * 4))
+    return [(first, min(first + rows, rows_total)) for first in range(0, rows_total, rows)]
+
+
+def _math_scores(q: Tensor, k: Tensor, is_causal: bool, scale: float, mask, first: int) -> Tensor:
+    """Scaled fp32 scores of the query rows ``q`` (block rows ``first`` on) against all of ``k``; ``mask`` the
+    same rows of the block's mask."""
     s = (q.float() @ k.float().transpose(-1, -2)) * scale
     if mask is not None:
         s = s.masked_fill(~mask, float("-inf"))
     elif is_causal:
-        s = s.masked_fill(torch.ones_like(s, dtype=torch.bool).triu(1), float("-inf"))
+        later = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1 + first)
+        s = s.masked_fill(later, float("-inf"))
     return s
 
 
 def _math_block_forward(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: Optional[float], mask=None):
-    s = _math_scores(q, k, is_causal, scale, mask)
-    lse = s.logsumexp(-1)
-    finite_lse = lse.masked_fill(lse.isneginf(), 0.0)  # an empty row: exp(-inf - 0) = 0, not nan
-    out = (s - finite_lse.unsqueeze(-1)).exp() @ v.float()
-    return out.to(q.dtype), lse
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    outs, lses = [], []
+    for first, end in _row_tiles(q, k):
+        tile_mask = None if mask is None else mask[..., first:end, :]
+        s = _math_scores(q[..., first:end, :], k, is_causal, scale, tile_mask, first)
+        lse = s.logsumexp(-1)
+        finite_lse = lse.masked_fill(lse.isneginf(), 0.0)  # an empty row: exp(-inf - 0) = 0, not nan
+        outs.append(((s - finite_lse.unsqueeze(-1)).exp() @ v.float()).to(q.dtype))
+        lses.append(lse)
+    return torch.cat(outs, dim=2), torch.cat(lses, dim=2)
 
 
 def _math_block_backward(dout, q, k, v, out, lse, is_causal: bool, scale: Optional[float], mask=None):
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    p = (_math_scores(q, k, is_causal, scale, mask) - lse.unsqueeze(-1)).exp()
-    dout = dout.float()
-    dv = p.transpose(-1, -2) @ dout
-    dp = dout @ v.float().transpose(-1, -2)
-    ds = p * (dp - (dout * out.float()).sum(-1, keepdim=True)) * scale
-    dq = ds @ k.float()
-    dk = ds.transpose(-1, -2) @ q.float()
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    dqs = []
+    dk = torch.zeros_like(k, dtype=torch.float32)
+    dv = torch.zeros_like(v, dtype=torch.float32)
+    for first, end in _row_tiles(q, k):
+        rows = slice(first, end)
+        tile_mask = None if mask is None else mask[..., rows, :]
+        p = (_math_scores(q[..., rows, :], k, is_causal, scale, tile_mask, first)
+             - lse[..., rows].unsqueeze(-1)).exp()
+        dout_t = dout[..., rows, :].float()
+        dv += p.transpose(-1, -2) @ dout_t
+        dp = dout_t @ v.float().transpose(-1, -2)
+        ds = p * (dp - (dout_t * out[..., rows, :].float()).sum(-1, keepdim=True)) * scale
+        dqs.append((ds @ k.float()).to(q.dtype))
+        dk += ds.transpose(-1, -2) @ q[..., rows, :].float()
+    return torch.cat(dqs, dim=2), dk.to(k.dtype), dv.to(v.dtype)
 
 
 def _block_kernels(q: Tensor, masked: bool) -> tuple[Callable, Callable]:

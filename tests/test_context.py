@@ -99,13 +99,16 @@ def _worker(rank: int, world_size: int, port: int) -> None:
                 _check_case(group, rank, world_size, seq_len, rotate, scale=None)
                 _check_case(group, rank, world_size, seq_len, rotate, scale=None, documents=True)
         _check_case(group, rank, world_size, SEQ_LENS[world_size][0], "alltoall", scale=0.3)
-        # The kernels masked blocks take on CUDA (matmul/softmax), inside the ring.
-        kernels = context._block_kernels
+        # The kernels masked blocks take on CUDA (matmul/softmax), inside the ring; whole blocks, then one query
+        # row at a time (the tiling of long blocks).
+        kernels, tile_bytes = context._block_kernels, context.MATH_TILE_BYTES
         context._block_kernels = lambda q, masked: (_math_block_forward, _math_block_backward)
         try:
             _check_case(group, rank, world_size, SEQ_LENS[world_size][0], "allgather", scale=None, documents=True)
+            context.MATH_TILE_BYTES = 1
+            _check_case(group, rank, world_size, SEQ_LENS[world_size][0], "alltoall", scale=None, documents=True)
         finally:
-            context._block_kernels = kernels
+            context._block_kernels, context.MATH_TILE_BYTES = kernels, tile_bytes
         # A one-rank group: plain (block-)causal attention.
         singles = [dist.new_group([r]) for r in range(world_size)]
         q, k, v, _ = _full_inputs(16, seed=0)
@@ -164,11 +167,16 @@ def test_bad_rotate_name():
         context_attention(q, q, q, None, rotate="ring")
 
 
+@pytest.mark.parametrize("tiled", [False, True])
 @pytest.mark.parametrize("is_causal,masked", [(False, False), (True, False), (False, True)])
-def test_math_block_kernels_match_cpu_flash(is_causal, masked):
+def test_math_block_kernels_match_cpu_flash(is_causal, masked, tiled, monkeypatch):
     """The matmul kernels (used where no flash kernel fits, e.g. fp32 on CUDA, or masked blocks on CUDA) agree
     with the CPU flash ones, also when the backward is given another output and lse (as ring attention does).
-    Masked: a query row with no visible key has lse -inf and output 0 from both."""
+    Masked: a query row with no visible key has lse -inf and output 0 from both. Tiled: the query rows go in
+    tiles of 3 (of 8), as a long block's would under ``MATH_TILE_BYTES``."""
+    if tiled:
+        monkeypatch.setattr(context, "MATH_TILE_BYTES", 3 * 2 * 3 * 8 * 4)  # 3 rows of [B=2, H=3, Sk=8] fp32
+        assert context._row_tiles(torch.empty(2, 3, 8, 16), torch.empty(2, 3, 8, 16)) == [(0, 3), (3, 6), (6, 8)]
     g = torch.Generator().manual_seed(1)
     q, k, v, dout = (torch.randn(2, 3, 8, 16, generator=g) for _ in range(4))
     mask = None
