@@ -333,3 +333,57 @@ def test_shared_empty_fsdp_chunks_give_torch_shapes():
         on_cpu = [c.shape for c in _fsdp_param._chunk_with_empty(torch.empty(5, 3), 8, 0)]
     assert got == want == on_cpu and len(got) == 8 and got[-1] == torch.Size([0])
     assert _fsdp_param._chunk_with_empty is original
+
+
+def test_autocast_cache_keeps_checkpointed_weight_copies_for_the_region():
+    """The premise of the PP estimate below: inside one autocast region a checkpointed block's recomputation
+    finds its weight's bf16 copy still cached (no second cast), so the copy lives as long as the region; a
+    region per forward (no PP) casts again."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils.checkpoint import checkpoint
+
+    class CountCasts(TorchDispatchMode):
+        casts = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func is torch.ops.aten._to_copy.default and args[0] is w and kwargs.get("dtype") == torch.bfloat16:
+                CountCasts.casts += 1
+            return func(*args, **kwargs)
+
+    w = torch.nn.Parameter(torch.randn(16, 16))
+    x = torch.randn(4, 16, requires_grad=True)
+
+    def step(one_region: bool) -> int:
+        CountCasts.casts = 0
+        with CountCasts():
+            region = torch.autocast("cpu", dtype=torch.bfloat16)
+            region.__enter__()
+            y = checkpoint(lambda h: torch.relu(h @ w), x, use_reentrant=False)
+            if not one_region:
+                region.__exit__(None, None, None)
+            y.float().sum().backward()
+            if one_region:
+                region.__exit__(None, None, None)
+        return CountCasts.casts
+
+    assert step(one_region=True) == 1
+    assert step(one_region=False) == 2
+
+
+def test_estimate_counts_the_pipeline_steps_autocast_cache():
+    """PP without FSDP runs each step in one autocast region: every matmul weight's bf16 copy is counted, also
+    the checkpointed blocks' (one copy, shared by the microbatches); compiled blocks cast in their graphs."""
+    argv = ["--model.flavor", "8B_L8", "--training.seq_len", "4096", "--activation_checkpoint.mode", "full",
+            "--parallelism.pp", "2", "--training.local_batch_size", "2"]
+    rows = _peak(argv, world=2)
+    for row in rows:
+        est = row.estimate
+        all_mm = sum(s.block.matmul_tp * s.layers + (s.final.matmul_tp if s.final else 0) for s in row.stages)
+        assert est.moments["loss"].working == 2 * all_mm
+        assert est.moments["recompute"].working == 2 * all_mm
+    compiled = _peak(argv + ["--compile.enable", "true"], world=2)
+    last = compiled[-1]
+    assert last.estimate.moments["loss"].working == 2 * last.stages[-1].final.matmul_tp  # the output's only
+    single = _peak(argv[:-4])[0]  # no PP: a region per forward; checkpointed blocks cast again when recomputed
+    assert single.estimate.moments["loss"].working == 2 * single.stages[0].final.matmul_tp

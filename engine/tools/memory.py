@@ -17,7 +17,9 @@ What is counted (bytes per rank; the target is a CUDA GPU with ``training.mixed_
   blocks: the root module (embedding, final norm, output; never resharded after forward by default) and two
   blocks (the one kept for backward and the prefetched next one) at the loss; every block with
   ``fsdp_reshard_after_forward = never``. Without FSDP, bf16 autocast casts each matmul weight to bf16 once
-  per forward and autograd keeps the copy until that matmul's backward. Under pipeline parallelism with
+  per forward and autograd keeps the copy until that matmul's backward; under pipeline parallelism the step's
+  one autocast region caches a copy of every matmul weight for the whole step (measured on CPU: a
+  checkpointed block's bf16 copy lives until the autocast region ends). Under pipeline parallelism with
   FSDP, torch's pipeline stages keep the whole stage unsharded (bf16) with fp32 unsharded gradient
   accumulators between microbatches.
 
@@ -482,6 +484,11 @@ def estimate(shape: ModelShape, stages: list[StageParams], lay: RankLayout) -> M
     n_blocks = sum(kinds.values())
     checkpointed = {k: n for k, n in kinds.items() if k != "none" and n}
     autocast = pr.name == "bf16 (autocast)"
+    all_mm = sum(s.block.matmul_tp * s.layers + (s.final.matmul_tp if s.final else 0) for s in stages)
+    # Under PP the whole schedule step (forwards and backwards) runs in one autocast region, so autocast's cache
+    # keeps the bf16 copy of every matmul weight (checkpointed blocks' too) from its first cast to the step's end;
+    # every microbatch shares it. Compiled blocks cast inside their graphs, not through the cache.
+    step_cache = autocast and lay.pp > 1 and not lay.compiled
 
     def saved(stage: StageParams) -> float:
         """Activations one microbatch leaves in ``stage``."""
@@ -506,6 +513,8 @@ def estimate(shape: ModelShape, stages: list[StageParams], lay: RankLayout) -> M
         blocks = {"always": 1, "default": 2, "never": n_blocks}[lay.reshard_after_forward]
         root_held = 0 if lay.reshard_after_forward == "always" else root.tp
         working = pr.working * (root_held + min(blocks, n_blocks) * block.tp)
+    elif step_cache:  # autocast's cache: a bf16 copy of every matmul weight, all step
+        working = pr.working * all_mm
     elif autocast:  # a bf16 copy of every matmul weight outside checkpointed blocks
         final_mm = sum(s.final.matmul_tp for s in stages if s.final is not None)
         working = pr.working * (kinds.get("none", 0) * block.matmul_tp + final_mm)
@@ -518,7 +527,6 @@ def estimate(shape: ModelShape, stages: list[StageParams], lay: RankLayout) -> M
 
     if autocast:  # the end of the forward: autocast's cache holds every bf16 weight copy made in eager code
         logits = pr.compute * shape.vocab_size / lay.tp * T if has_last and not lay.loss_chunk_tokens else 0
-        all_mm = sum(s.block.matmul_tp * s.layers + (s.final.matmul_tp if s.final else 0) for s in stages)
         # compiled blocks cast inside their graphs: they keep the copies of blocks without AC only
         cached = working if lay.compiled else pr.working * all_mm
         moments["forward"] = Moment(grads_early, cached, activations, logits)
@@ -527,7 +535,7 @@ def estimate(shape: ModelShape, stages: list[StageParams], lay: RankLayout) -> M
         own = max(block_bytes_per_token(shape, lay, k) for k in checkpointed)  # what that block kept
         fresh = block_bytes_per_token(shape, lay, "none") - own  # what its recomputation adds to it
         recompute = (fresh + block_backward_bytes_per_token(shape, lay)) * T
-        if autocast:
+        if autocast and not step_cache:  # the recomputed block casts its weights again
             recompute += pr.working * block.matmul_tp
         others = activations - chunk  # other microbatches still in flight
         kept = _saved_blocks(shape, lay, checkpointed) * T
@@ -540,7 +548,7 @@ def estimate(shape: ModelShape, stages: list[StageParams], lay: RankLayout) -> M
             top = bottom = grads_early + (root_grads if lay.fsdp and not pp_fsdp else 0)
         else:
             top, bottom = root_grads, root_grads + 4 * block.local * max(n_blocks - 1, 0)
-        if autocast:  # the blocks without checkpointing keep their weight copies until their backward
+        if autocast and not step_cache:  # blocks without checkpointing keep their weight copies until their backward
             at_top_working, at_bottom_working = pr.working * kinds.get("none", 0) * block.matmul_tp, 0
         else:
             at_top_working = at_bottom_working = working
