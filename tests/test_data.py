@@ -118,6 +118,11 @@ def test_builtin_tokenizer_round_trip_and_specials(tok):
         assert tok.decode(torch.tensor(ids), skip_special_tokens=True) == text
     assert len(tok.encode("the the the the", bos=False, eos=False)) <= 4
     assert tok.encode_batch(["a b", "c"]) == [tok.encode("a b"), tok.encode("c")]
+    # Special tokens written in a document are text: they neither end it nor start another.
+    text = "a literal <|end_of_text|> in a doc about <|begin_of_text|> tokens"
+    for ids in (tok.encode(text), tok.encode_batch([text])[0]):
+        assert ids.count(tok.bos_id) == 1 and ids.count(tok.eos_id) == 1
+        assert tok.decode(ids[1:-1]) == text
 
 
 def _variant(tmp_path, name, replace=None, post_bos=None, config=None):

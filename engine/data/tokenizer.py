@@ -5,7 +5,8 @@ none that adds BOS, GPT-2's has none at all): text is encoded with ``add_special
 BOS/EOS ids are added here. They are found from a ``tokenizer_config.json`` beside the file
 (``bos_token``/``eos_token``, a string or ``{"content": ...}``) when there is one, else from the first
 known pair of names present in the vocabulary: ``<|begin_of_text|>``/``<|end_of_text|>`` (Llama 3),
-``<s>``/``</s>`` (Llama 2, Mistral), ``<|endoftext|>`` for both (GPT-2 style).
+``<s>``/``</s>`` (Llama 2, Mistral), ``<|endoftext|>`` for both (GPT-2 style). Special tokens written in a
+document's text are encoded as plain text.
 """
 
 from __future__ import annotations
@@ -51,6 +52,9 @@ class Tokenizer:
         except Exception as e:  # the Rust side raises a plain Exception for malformed files
             reason = " ".join(str(e).split()) or type(e).__name__
             raise ConfigError(f"{field}: '{path}' is not a valid Hugging Face tokenizer.json ({reason})") from None
+        # A document's text is text: "<|end_of_text|>" written in it is encoded as those characters, never as
+        # the special token (as Llama 3's own tiktoken encoding does), so a document cannot end itself early.
+        self._tok.encode_special_tokens = True
         self.bos_token, self.eos_token = self._find_special_tokens(field)
         self._bos_id = self._tok.token_to_id(self.bos_token)
         self._eos_id = self._tok.token_to_id(self.eos_token)
