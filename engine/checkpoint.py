@@ -591,7 +591,7 @@ class Checkpointer:
         t = self.trainer
         num_shards, old_dp = int(info.train_state["num_shards"]), int(info.train_state["dp"])
         if num_shards != t.dataloader.num_shards:
-            t.rebuild_dataloader(num_shards)  # raises naming data.num_shards when dp exceeds it
+            t.rebuild_dataloader(num_shards)  # raises naming data.num_shards when dp does not divide it
         shards: dict[str, dict] = {}
         turn = 0
         for old_rank in sorted({s % old_dp for s in t.dataloader.shard_ids}):

@@ -108,9 +108,10 @@ class Data:
     """Path to a Hugging Face tokenizer.json; empty uses model.hf_assets_path, else the built-in tokenizer."""
     num_shards: int = -1
     """Logical shards the dataset is split into; each data-parallel rank reads its shards in turn. -1 means
-    one per data-parallel rank. A checkpoint keeps its shard count, so a run can resume on another
-    data-parallel degree (up to num_shards) without repeating or skipping samples: set it to a multiple of
-    every dp degree you may resume on (e.g. 64)."""
+    one per data-parallel rank; it must be a multiple of the data-parallel degree (every rank reads as many
+    shards). A checkpoint keeps its shard count, so a run can resume on another data-parallel degree that
+    divides num_shards without repeating or skipping samples: set it to a multiple of every dp degree you may
+    resume on (e.g. 64)."""
 
 
 @dataclass
@@ -778,8 +779,11 @@ def validate(cfg: Config, world_size: int = 1, machine: Optional[Machine] = None
                           "checkpoint loads on any layout")
     if cfg.data.num_shards != -1:
         _positive("data.num_shards", cfg.data.num_shards)
-        if cfg.data.num_shards < dp:
-            raise ConfigError(f"data.num_shards: {cfg.data.num_shards} is fewer than the data-parallel degree {dp}")
+        if cfg.data.num_shards % dp:
+            raise ConfigError(
+                f"data.num_shards: {cfg.data.num_shards} shards do not split evenly over the data-parallel degree "
+                f"{dp} (a rank with fewer shards would read them faster and oversample them); use a multiple of {dp}"
+            )
 
     # profiling, comm
     pr = cfg.profiling

@@ -27,6 +27,8 @@ BAD_LAYOUTS = [
      "activation_checkpoint.selective_option"),
     (2, ["--parallelism.tp", "2", "--parallelism.enable_async_tp"], "parallelism.enable_async_tp"),
     (2, ["--parallelism.fsdp_reshard_after_forward", "sometimes"], "parallelism.fsdp_reshard_after_forward"),
+    (3, ["--data.num_shards", "4"], "data.num_shards"),  # 3 dp ranks would read 4 shards unevenly
+    (4, ["--data.num_shards", "2"], "data.num_shards"),
     # pipeline and context parallelism
     (2, ["--parallelism.pp", "2", "--parallelism.pp_schedule", "Interleaved1F1B",
          "--parallelism.pp_virtual_stages", "5"], "parallelism.pp"),  # 10 stages, 6 layers

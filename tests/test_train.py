@@ -110,9 +110,17 @@ def test_bad_data_contents_give_one_error_line(tmp_path, capsys, jsonl_data):
     dump = tmp_path / "run"
     bad_ext = tmp_path / "data.csv"
     bad_ext.write_text("text\nhello\n")
+    numbers = tmp_path / "numbers.jsonl"
+    numbers.write_text("".join(json.dumps({"text": i}) + "\n" for i in range(10)))
+    blank = tmp_path / "blank.jsonl"
+    blank.write_text('{"text": ""}\n' * 10)
     for argv, field in [
         (["--data.path", jsonl_data], "data.text_field"),  # the file's column is 'body'
         (["--data.path", str(bad_ext)], "data.path"),
+        # Found by reading the first document at start-up, not at the first step.
+        (["--data.path", str(numbers)], "data.text_field: column 'text' holds int values"),
+        (["--data.path", str(numbers), "--data.streaming", "false"], "data.text_field: column 'text' holds int"),
+        (["--data.path", str(blank)], "data.path: "),
     ]:
         rc, out, err = run_main(["--job.dump_folder", str(dump), *SMALL, *argv], capsys)
         lines = err.strip().splitlines()

@@ -77,6 +77,17 @@ class DataLoader:
         self.batches_produced = 0
         self.samples_produced = 0
         self._set_position(epoch=0, index=0, ds_state=None, offset=0, docs_consumed=0)
+        self._check_first_document()
+
+    def _check_first_document(self) -> None:
+        """Read and tokenize this shard's first document now (a fresh read; the position does not move), so
+        that a text column of the wrong type, or one with no text at all, stops the run before it starts
+        instead of at its first step."""
+        docs = self._document_stream(0, 0, None, at_start=True)
+        try:
+            next(docs)
+        finally:
+            docs.close()
 
     # ------------------------------------------------------------------------------------------------
     # Position
@@ -131,8 +142,9 @@ class DataLoader:
             for i in range(index, len(order)):
                 yield i, None, None, self.dataset[int(order[i])]
 
-    def _document_stream(self, epoch: int, index: int, ds_state) -> Iterator[_Doc]:
+    def _document_stream(self, epoch: int, index: int, ds_state, at_start: bool = False) -> Iterator[_Doc]:
         """Documents from (epoch, index[, ds_state]) on, forever; records with a null/empty text are skipped.
+        Bad data raises DataError (mid-run), or ConfigError when ``at_start`` (the start-up check).
 
         Records are read ahead in groups of READ_AHEAD and tokenized together (in parallel); every
         document keeps its own position, so reading ahead does not change what a state_dict records.
@@ -146,7 +158,15 @@ class DataLoader:
                 record = next(records, None)
                 if record is not None:
                     i, before, after, example = record
-                    text = document_text(example, self.text_field)
+                    try:
+                        text = document_text(example, self.text_field)
+                    except ConfigError as e:
+                        if at_start:
+                            raise
+                        raise DataError(
+                            f"{e} (record {i} of shard {self.dp_rank} of {self.dp_world_size}, epoch {epoch}); fix "
+                            "or remove the bad record, then resume from the last checkpoint"
+                        ) from None
                     if text is not None:
                         pending.append((text, i, before, after))
                 if pending and (record is None or len(pending) >= READ_AHEAD):
@@ -157,8 +177,8 @@ class DataLoader:
                     pending = []
                 if record is None:
                     break
-            if whole_epoch and not yielded:
-                raise ConfigError(
+            if whole_epoch and not yielded:  # (an epoch after the first: the data changed under the run)
+                raise (ConfigError if at_start else DataError)(
                     f"{self.source.field}: {self.source.describe()} has no non-empty '{self.text_field}' "
                     f"documents for data-parallel rank {self.dp_rank} of {self.dp_world_size}"
                 )
@@ -170,6 +190,14 @@ class DataLoader:
                 self._docs = self._document_stream(self._epoch, self._index, self._ds_state)
             self._doc = next(self._docs)
             self._epoch, self._index, self._ds_state = self._doc.epoch, self._doc.index, self._doc.ds_state
+            if self._offset > len(self._doc.tokens):  # a resumed position inside a document now shorter
+                raise DataError(
+                    f"data.tokenizer: the checkpoint's data position is token {self._offset} of record "
+                    f"{self._index} of shard {self.dp_rank} (epoch {self._epoch}), which now has "
+                    f"{len(self._doc.tokens)} tokens: the data or the tokenizer changed since that checkpoint; "
+                    "resume with the same ones, or leave the data position out (checkpoint.exclude_from_loading "
+                    "= [\"dataloader\"])"
+                )
         return self._doc
 
     def _advance_doc(self) -> None:
@@ -295,10 +323,10 @@ class ShardedDataLoader:
 
     The dataset is split into ``num_shards`` logical shards (``data.num_shards``; by default one per
     data-parallel rank, which is then exactly the plain per-rank loader). Data-parallel rank r of dp reads
-    the shards s with s % dp == r, one sample from each in turn. Every shard advances at the same rate on
-    any dp degree that divides num_shards, so the global batch of a step holds the same samples whatever
-    the degree; on other degrees a shard may run ahead of another by a sample, but a sample is never read
-    twice or skipped. Batches carry ``sample_ids`` (shard * 2**36 + index in the shard) to prove it.
+    the shards s with s % dp == r, one sample from each in turn; dp must divide num_shards (every rank then
+    reads as many shards, and every shard advances at the same rate), so the global batch of a step holds
+    the same samples whatever the degree, and a sample is never read twice or skipped. Batches carry
+    ``sample_ids`` (shard * 2**36 + index in the shard) to prove it.
 
     ``state_dict()`` is JSON data: every shard's position. ``load_state_dict`` takes the positions of this
     rank's shards, wherever they were saved (engine/checkpoint.py gathers them).
@@ -307,10 +335,11 @@ class ShardedDataLoader:
     def __init__(self, cfg: Config, tokenizer, dp_rank: int, dp_world_size: int, num_shards: int = -1):
         if num_shards == -1:
             num_shards = cfg.data.num_shards if cfg.data.num_shards > 0 else dp_world_size
-        if num_shards < dp_world_size:
+        if num_shards % dp_world_size:
             raise ConfigError(
-                f"data.num_shards: the data is split into {num_shards} shards, fewer than the {dp_world_size} "
-                "data-parallel ranks; resume on a dp degree of at most that, or start a run with more shards"
+                f"data.num_shards: the data is split into {num_shards} shards, which do not split evenly over "
+                f"{dp_world_size} data-parallel ranks (a rank with fewer shards would oversample them); resume on a "
+                f"dp degree that divides {num_shards}, or start a run with a multiple of {dp_world_size} shards"
             )
         self.num_shards = num_shards
         self.dp_rank, self.dp_world_size = dp_rank, dp_world_size
