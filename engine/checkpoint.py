@@ -95,17 +95,26 @@ _fault = fault_point
 
 
 class _MetadataUnpickler(pickle.Unpickler):
-    """Unpickles DCP's .metadata and nothing else: DCP's metadata classes, torch sizes and dtypes."""
+    """Unpickles DCP's .metadata and nothing else: the classes of DCP's metadata module (plain dataclasses and
+    enums) and the storage info of its file system writer, torch sizes, dtypes and layouts, paths. A name is
+    one attribute of its module (no dotted paths, which would reach anything the module imports)."""
 
-    _MODULES = ("torch.distributed.checkpoint.",)
+    _CLASS_MODULES = ("torch.distributed.checkpoint.metadata",)
     _GLOBALS = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
+                ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
                 ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath")}
 
     def find_class(self, module: str, name: str):
-        if module.startswith(self._MODULES) or (module, name) in self._GLOBALS:
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)):
-            return getattr(torch, name)
+        if "." not in name:
+            if (module, name) in self._GLOBALS:
+                return super().find_class(module, name)
+            if module in self._CLASS_MODULES:
+                obj = super().find_class(module, name)
+                if isinstance(obj, type) and obj.__module__ == module:  # defined there, not imported
+                    return obj
+            if module == "torch" and isinstance(getattr(torch, name, None),
+                                                (torch.dtype, torch.layout, torch.memory_format)):
+                return getattr(torch, name)
         raise pickle.UnpicklingError(f"refusing to unpickle {module}.{name}")
 
 

@@ -335,6 +335,16 @@ def _damage(kind: str, folder: Path) -> None:
 
         (folder / ".metadata").write_bytes(pickle.dumps(_Evil()))
         _recommit(folder)
+    elif kind == "dotted global in metadata":  # a name reaching through an allowed module to os.system
+        def text(x):
+            return b"\x8c" + bytes([len(x)]) + x.encode()
+
+        marker = folder.parent / "PWNED"
+        (folder / ".metadata").write_bytes(
+            b"\x80\x04" + text("torch.distributed.checkpoint.filesystem") + text("os.system") + b"\x93"
+            + text(f"touch {marker}") + b"\x85R."
+        )
+        _recommit(folder)
     elif kind == "another flavor":
         state = json.loads((folder / "train_state.json").read_text())
         state["flavor"] = "8B"
@@ -354,6 +364,7 @@ BAD = {
     "missing metadata": ".metadata is missing",
     "corrupt metadata": "unreadable or unsafe",
     "pickled code in metadata": "refusing to unpickle",
+    "dotted global in metadata": "refusing to unpickle torch.distributed.checkpoint.filesystem.os.system",
     "another flavor": "saved for model llama3/8B, this run is llama3/debugmodel",
     "truncated shard": "__0_0.distcp has",
     "no commit marker": "incomplete checkpoint",
