@@ -160,6 +160,24 @@ def is_complete(folder: str) -> bool:
     return os.path.isfile(os.path.join(folder, COMMIT_FILE))
 
 
+def _set_aside(folder: str, suffix: str) -> str:
+    """Rename ``folder`` to the first free name of ``folder + suffix``, ``folder + suffix + ".1"``, ...; returns
+    it. Nothing is overwritten."""
+    aside, n = folder + suffix, 1
+    while os.path.exists(aside):
+        aside, n = f"{folder}{suffix}.{n}", n + 1
+    os.replace(folder, aside)
+    return aside
+
+
+def _is_model_only(folder: str) -> bool:
+    try:
+        with open(os.path.join(folder, TRAIN_STATE_FILE)) as f:
+            return bool(json.load(f).get("model_only"))
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def list_steps(root: str) -> list[tuple[int, str, bool]]:
     """(step, folder, complete) of every step-N folder in ``root``, oldest first."""
     if not os.path.isdir(root):
@@ -383,11 +401,13 @@ class Checkpointer:
         folder = step_folder(self.root, step)
         if self.is_main:
             os.makedirs(self.root, exist_ok=True)
-            if os.path.exists(folder):  # our own leftover: an incomplete save of this step, or an older run's
-                aside = folder + (".incomplete" if not is_complete(folder) else ".replaced")
-                if os.path.exists(aside):
-                    shutil.rmtree(aside)
-                os.replace(folder, aside)
+            if os.path.exists(folder) and not is_complete(folder):  # our own leftover: an unfinished save
+                if os.path.exists(folder + ".incomplete"):
+                    shutil.rmtree(folder + ".incomplete")
+                os.replace(folder, folder + ".incomplete")
+            elif os.path.exists(folder):  # committed by this run before a rollback (checkpoint.load_step): kept
+                self._log(f"checkpoint: an earlier checkpoint of step {step} is set aside as "
+                          f"{_set_aside(folder, '.replaced')}")
         self._barrier()
         _fault(step, "begin")
         t0 = time.perf_counter()
@@ -444,16 +464,30 @@ class Checkpointer:
             how = f"in the background over {overlapped} training steps, " if overlapped else ""
             self._log(f"checkpoint: step {step} committed ({'model only, ' if model_only else ''}{size:.1f} MiB "
                       f"written {how}in {seconds:.2f}s) -> {folder}")
+            if not model_only:
+                self._set_aside_later_steps(step)
             self._retention()
         self._barrier()
         _fault(step, "committed")
 
+    def _set_aside_later_steps(self, step: int) -> None:
+        """This run went back to an earlier step (checkpoint.load_step) and has now committed ``step``: the
+        checkpoints after it belong to the abandoned continuation. Renamed (not deleted), so that neither a
+        resume nor keep_latest_k takes them for this run's."""
+        for later, folder, _ in list_steps(self.root):
+            if later > step:
+                self._log(f"checkpoint: step {later} belongs to the continuation this run went back from; set "
+                          f"aside as {_set_aside(folder, '.abandoned')}")
+
     def _retention(self) -> None:
+        """checkpoint.keep_latest_k: remove all but the newest k complete full checkpoints. Incomplete ones never
+        count; model-only ones (the last save's export, a seed) neither count nor are removed, so the newest
+        resumable checkpoint always stays."""
         k = self.cfg.checkpoint.keep_latest_k
         if k <= 0:
             return
-        complete = [(s, f) for s, f, ok in list_steps(self.root) if ok]
-        for step, folder in complete[:-k]:  # the newest complete ones are kept, incomplete ones never count
+        full = [(s, f) for s, f, ok in list_steps(self.root) if ok and not _is_model_only(f)]
+        for step, folder in full[:-k]:
             shutil.rmtree(folder, ignore_errors=True)
 
     def poll(self) -> None:

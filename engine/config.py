@@ -304,7 +304,8 @@ class Checkpoint:
     interval: int = 500
     """Save every this many steps (and at the last step)."""
     keep_latest_k: int = 0
-    """Keep only the newest k complete checkpoints (0 keeps all); an incomplete one never counts."""
+    """Keep only the newest k complete checkpoints (0 keeps all); incomplete and model-only ones never count
+    and are never removed."""
     load_step: int = -1
     """Resume from this step's checkpoint; -1 takes the newest complete one, 0 starts fresh."""
     async_mode: str = "disabled"

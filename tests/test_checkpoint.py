@@ -186,6 +186,31 @@ def test_kill_inside_a_save_never_leaves_a_loadable_partial(tmp_path, mode):
     assert (dump / "checkpoint" / "step-000004.incomplete").is_dir()  # set aside, not loaded, not deleted
 
 
+def test_rollback_and_retention_keep_the_run_resumable(tmp_path):
+    """Going back to step 2 (checkpoint.load_step) with keep_latest_k 1: the new step 4 is kept, the old step 4
+    and step 6 are set aside (not deleted, not resumed from); killed there, a plain resume takes the new step 4.
+    A last model-only save never pushes the last full checkpoint out of keep_latest_k."""
+    args = ["--training.steps", "6", "--checkpoint.interval", "2"]
+    train(tmp_path, *args)
+    root = tmp_path / "checkpoint"
+    assert sorted(os.listdir(root)) == ["step-000002", "step-000004", "step-000006"]
+    killed = train(tmp_path, *args, "--checkpoint.load_step", "2", "--checkpoint.keep_latest_k", "1",
+                   fault="4:committed", check=False)
+    assert killed.returncode == -signal.SIGKILL
+    assert sorted(os.listdir(root)) == ["step-000004", "step-000004.replaced", "step-000006.abandoned"]
+    resumed = train(tmp_path, *args, "--checkpoint.keep_latest_k", "1")
+    assert "resumed from step 4" in resumed.stdout
+    assert sorted(os.listdir(root)) == ["step-000004.replaced", "step-000006", "step-000006.abandoned"]
+
+    other = tmp_path / "model_only"
+    args = ["--training.steps", "4", "--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "1",
+            "--checkpoint.last_save_model_only"]
+    train(other, *args)
+    assert [(s, ok) for s, _, ok in list_steps(str(other / "checkpoint"))] == [(2, True), (4, True)]
+    longer = train(other, *args[:-1], "--training.steps", "6")
+    assert "resumed from step 2" in longer.stdout
+
+
 # ------------------------------------------------------------------------------------------------------------
 # Resharding
 # ------------------------------------------------------------------------------------------------------------
