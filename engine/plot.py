@@ -26,25 +26,36 @@ class MetricsFileError(ValueError):
 
 
 def read_metrics(jsonl_path: str) -> list[dict]:
-    """Read a metrics JSONL file: one record per step (the last one wins where a resumed run repeated a
-    step), sorted by step. Raises MetricsFileError for a missing, empty or corrupt file."""
+    """Read a metrics JSONL file: one record per step, sorted by step. A resumed run appends to the file from
+    its checkpoint's step on: a record whose step is not after the one before it starts a new segment, which
+    replaces every earlier record from that step on (those of a run that went on past its last checkpoint, or
+    of a continuation abandoned for an earlier checkpoint). Raises MetricsFileError for a missing, empty or
+    corrupt file."""
     if not os.path.isfile(jsonl_path):
         raise MetricsFileError(f"{jsonl_path}: file not found")
     by_step: dict[int, dict] = {}
-    with open(jsonl_path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise MetricsFileError(f"{jsonl_path}:{lineno}: not valid JSON ({e.msg})") from None
-            if not isinstance(rec, dict):
-                raise MetricsFileError(f"{jsonl_path}:{lineno}: expected a JSON object, got {type(rec).__name__}")
-            step = rec.get("step")
-            if not isinstance(step, int) or isinstance(step, bool):
-                raise MetricsFileError(f"{jsonl_path}:{lineno}: record has no integer 'step'")
-            by_step[step] = rec
+    previous = None
+    try:
+        with open(jsonl_path, encoding="utf-8") as f:
+            lines = f.readlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise MetricsFileError(f"{jsonl_path}: cannot read ({e})") from None
+    for lineno, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise MetricsFileError(f"{jsonl_path}:{lineno}: not valid JSON ({e.msg})") from None
+        if not isinstance(rec, dict):
+            raise MetricsFileError(f"{jsonl_path}:{lineno}: expected a JSON object, got {type(rec).__name__}")
+        step = rec.get("step")
+        if not isinstance(step, int) or isinstance(step, bool):
+            raise MetricsFileError(f"{jsonl_path}:{lineno}: record has no integer 'step'")
+        if previous is not None and step <= previous:  # a resumed run's first record
+            by_step = {k: v for k, v in by_step.items() if k < step}
+        by_step[step] = rec
+        previous = step
     if not by_step:
         raise MetricsFileError(f"{jsonl_path}: no metrics records (empty file)")
     return [by_step[s] for s in sorted(by_step)]
@@ -132,6 +143,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         paths = plot_metrics(jsonl, out)
     except MetricsFileError as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # the output folder
+        print(f"error: --out: cannot write plots to '{out}' ({e.strerror or e})", file=sys.stderr)
         return 2
     for p in paths:
         print(p)

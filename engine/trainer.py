@@ -240,7 +240,9 @@ class Trainer:
             self.step = self.checkpointer.load(self.resume_from)
         elif init_path:
             self.checkpointer.load_model_only(init_path)
-        if world.is_main and self.step < cfg.training.steps:  # a finished run's metrics stay where they are
+        # A resumed run appends to the run's metrics.jsonl (engine.plot reads its segments); a fresh run into a
+        # folder holding an earlier run's metrics keeps them as metrics.<n>.jsonl.
+        if world.is_main and self.resume_from is None:
             _set_aside_old_metrics(cfg.job.dump_folder)
         self.metrics = MetricsLogger(cfg, world.rank, world.world_size, self.num_flops_per_token, self.device)
 
@@ -434,7 +436,9 @@ class Trainer:
         return float(self.evaluate(batches))
 
     def _should_log(self, step: int) -> bool:
-        return step == 1 or step % self.cfg.metrics.log_freq == 0 or step == self.cfg.training.steps
+        """Every metrics.log_freq steps, the last step, and a run's first step (alone: compile and warm-up)."""
+        return (step == self._first_step or step % self.cfg.metrics.log_freq == 0
+                or step == self.cfg.training.steps)
 
     def train(self) -> list[dict]:
         """Run to training.steps; returns the logged metrics (rank 0's view)."""
@@ -460,7 +464,7 @@ class Trainer:
         window_nonfinite = torch.zeros((), device=self.device)  # steps whose gradient norm was nan or inf
         self._val_loader = None
         validation: dict = {}
-        first_step = self.step + 1
+        first_step = self._first_step = self.step + 1
         try:
             with StepProfiler(cfg, self.world.rank, self.step, self.device) as profiler, \
                     scheduled_gc(cfg.training.gc_freq) as collect_garbage:
@@ -514,6 +518,8 @@ class Trainer:
                             )
 
                     # Checkpoints: commit a finished background save; save on the interval; on SIGTERM save, stop.
+                    # Not training time: the window's clock skips it (the save logs its own timing).
+                    t_ckpt = time.perf_counter()
                     ckpt.poll()
                     last = self.step == cfg.training.steps
                     if saving_now:
@@ -525,6 +531,7 @@ class Trainer:
                         if self.world.is_main:
                             print(f"SIGTERM: checkpoint of step {self.step} saved; exiting", flush=True)
                         break
+                    window_start += time.perf_counter() - t_ckpt
                     profiler.step(self.step)
         except (DataError, TrainingDiverged):  # a user error mid-run: the saves so far commit, then it stops
             ckpt.close()

@@ -28,6 +28,7 @@ from engine.checkpoint import COMMIT_FILE, find_resume_point, inspect_checkpoint
 from engine.config import ConfigError, parse_args
 from engine.data.loader import build_dataloader
 from engine.data.tokenizer import build_tokenizer
+from engine.plot import read_metrics
 from tests.parallel_harness import run_jobs, train_job
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -72,8 +73,8 @@ def train(dump: Path, *args: str, ngpu: int = 1, fault: str = "", check: bool = 
 
 
 def metrics(dump: Path) -> dict[int, dict]:
-    with open(dump / "metrics.jsonl") as f:
-        return {r["step"]: r for r in map(json.loads, f)}
+    """The run's curve: each step's record, as engine.plot reads resumed runs' appended segments."""
+    return {r["step"]: r for r in read_metrics(str(dump / "metrics.jsonl"))}
 
 
 def curve(dump: Path, steps) -> list[tuple[float, float]]:
@@ -106,8 +107,9 @@ def test_kill_after_step_10_and_resume_is_bit_identical(reference, tmp_path):
     assert [s for s, _, ok in list_steps(str(tmp_path / "checkpoint")) if ok] == [10]
     resumed = train(tmp_path)
     assert "resumed from step 10" in resumed.stdout
-    assert sorted(metrics(tmp_path)) == list(range(11, 21))
-    assert curve(tmp_path, range(11, 21)) == curve(reference, range(11, 21))
+    # The resumed run appends to the killed run's metrics.jsonl: one curve, the uninterrupted one.
+    assert sorted(metrics(tmp_path)) == list(range(1, 21))
+    assert curve(tmp_path, range(1, 21)) == curve(reference, range(1, 21))
 
 
 def test_kill_and_resume_is_bit_identical_under_fsdp2_tp2(tmp_path):
@@ -129,7 +131,7 @@ def test_sigterm_saves_exits_zero_and_the_resumed_run_continues_the_curve(refere
     assert sorted(metrics(tmp_path)) == list(range(1, 7))
     assert [s for s, _, ok in list_steps(str(tmp_path / "checkpoint")) if ok] == [6]
     train(tmp_path)
-    assert curve(tmp_path, range(7, 21)) == curve(reference, range(7, 21))
+    assert curve(tmp_path, range(1, 21)) == curve(reference, range(1, 21))
 
 
 def test_sigterm_to_run_train_sh_with_two_ranks(tmp_path):
@@ -201,6 +203,10 @@ def test_rollback_and_retention_keep_the_run_resumable(tmp_path):
     resumed = train(tmp_path, *args, "--checkpoint.keep_latest_k", "1")
     assert "resumed from step 4" in resumed.stdout
     assert sorted(os.listdir(root)) == ["step-000004.replaced", "step-000006", "step-000006.abandoned"]
+    # One metrics.jsonl, appended by each run (1-6, 3-4, 5-6): read as one curve of the last segments.
+    assert [r["step"] for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())] == \
+        [1, 2, 3, 4, 5, 6, 3, 4, 5, 6]
+    assert sorted(metrics(tmp_path)) == [1, 2, 3, 4, 5, 6] and not list(tmp_path.glob("metrics.*.jsonl"))
 
     other = tmp_path / "model_only"
     args = ["--training.steps", "4", "--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "1",
@@ -433,7 +439,7 @@ def test_resuming_on_other_data_needs_the_dataloader_excluded(reference, tmp_pat
     assert saved == json.loads(json.dumps(loader.state_dict()))  # where a fresh loader is after 2 batches
     # The step-12 checkpoint holds a position in the new data: the next resume needs no exclusion.
     train(run, *other, "--training.steps", "14")
-    assert sorted(metrics(run)) == [13, 14]
+    assert sorted(metrics(run)) == [11, 12, 13, 14]
 
 
 def test_bad_checkpoints_through_run_train_sh(reference, tmp_path):

@@ -257,6 +257,33 @@ def test_plot_cli_errors(tmp_path, capsys):
     assert not glob.glob(str(tmp_path / "*.png"))
 
 
+def test_read_metrics_takes_each_resumed_segment_from_its_first_step(tmp_path):
+    """A run logged 1-7, was resumed from its step-4 checkpoint (5-9 again), then rolled back to step 2 (3-6):
+    the curve is 1-2 of the first segment, 3-6 of the last; 7-9 of the abandoned ones are gone."""
+    from engine.plot import read_metrics
+
+    jsonl = tmp_path / "metrics.jsonl"
+    segments = [(1, range(1, 8)), (2, range(5, 10)), (3, range(3, 7))]
+    jsonl.write_text("".join(json.dumps({"step": s, "loss": float(seg)}) + "\n" for seg, steps in segments for s in steps))
+    assert [(r["step"], r["loss"]) for r in read_metrics(str(jsonl))] == [(1, 1.0), (2, 1.0), (3, 3.0), (4, 3.0),
+                                                                           (5, 3.0), (6, 3.0)]
+
+
+def test_plot_cli_unreadable_input_and_unwritable_output_are_one_line(tmp_path, capsys):
+    binary = tmp_path / "binary.jsonl"
+    binary.write_bytes(b"\xff\xfe\x00garbage")
+    assert plot_main([str(binary)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: {binary}: cannot read") and "\n" not in err
+    good = tmp_path / "good.jsonl"
+    write_synthetic(good)
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    assert plot_main([str(good), "--out", str(a_file)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: --out: cannot write plots to '{a_file}'") and "\n" not in err
+
+
 def test_plot_module_entry_point(tmp_path):
     bad = tmp_path / "metrics.jsonl"
     bad.write_text("not json\n")

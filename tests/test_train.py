@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -390,3 +391,29 @@ def test_gradient_accumulation_matches_one_big_batch(tmp_path, capsys):
     assert _losses(big) == pytest.approx(_losses(acc), rel=1e-5)
     norms = [[r["grad_norm"] for r in read_jsonl(os.path.join(d, "metrics.jsonl"))] for d in (big, acc)]
     assert len(norms[0]) == 4 and norms[0] == pytest.approx(norms[1], rel=1e-5)
+
+
+def test_throughput_window_skips_checkpoint_saves_and_a_resumed_first_step_is_logged_alone(
+        tmp_path, capsys, monkeypatch):
+    """A save (here made 1.5 s slower) is not training time: the next window's elapsed time leaves it out. A resumed
+    run logs its first step on its own (its compile and warm-up), as a fresh run logs step 1."""
+    from engine.checkpoint import Checkpointer
+
+    save = Checkpointer.save
+
+    def slow_save(self, *args, **kwargs):
+        time.sleep(1.5)
+        return save(self, *args, **kwargs)
+
+    monkeypatch.setattr(Checkpointer, "save", slow_save)
+    dump = str(tmp_path / "run")
+    argv = ["--job.dump_folder", dump, *SMALL, "--training.seq_len", "32", "--training.local_batch_size", "1",
+            "--metrics.log_freq", "2", "--checkpoint.enable", "--checkpoint.interval", "2"]
+    rc, out, err = run_main([*argv, "--training.steps", "3"], capsys)
+    assert rc == 0, err
+    rows = read_jsonl(os.path.join(dump, "metrics.jsonl"))
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert rows[2]["elapsed_s"] < 1.0, rows  # step 3 only, after the step-2 save
+    rc, out, err = run_main([*argv, "--training.steps", "8"], capsys)  # resumes from step 3
+    assert rc == 0, err
+    assert [r["step"] for r in read_jsonl(os.path.join(dump, "metrics.jsonl"))] == [1, 2, 3, 4, 6, 8]
