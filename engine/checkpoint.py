@@ -54,6 +54,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from engine.config import Config, ConfigError, read_json_object
 from engine.hf import EXPORT_DTYPES
+from engine.optim import load_lr_scheduler_state
 
 COMMIT_FILE = "COMMITTED.json"
 TRAIN_STATE_FILE = "train_state.json"
@@ -248,7 +249,25 @@ def inspect_checkpoint(folder: str, field: str, cfg: Optional[Config] = None) ->
             f"{field}: {folder} was saved for model {state.get('model')}/{state.get('flavor')}, this run is "
             f"{cfg.model.name}/{cfg.model.flavor}; set model.flavor to match or use another checkpoint folder"
         )
+    bad = _train_state_problems(state)
+    if bad:
+        raise ConfigError(f"{field}: {folder}/{TRAIN_STATE_FILE} has no valid {', '.join(bad)} (edited or damaged); "
+                          "pick another step with checkpoint.load_step")
     return CheckpointInfo(folder, int(state["step"]), state, tensors)
+
+
+def _train_state_problems(state: dict) -> list[str]:
+    """The train_state.json entries that loading reads and that are missing or of the wrong type."""
+    def count(value, least: int) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+    bad = [] if count(state.get("step"), 0) else ["step"]
+    if not state.get("model_only"):
+        sched = state.get("lr_scheduler")
+        if not (isinstance(sched, dict) and count(sched.get("last_epoch"), 0)):
+            bad.append("lr_scheduler.last_epoch")
+        bad += [key for key in ("dp", "num_shards") if not count(state.get(key), 1)]
+    return bad
 
 
 def check_data_source(info: CheckpointInfo, source, cfg: Config) -> None:
@@ -296,6 +315,35 @@ def find_resume_point(cfg: Config) -> Optional[CheckpointInfo]:
         if not info.model_only:
             return info
     return None
+
+
+def check_fits_model(cfg: Config, model: nn.Module, model_args: Any, resume_from: Optional[CheckpointInfo],
+                     dp_size: int) -> None:
+    """Before anything is written or allocated: the checkpoint this run resumes from, or its initial weights
+    (checkpoint.initial_load_path: a Tessera step folder or a Hugging Face folder), holds every tensor of
+    ``model`` (the whole model, on the meta device) with its shape; a resumed data position's shard count
+    splits over this run's ``dp_size`` ranks. Loading checks the same again for the tensors each rank holds."""
+    init_path = cfg.checkpoint.initial_load_path
+    if resume_from is not None:
+        field, info = "checkpoint.folder", resume_from
+    elif init_path and os.path.isfile(os.path.join(init_path, "config.json")):
+        from engine.hf import check_hf
+
+        check_hf(init_path, model_args)
+        return
+    elif init_path:
+        field, info = "checkpoint.initial_load_path", inspect_checkpoint(init_path, "checkpoint.initial_load_path", cfg)
+    else:
+        return
+    Checkpointer._check_entries(info, {f"model.{k}": v for k, v in model.state_dict().items()}, field)
+    if resume_from is not None and "dataloader" not in cfg.checkpoint.exclude_from_loading:
+        num_shards = int(info.train_state["num_shards"])
+        if num_shards % dp_size:
+            raise ConfigError(
+                f"data.num_shards: the checkpoint of step {info.step} holds a data position in {num_shards} shards, "
+                f"which do not split evenly over this run's {dp_size} data-parallel ranks; resume on a dp degree that "
+                f"divides {num_shards}, or set checkpoint.exclude_from_loading = [\"dataloader\"]"
+            )
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -564,11 +612,12 @@ class Checkpointer:
                 flat[key] = state["optim." + (name.split(".", 1)[1] if pp else name)]
         set_optimizer_state_dict(self.trainer.model, self.trainer.optimizer, flat,
                                  options=StateDictOptions(flatten_optimizer_state_dict=True))
-        sched = self.trainer.lr_scheduler
-        sched.load_state_dict(info.train_state["lr_scheduler"])
-        # The optimizer's hyperparameters come from the config; its lr is the schedule's, at the saved step.
-        for group, lr, base in zip(self.trainer.optimizer.param_groups, sched.get_last_lr(), sched.base_lrs):
-            group["lr"], group["initial_lr"] = lr, base
+        # The optimizer's hyperparameters and the schedule come from the config; the saved step places it.
+        saved_lr = info.train_state["lr_scheduler"].get("base_lrs", [None])[0]
+        load_lr_scheduler_state(self.trainer.lr_scheduler, info.train_state["lr_scheduler"])
+        if saved_lr is not None and saved_lr != self.trainer.lr_scheduler.base_lrs[0]:
+            self._log(f"checkpoint: optimizer.lr {self.trainer.lr_scheduler.base_lrs[0]:g} (the checkpoint's run "
+                      f"used {saved_lr:g}): the schedule goes on from step {info.step} with the new peak")
         if "dataloader" in self.cfg.checkpoint.exclude_from_loading:
             self._log("checkpoint: data position not loaded (checkpoint.exclude_from_loading): the data starts "
                       "from its beginning")

@@ -307,7 +307,7 @@ class Checkpoint:
     """Keep only the newest k complete checkpoints (0 keeps all); incomplete and model-only ones never count
     and are never removed."""
     load_step: int = -1
-    """Resume from this step's checkpoint; -1 takes the newest complete one, 0 starts fresh."""
+    """Resume from this step's checkpoint (with checkpoint.enable); -1 takes the newest complete one, 0 starts fresh."""
     async_mode: str = "disabled"
     """disabled (training waits for the save), async (written by a background thread while training goes
     on), or async_with_pinned_mem (async, staged through pinned host memory on CUDA)."""
@@ -772,6 +772,9 @@ def validate(cfg: Config, world_size: int = 1, machine: Optional[Machine] = None
         raise ConfigError(f"checkpoint.initial_load_path: folder '{c.initial_load_path}' not found")
     for part in c.exclude_from_loading:
         _choice("checkpoint.exclude_from_loading", part, ["dataloader"])
+    if c.load_step != -1 and not c.enable:
+        raise ConfigError(f"checkpoint.load_step: loading step {c.load_step} needs checkpoint.enable = true (it reads "
+                          "this run's checkpoint folder); for initial weights use checkpoint.initial_load_path")
     if c.last_save_hf and not c.enable:
         raise ConfigError("checkpoint.last_save_hf: the export is made from the last step's checkpoint; set "
                           "checkpoint.enable = true as well")

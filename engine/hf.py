@@ -270,19 +270,20 @@ def _read_tensors(path: str, names: list[str], field: str) -> dict[str, Tensor]:
         raise _safetensors_error(path, field, e) from None
 
 
-def load_hf(
+def check_hf(
     folder: str,
     args: Any,
     *,
     flavor: Optional[str] = None,
     field: str = "checkpoint.initial_load_path",
-) -> dict[str, Tensor]:
-    """The weights of the Hugging Face checkpoint in ``folder`` as a Tessera state dict of full float32 tensors.
+) -> dict[str, list[str]]:
+    """Check the Hugging Face checkpoint in ``folder`` against the model ``args`` builds, from its config.json and
+    the safetensors headers alone (no tensor data is read); returns ``{file path: its tensor names}``.
 
     Checks, each failure a ``ValueError`` starting with ``field``: the folder exists and holds config.json and
     safetensors weights (an index's files all present); config.json describes the model ``args`` builds (``flavor``
     names it in the message); every tensor is there, none is unexpected, each has the expected shape and a
-    floating-point dtype, and every file reads whole (not truncated).
+    floating-point dtype, and every file is as long as its header says (not truncated).
     """
     if not os.path.isdir(folder):
         raise ValueError(f"{field}: folder '{folder}' not found")
@@ -295,11 +296,11 @@ def load_hf(
     config = read_json_object(config_path, field)
     if not isinstance(config, dict):
         raise ValueError(f"{field}: '{config_path}' is not a JSON object")
-    adapter = _adapter_for(args)
-    adapter.check_hf_config(config, args, field, flavor)
-    expected = adapter.hf_shapes(args)
+    _adapter_for(args).check_hf_config(config, args, field, flavor)
+    expected = _adapter_for(args).hf_shapes(args)
 
-    hf_state_dict: dict[str, Tensor] = {}
+    plan: dict[str, list[str]] = {}
+    found: set[str] = set()
     for filename, listed in _weight_files(folder, field).items():
         path = os.path.join(folder, filename)
         if not os.path.isfile(path):
@@ -311,7 +312,7 @@ def load_hf(
         names = [name for name in header if not name.endswith(IGNORED_SUFFIXES)]
         for name in names:
             shape, dtype = header[name]
-            if name in hf_state_dict:
+            if name in found:
                 raise ValueError(f"{field}: tensor {name} is stored twice (again in {filename})")
             if name not in expected:
                 raise ValueError(f"{field}: {filename} holds {name}, which the configured model does not have")
@@ -321,9 +322,25 @@ def load_hf(
                 )
             if dtype not in FLOAT_DTYPES:
                 raise ValueError(f"{field}: {name} in {filename} has dtype {dtype}, not floating point")
-        hf_state_dict.update(_read_tensors(path, names, field))
-    missing = [name for name in expected if name not in hf_state_dict]
+            found.add(name)
+        plan[path] = names
+    missing = [name for name in expected if name not in found]
     if missing:
         more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
         raise ValueError(f"{field}: the checkpoint in '{folder}' lacks {', '.join(missing[:3])}{more}")
-    return adapter.from_hf(hf_state_dict, args)
+    return plan
+
+
+def load_hf(
+    folder: str,
+    args: Any,
+    *,
+    flavor: Optional[str] = None,
+    field: str = "checkpoint.initial_load_path",
+) -> dict[str, Tensor]:
+    """The weights of the Hugging Face checkpoint in ``folder`` as a Tessera state dict of full float32 tensors,
+    after ``check_hf``'s checks (same arguments, same errors)."""
+    hf_state_dict: dict[str, Tensor] = {}
+    for path, names in check_hf(folder, args, flavor=flavor, field=field).items():
+        hf_state_dict.update(_read_tensors(path, names, field))
+    return _adapter_for(args).from_hf(hf_state_dict, args)

@@ -26,6 +26,8 @@ from typing import Any, Optional
 
 import torch
 
+from engine.config import ConfigError
+
 GIB = 1024**3
 
 # --------------------------------------------------------------------------------------------------------
@@ -163,6 +165,17 @@ def _fmt(value: Optional[float], spec: str, suffix: str = "") -> str:
     return f"{value:{spec}}{suffix}"
 
 
+def set_aside_old_metrics(folder: str) -> None:
+    """A fresh run starts a fresh metrics.jsonl; an earlier run's file is kept as metrics.<n>.jsonl."""
+    path = os.path.join(folder, "metrics.jsonl")
+    if not os.path.exists(path):
+        return
+    n = 1
+    while os.path.exists(os.path.join(folder, f"metrics.{n}.jsonl")):
+        n += 1
+    os.replace(path, os.path.join(folder, f"metrics.{n}.jsonl"))
+
+
 class MetricsLogger:
     """Console + JSONL + tensorboard + wandb metrics for one rank.
 
@@ -170,6 +183,9 @@ class MetricsLogger:
     run (``<dump_folder>/wandb``). With ``metrics.save_for_all_ranks`` every rank N also writes
     ``metrics_rank<N>.jsonl`` (rank 0 included, next to metrics.jsonl) and ranks > 0 write tensorboard events
     to ``<dump_folder>/tb/rank_<N>``; wandb stays on rank 0 (one run per job). Other ranks create no files.
+    ``fresh``: a new run (not resumed), whose metrics.jsonl starts empty; an earlier run's is kept as
+    metrics.<n>.jsonl. A sink that cannot start (wandb without a login) is a ConfigError raised before any
+    file is written.
     """
 
     def __init__(
@@ -180,6 +196,7 @@ class MetricsLogger:
         num_flops_per_token: int,
         device: torch.device,
         fp8: bool = False,
+        fresh: bool = False,
     ):
         self.cfg = cfg
         self.rank = rank
@@ -201,45 +218,62 @@ class MetricsLogger:
 
         if not self.writes_files:
             return
-        os.makedirs(self.dump_folder, exist_ok=True)
-        names = []
-        if self.is_main:
-            names.append("metrics.jsonl")
-        if m.save_for_all_ranks:
-            names.append(f"metrics_rank{rank}.jsonl")
-        self.jsonl_paths = [os.path.join(self.dump_folder, n) for n in names]
-        # Append mode: a resumed run continues the same file.
-        self._files = [open(p, "a", encoding="utf-8") for p in self.jsonl_paths]
-
         if m.enable_tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError as e:  # pragma: no cover - depends on the environment
-                raise RuntimeError(
+                raise ConfigError(
                     f"metrics.enable_tensorboard: tensorboard is not importable ({e}); pip install tensorboard"
-                ) from e
+                ) from None
+        created = not os.path.exists(self.dump_folder)
+        os.makedirs(self.dump_folder, exist_ok=True)
+        try:  # first the sink that can fail on the user's set-up (no login), while nothing is written yet
+            self._start_wandb(cfg)
+        except ConfigError:
+            if created:
+                try:
+                    os.rmdir(self.dump_folder)  # still empty: wandb writes nothing when it cannot start
+                except OSError:
+                    pass
+            raise
+
+        names = []
+        if self.is_main:
+            names.append("metrics.jsonl")
+            if fresh:
+                set_aside_old_metrics(self.dump_folder)
+        if m.save_for_all_ranks:
+            names.append(f"metrics_rank{rank}.jsonl")
+        self.jsonl_paths = [os.path.join(self.dump_folder, n) for n in names]
+        # Append mode: a resumed run continues the same file (engine.plot reads its segments).
+        self._files = [open(p, "a", encoding="utf-8") for p in self.jsonl_paths]
+        if m.enable_tensorboard:
             tb_dir = os.path.join(self.dump_folder, "tb")
             if not self.is_main:
                 tb_dir = os.path.join(tb_dir, f"rank_{rank}")
             self._tb = SummaryWriter(log_dir=tb_dir)
 
-        if m.enable_wandb and self.is_main and m.wandb_mode != "disabled":
-            try:
-                import wandb
-            except ImportError as e:  # pragma: no cover - depends on the environment
-                raise RuntimeError(f"metrics.enable_wandb: wandb is not importable ({e}); pip install wandb") from e
-            try:
-                self._wandb_run = wandb.init(
-                    project=m.wandb_project,
-                    dir=self.dump_folder,  # wandb writes under <dump_folder>/wandb
-                    mode=m.wandb_mode,
-                    config=cfg.to_dict(),
-                )
-            except Exception as e:
-                raise RuntimeError(
-                    f"metrics.enable_wandb: wandb.init failed ({e}); run `wandb login`, or set "
-                    f"--metrics.wandb_mode offline"
-                ) from e
+    def _start_wandb(self, cfg) -> None:
+        m = cfg.metrics
+        if not (m.enable_wandb and self.is_main and m.wandb_mode != "disabled"):
+            return
+        try:
+            import wandb
+        except ImportError as e:  # pragma: no cover - depends on the environment
+            raise ConfigError(f"metrics.enable_wandb: wandb is not importable ({e}); pip install wandb") from None
+        try:
+            self._wandb_run = wandb.init(
+                project=m.wandb_project,
+                dir=self.dump_folder,  # wandb writes under <dump_folder>/wandb
+                mode=m.wandb_mode,
+                config=cfg.to_dict(),
+            )
+        except Exception as e:
+            reason = " ".join(str(e).split()) or type(e).__name__
+            raise ConfigError(
+                f"metrics.enable_wandb: wandb.init failed ({reason}); run `wandb login`, or set "
+                "metrics.wandb_mode = offline"
+            ) from None
 
     # ----------------------------------------------------------------------------------------------------
 

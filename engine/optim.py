@@ -80,6 +80,18 @@ def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg: LRSchedulerConfig,
     return LambdaLR(optimizer, lambda i: lr_factor(i + 1, total_steps, cfg))
 
 
+def load_lr_scheduler_state(scheduler: LambdaLR, state: dict) -> None:
+    """Put ``scheduler`` (built from this run's config) at the step of a saved ``state``. Only the position
+    comes from the checkpoint: the peak lr and the schedule's shape are this run's (optimizer.lr,
+    lr_scheduler.*, training.steps), so a resumed run may lower the lr or train longer. The optimizer's lr is
+    set to the one its next update uses."""
+    last = int(state["last_epoch"])
+    lrs = [base * fn(last) for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+    scheduler.load_state_dict({**state, "base_lrs": list(scheduler.base_lrs), "_last_lr": lrs})
+    for group, lr, base in zip(scheduler.optimizer.param_groups, lrs, scheduler.base_lrs):
+        group["lr"], group["initial_lr"] = lr, base
+
+
 def clip_grad_norm_(parameters, max_norm: float, pp_group=None) -> torch.Tensor:
     """Clip the gradients to a total L2 norm of ``max_norm``; returns the total norm before clipping.
 

@@ -27,25 +27,29 @@ def check(argv: list[str] | None = None, machine=None):
     cfg = parse_args(argv)
     validate(cfg, world_size_from_env(), machine)
     check_dump_folder(cfg.job.dump_folder)
+    if cfg.checkpoint.enable:
+        from engine.checkpoint import checkpoint_root
+
+        check_dump_folder(checkpoint_root(cfg), "checkpoint.folder")
     check_data_config(cfg)
     return cfg
 
 
-def check_dump_folder(folder: str) -> None:
-    """job.dump_folder must be a folder this process can write, or one it can create."""
+def check_dump_folder(folder: str, field: str = "job.dump_folder") -> None:
+    """``folder`` (the value of ``field``) must be a folder this process can write, or one it can create."""
     path = os.path.abspath(os.path.expanduser(folder))
     if os.path.exists(path) and not os.path.isdir(path):
-        raise ConfigError(f"job.dump_folder: '{folder}' exists and is not a folder; give a folder path")
+        raise ConfigError(f"{field}: '{folder}' exists and is not a folder; give a folder path")
     existing = path
     while not os.path.exists(existing):
         existing = os.path.dirname(existing)
     if not os.path.isdir(existing):
-        raise ConfigError(f"job.dump_folder: cannot create '{folder}': '{existing}' is a file")
+        raise ConfigError(f"{field}: cannot create '{folder}': '{existing}' is a file")
     try:  # permission bits do not tell (root, read-only mounts, /proc): make a folder there and remove it
         os.rmdir(tempfile.mkdtemp(prefix=".tessera-write-check-", dir=existing))
     except OSError as e:
         where = "" if existing == path else f" (in '{existing}')"
-        raise ConfigError(f"job.dump_folder: cannot write '{folder}'{where}: {e.strerror}; give a folder you can "
+        raise ConfigError(f"{field}: cannot write '{folder}'{where}: {e.strerror}; give a folder you can "
                           "write to") from None
 
 

@@ -21,7 +21,7 @@ from torch import nn
 
 import torch.distributed as dist
 
-from engine.checkpoint import Checkpointer, check_data_source, fault_point, find_resume_point, inspect_checkpoint
+from engine.checkpoint import Checkpointer, check_data_source, check_fits_model, fault_point, find_resume_point
 from engine.config import Config, dump, grad_accumulation_steps, pp_microbatches, to_toml
 from engine.data.datasets import DataError
 from engine.data.loader import build_dataloader
@@ -42,17 +42,6 @@ from parallelize.float8 import float8_after_optimizer_step
 from parallelize.init import materialize
 from parallelize.mesh import ParallelDims
 from parallelize.tensor import loss_context, to_local_scalar
-
-
-def _set_aside_old_metrics(folder: str) -> None:
-    """A fresh run starts a fresh metrics.jsonl; an earlier run's file is kept as metrics.<n>.jsonl."""
-    path = os.path.join(folder, "metrics.jsonl")
-    if not os.path.exists(path):
-        return
-    n = 1
-    while os.path.exists(os.path.join(folder, f"metrics.{n}.jsonl")):
-        n += 1
-    os.replace(path, os.path.join(folder, f"metrics.{n}.jsonl"))
 
 
 def host_memory_available() -> int | None:
@@ -179,14 +168,13 @@ class Trainer:
         self.grad_accum = grad_accumulation_steps(cfg, self.dp_size)
         self.loss_group = self.dims.group("dp_cp")  # ranks holding different tokens
 
-        # The checkpoint to resume from, checked now: a bad one stops the run before anything is built. Then the
+        # The checkpoint to resume from, checked now: a bad one stops the run before anything is built (the initial
+        # weights are checked against the model below, before anything is written). Then the
         # tokenizer and this rank's data shard (cheap to build; their errors are user errors). A rank's own
         # shard may fail where the others do not: the ranks agree before going on.
         with agree_on_user_errors():
             self.resume_from = find_resume_point(cfg)
             init_path = cfg.checkpoint.initial_load_path
-            if self.resume_from is None and init_path and not os.path.isfile(os.path.join(init_path, "config.json")):
-                inspect_checkpoint(init_path, "checkpoint.initial_load_path", cfg)
             self.tokenizer = build_tokenizer(cfg)
             self.dataloader = build_dataloader(cfg, self.tokenizer, self.dp_rank, self.dp_size)
             if self.resume_from is not None:  # its data position must belong to this data
@@ -204,6 +192,12 @@ class Trainer:
         self.num_params = sum(p.numel() for p in model.parameters())
         if self.device.type == "cpu":
             check_host_memory(cfg.model.flavor, self.num_params, self.dims, world.world_size)
+        with agree_on_user_errors():  # the checkpoint to load holds this model's tensors, with its shapes
+            check_fits_model(cfg, model, self.model_args, self.resume_from, self.dp_size)
+            # The metrics sinks start (wandb may refuse) before anything is written. A resumed run appends to the
+            # run's metrics.jsonl (engine.plot reads its segments).
+            self.metrics = MetricsLogger(cfg, world.rank, world.world_size, self.num_flops_per_token, self.device,
+                                         fresh=self.resume_from is None)
 
         # Every check has passed: from here on the run writes to its dump folder.
         if world.is_main:
@@ -240,11 +234,6 @@ class Trainer:
             self.step = self.checkpointer.load(self.resume_from)
         elif init_path:
             self.checkpointer.load_model_only(init_path)
-        # A resumed run appends to the run's metrics.jsonl (engine.plot reads its segments); a fresh run into a
-        # folder holding an earlier run's metrics keeps them as metrics.<n>.jsonl.
-        if world.is_main and self.resume_from is None:
-            _set_aside_old_metrics(cfg.job.dump_folder)
-        self.metrics = MetricsLogger(cfg, world.rank, world.world_size, self.num_flops_per_token, self.device)
 
         # bf16 autocast on CUDA unless FSDP2's mixed precision casts the parameters already.
         use_bf16 = (

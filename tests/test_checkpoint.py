@@ -28,6 +28,7 @@ from engine.checkpoint import COMMIT_FILE, find_resume_point, inspect_checkpoint
 from engine.config import ConfigError, parse_args
 from engine.data.loader import build_dataloader
 from engine.data.tokenizer import build_tokenizer
+from engine.optim import lr_factor
 from engine.plot import read_metrics
 from tests.parallel_harness import run_jobs, train_job
 
@@ -217,6 +218,19 @@ def test_rollback_and_retention_keep_the_run_resumable(tmp_path):
     assert "resumed from step 2" in longer.stdout
 
 
+def test_resume_takes_the_new_peak_lr_and_schedule_length(tmp_path):
+    """Only the step comes from the checkpoint: a resumed run with a lower optimizer.lr and more training.steps
+    updates with that lr on that schedule from its first step (the divergence error's advice relies on it)."""
+    train(tmp_path, "--training.steps", "4", "--checkpoint.interval", "2")
+    resumed = train(tmp_path, "--training.steps", "10", "--optimizer.lr", "1e-5")
+    assert "resumed from step 4" in resumed.stdout and "the schedule goes on from step 4 with the new peak" in resumed.stdout
+    cfg = parse_args(["--config", str(tmp_path / "config.toml")])  # the resumed run's resolved config
+    assert cfg.training.steps == 10 and cfg.optimizer.lr == 1e-5
+    m = metrics(tmp_path)
+    for step in range(5, 11):
+        assert m[step]["lr"] == pytest.approx(1e-5 * lr_factor(step, 10, cfg.lr_scheduler), rel=1e-9), step
+
+
 # ------------------------------------------------------------------------------------------------------------
 # Resharding
 # ------------------------------------------------------------------------------------------------------------
@@ -376,6 +390,12 @@ def _damage(kind: str, folder: Path) -> None:
             + text(f"touch {marker}") + b"\x85R."
         )
         _recommit(folder)
+    elif kind == "edited train state":
+        state = json.loads((folder / "train_state.json").read_text())
+        del state["lr_scheduler"]
+        state["dp"] = "one"
+        (folder / "train_state.json").write_text(json.dumps(state))
+        _recommit(folder)
     elif kind == "another flavor":
         state = json.loads((folder / "train_state.json").read_text())
         state["flavor"] = "8B"
@@ -397,6 +417,7 @@ BAD = {
     "pickled code in metadata": "refusing to unpickle",
     "dotted global in metadata": "refusing to unpickle torch.distributed.checkpoint.filesystem.os.system",
     "another flavor": "saved for model llama3/8B, this run is llama3/debugmodel",
+    "edited train state": "train_state.json has no valid lr_scheduler.last_epoch, dp (edited or damaged)",
     "truncated shard": "__0_0.distcp has",
     "no commit marker": "incomplete checkpoint",
 }
@@ -413,6 +434,31 @@ def test_bad_checkpoint_is_an_error_naming_the_field_and_nothing_is_deleted(refe
         find_resume_point(cfg)
     assert BAD[kind] in str(e.value), str(e.value)
     assert tree(tmp_path) == before
+
+
+def test_checkpoint_that_does_not_fit_the_model_is_refused_before_anything_is_written(reference, tmp_path, capsys):
+    """A checkpoint whose tensors do not fit the configured model (here another vocabulary size), to resume from
+    or as initial weights (a Tessera step or a Hugging Face folder): one error line, the run folder untouched."""
+    from engine import train as train_main
+
+    run = tmp_path / "run"
+    shutil.copytree(reference / "checkpoint" / "step-000010", run / "checkpoint" / "step-000010")
+    (run / "config.toml").write_text("# the earlier run's resolved config\n")
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps({"model_type": "llama", "num_key_value_heads": 3}))
+    cases = [
+        ([], f"checkpoint.folder: {run / 'checkpoint' / 'step-000010'} has model.tok_embeddings.weight of shape "),
+        (["--checkpoint.load_step", "0", "--checkpoint.initial_load_path", str(run / "checkpoint" / "step-000010")],
+         "checkpoint.initial_load_path: "),
+        (["--checkpoint.load_step", "0", "--checkpoint.initial_load_path", str(hf)], "checkpoint.initial_load_path: "),
+    ]
+    for args, message in cases:
+        before = tree(tmp_path)
+        rc = train_main.main([*BASE, "--job.dump_folder", str(run), "--model.vocab_size", "5000", *args])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert rc == 2 and len(err) == 1 and err[0].startswith(f"error: {message}"), (args, err)
+        assert tree(tmp_path) == before, args
 
 
 def test_resuming_on_other_data_needs_the_dataloader_excluded(reference, tmp_path):

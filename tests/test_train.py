@@ -152,6 +152,10 @@ def test_unusable_dump_folder_is_one_error_line(tmp_path, capsys):
         (["--job.dump_folder", str(a_file / "run")], "is a file"),
         (["--job.dump_folder", "/proc/tessera/run"], "cannot write '/proc/tessera/run' (in '/proc')"),
         (["--config", str(toml), "--job.dump_folder", str(tmp_path / "run")], "optimizer.lr: expected a finite"),
+        (["--job.dump_folder", str(tmp_path / "run"), "--checkpoint.enable", "--checkpoint.folder", str(a_file)],
+         "checkpoint.folder: "),
+        (["--job.dump_folder", str(tmp_path / "run"), "--checkpoint.load_step", "4"],
+         "checkpoint.load_step: loading step 4 needs checkpoint.enable"),
     ]:
         rc, out, err = run_main(argv, capsys)
         lines = err.strip().splitlines()
@@ -417,3 +421,22 @@ def test_throughput_window_skips_checkpoint_saves_and_a_resumed_first_step_is_lo
     rc, out, err = run_main([*argv, "--training.steps", "8"], capsys)  # resumes from step 3
     assert rc == 0, err
     assert [r["step"] for r in read_jsonl(os.path.join(dump, "metrics.jsonl"))] == [1, 2, 3, 4, 6, 8]
+
+
+def test_wandb_without_a_login_is_one_error_line_before_anything_is_written(tmp_path, capsys, monkeypatch):
+    """metrics.enable_wandb in online mode with no API key: wandb.init's refusal is a user error found before the
+    dump folder (config, metrics) is written."""
+    for name in ("WANDB_API_KEY", "WANDB_MODE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # no ~/.netrc login
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_BASE_URL", "http://127.0.0.1:9")  # nothing listens: no network either way
+    for sub in ("config", "cache", "data"):
+        monkeypatch.setenv(f"WANDB_{sub.upper()}_DIR", str(tmp_path / f"wandb_{sub}"))
+    dump = tmp_path / "run"
+    rc, out, err = run_main(["--job.dump_folder", str(dump), *SMALL, "--training.steps", "2",
+                             "--metrics.enable_wandb"], capsys)
+    lines = err.strip().splitlines()
+    assert rc == 2 and len(lines) == 1, err
+    assert lines[0].startswith("error: metrics.enable_wandb: wandb.init failed (") and "wandb login" in lines[0]
+    assert not dump.exists()
