@@ -52,7 +52,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from engine.config import Config, ConfigError, read_json_object
+from engine.config import Config, ConfigError, check_shard_split, read_json_object
 from engine.hf import EXPORT_DTYPES
 from engine.optim import load_lr_scheduler_state
 
@@ -338,12 +338,9 @@ def check_fits_model(cfg: Config, model: nn.Module, model_args: Any, resume_from
     Checkpointer._check_entries(info, {f"model.{k}": v for k, v in model.state_dict().items()}, field)
     if resume_from is not None and "dataloader" not in cfg.checkpoint.exclude_from_loading:
         num_shards = int(info.train_state["num_shards"])
-        if num_shards % dp_size:
-            raise ConfigError(
-                f"data.num_shards: the checkpoint of step {info.step} holds a data position in {num_shards} shards, "
-                f"which do not split evenly over this run's {dp_size} data-parallel ranks; resume on a dp degree that "
-                f"divides {num_shards}, or set checkpoint.exclude_from_loading = [\"dataloader\"]"
-            )
+        check_shard_split(num_shards, dp_size, f"the checkpoint of step {info.step} holds a data position in",
+                          f"resume on a dp degree that divides {num_shards}, or set "
+                          "checkpoint.exclude_from_loading = [\"dataloader\"]")
 
 
 # ------------------------------------------------------------------------------------------------------------

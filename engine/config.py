@@ -307,7 +307,8 @@ class Checkpoint:
     """Keep only the newest k complete checkpoints (0 keeps all); incomplete and model-only ones never count
     and are never removed."""
     load_step: int = -1
-    """Resume from this step's checkpoint (with checkpoint.enable); -1 takes the newest complete one, 0 starts fresh."""
+    """Resume from this step's checkpoint (with checkpoint.enable); -1 takes the newest complete one, 0 starts
+    fresh."""
     async_mode: str = "disabled"
     """disabled (training waits for the save), async (written by a background thread while training goes
     on), or async_with_pinned_mem (async, staged through pinned host memory on CUDA)."""
@@ -653,6 +654,16 @@ class Machine:
 HOPPER = Machine(cuda=True, cuda_capability=(9, 0), flash_attn=True)
 
 
+def check_shard_split(num_shards: int, dp: int, origin: str, fix: str) -> None:
+    """The data.num_shards rule: every data-parallel rank reads as many shards (a rank with fewer would read
+    them faster and oversample them). ``origin`` says where the count comes from, ``fix`` what to do."""
+    if num_shards % dp:
+        raise ConfigError(
+            f"data.num_shards: {origin} {num_shards} shards, which do not split evenly over {dp} data-parallel "
+            f"ranks (a rank with fewer shards would read them faster and oversample them); {fix}"
+        )
+
+
 def validate(cfg: Config, world_size: int = 1, machine: Optional[Machine] = None) -> None:
     """Check every rule that does not need the model or the data built. Raises ConfigError naming the field.
 
@@ -783,11 +794,7 @@ def validate(cfg: Config, world_size: int = 1, machine: Optional[Machine] = None
                           "checkpoint loads on any layout")
     if cfg.data.num_shards != -1:
         _positive("data.num_shards", cfg.data.num_shards)
-        if cfg.data.num_shards % dp:
-            raise ConfigError(
-                f"data.num_shards: {cfg.data.num_shards} shards do not split evenly over the data-parallel degree "
-                f"{dp} (a rank with fewer shards would read them faster and oversample them); use a multiple of {dp}"
-            )
+        check_shard_split(cfg.data.num_shards, dp, "the data is split into", f"use a multiple of {dp}")
 
     # profiling, comm
     pr = cfg.profiling

@@ -296,8 +296,9 @@ def check_hf(
     config = read_json_object(config_path, field)
     if not isinstance(config, dict):
         raise ValueError(f"{field}: '{config_path}' is not a JSON object")
-    _adapter_for(args).check_hf_config(config, args, field, flavor)
-    expected = _adapter_for(args).hf_shapes(args)
+    adapter = _adapter_for(args)
+    adapter.check_hf_config(config, args, field, flavor)
+    expected = adapter.hf_shapes(args)
 
     plan: dict[str, list[str]] = {}
     found: set[str] = set()

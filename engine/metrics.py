@@ -3,8 +3,9 @@ tensorboard and Weights & Biases.
 
 The trainer calls ``MetricsLogger.log`` every ``metrics.log_freq`` steps with the global token count and the
 training time since the previous call (wall time less validation and checkpoint saves, which print their own
-timings; the first step of a run, compile and warm-up included, is logged on its own); the logger derives the rates, prints one line on rank 0, appends one JSON
-object to ``<dump_folder>/metrics.jsonl`` and forwards the numbers to the enabled sinks.
+timings; the first step of a run, compile and warm-up included, is logged on its own); the logger derives the
+rates, prints one line on rank 0, appends one JSON object to ``<dump_folder>/metrics.jsonl`` and forwards the
+numbers to the enabled sinks.
 
 Definitions (per logging window):
 

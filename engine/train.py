@@ -26,16 +26,16 @@ def check(argv: list[str] | None = None, machine=None):
 
     cfg = parse_args(argv)
     validate(cfg, world_size_from_env(), machine)
-    check_dump_folder(cfg.job.dump_folder)
+    check_writable_folder(cfg.job.dump_folder, "job.dump_folder")
     if cfg.checkpoint.enable:
         from engine.checkpoint import checkpoint_root
 
-        check_dump_folder(checkpoint_root(cfg), "checkpoint.folder")
+        check_writable_folder(checkpoint_root(cfg), "checkpoint.folder")
     check_data_config(cfg)
     return cfg
 
 
-def check_dump_folder(folder: str, field: str = "job.dump_folder") -> None:
+def check_writable_folder(folder: str, field: str) -> None:
     """``folder`` (the value of ``field``) must be a folder this process can write, or one it can create."""
     path = os.path.abspath(os.path.expanduser(folder))
     if os.path.exists(path) and not os.path.isdir(path):

@@ -223,7 +223,8 @@ def test_resume_takes_the_new_peak_lr_and_schedule_length(tmp_path):
     updates with that lr on that schedule from its first step (the divergence error's advice relies on it)."""
     train(tmp_path, "--training.steps", "4", "--checkpoint.interval", "2")
     resumed = train(tmp_path, "--training.steps", "10", "--optimizer.lr", "1e-5")
-    assert "resumed from step 4" in resumed.stdout and "the schedule goes on from step 4 with the new peak" in resumed.stdout
+    assert "resumed from step 4" in resumed.stdout
+    assert "the schedule goes on from step 4 with the new peak" in resumed.stdout
     cfg = parse_args(["--config", str(tmp_path / "config.toml")])  # the resumed run's resolved config
     assert cfg.training.steps == 10 and cfg.optimizer.lr == 1e-5
     m = metrics(tmp_path)

@@ -264,7 +264,8 @@ def test_read_metrics_takes_each_resumed_segment_from_its_first_step(tmp_path):
 
     jsonl = tmp_path / "metrics.jsonl"
     segments = [(1, range(1, 8)), (2, range(5, 10)), (3, range(3, 7))]
-    jsonl.write_text("".join(json.dumps({"step": s, "loss": float(seg)}) + "\n" for seg, steps in segments for s in steps))
+    jsonl.write_text("".join(json.dumps({"step": s, "loss": float(seg)}) + "\n"
+                             for seg, steps in segments for s in steps))
     assert [(r["step"], r["loss"]) for r in read_metrics(str(jsonl))] == [(1, 1.0), (2, 1.0), (3, 3.0), (4, 3.0),
                                                                            (5, 3.0), (6, 3.0)]
 

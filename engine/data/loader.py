@@ -29,7 +29,7 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from engine.config import Config, ConfigError
+from engine.config import Config, ConfigError, check_shard_split
 from engine.data.datasets import (DataError, build_dataset, capture_reader_errors, document_text, one_line,
                                   one_line_text, resolve_source)
 
@@ -335,12 +335,9 @@ class ShardedDataLoader:
     def __init__(self, cfg: Config, tokenizer, dp_rank: int, dp_world_size: int, num_shards: int = -1):
         if num_shards == -1:
             num_shards = cfg.data.num_shards if cfg.data.num_shards > 0 else dp_world_size
-        if num_shards % dp_world_size:
-            raise ConfigError(
-                f"data.num_shards: the data is split into {num_shards} shards, which do not split evenly over "
-                f"{dp_world_size} data-parallel ranks (a rank with fewer shards would oversample them); resume on a "
-                f"dp degree that divides {num_shards}, or start a run with a multiple of {dp_world_size} shards"
-            )
+        check_shard_split(num_shards, dp_world_size, "the data is split into",
+                          f"resume on a dp degree that divides {num_shards}, or start a run with a multiple of "
+                          f"{dp_world_size} shards")
         self.num_shards = num_shards
         self.dp_rank, self.dp_world_size = dp_rank, dp_world_size
         self.batch_size = cfg.training.local_batch_size
