@@ -478,11 +478,10 @@ def test_bad_record_found_mid_run_is_a_data_error(tmp_path, tok):
     """A record of the wrong type after the first ones (the start-up check reads the first 64, in the streaming
     order) stops the loader with a DataError (the trainer's one-line mid-run error) naming the field and the
     record."""
-    streaming = True
     path = tmp_path / "late.jsonl"
     path.write_text("".join(json.dumps({"text": f"document {i} " * 10}) + "\n" for i in range(100))
                     + json.dumps({"text": ["a", "list"]}) + "\n")
-    loader = build_dataloader(make_cfg(path, seq_len=16, batch=2, streaming=streaming), tok, 0, 1)
+    loader = build_dataloader(make_cfg(path, seq_len=16, batch=2, streaming=True), tok, 0, 1)
     with pytest.raises(DataError, match=r"^data\.text_field: column 'text' holds list values.*record \d+ of shard 0"):
         for _ in range(1000):
             next(loader)
