@@ -60,6 +60,7 @@ COMMIT_FILE = "COMMITTED.json"
 TRAIN_STATE_FILE = "train_state.json"
 FORMAT_VERSION = 1
 _STEP_DIR = re.compile(r"^step-(\d+)$")
+_HF_DIR = re.compile(r"^step-(\d+)-hf$")
 # DCP warns on every single-process save and load, even when asked for one (no_dist=True): a one-process run
 # means it, so the warning would only clutter the console at every checkpoint.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized, assuming")
@@ -453,6 +454,9 @@ class Checkpointer:
             elif os.path.exists(folder):  # committed by this run before a rollback (checkpoint.load_step): kept
                 self._log(f"checkpoint: an earlier checkpoint of step {step} is set aside as "
                           f"{_set_aside(folder, '.replaced')}")
+                if os.path.exists(hf_export_folder(self.root, step)):  # its export would pass for this run's
+                    self._log(f"checkpoint: its Hugging Face folder is set aside as "
+                              f"{_set_aside(hf_export_folder(self.root, step), '.replaced')}")
         self._barrier()
         _fault(step, "begin")
         t0 = time.perf_counter()
@@ -523,6 +527,11 @@ class Checkpointer:
             if later > step:
                 self._log(f"checkpoint: step {later} belongs to the continuation this run went back from; set "
                           f"aside as {_set_aside(folder, '.abandoned')}")
+        for name in sorted(os.listdir(self.root)):
+            m = _HF_DIR.match(name)
+            if m and int(m.group(1)) > step:
+                self._log(f"checkpoint: the Hugging Face folder of step {int(m.group(1))} belongs to that "
+                          f"continuation too; set aside as {_set_aside(os.path.join(self.root, name), '.abandoned')}")
 
     def _retention(self) -> None:
         """checkpoint.keep_latest_k: remove all but the newest k complete full checkpoints. Incomplete ones never

@@ -193,21 +193,32 @@ def test_rollback_and_retention_keep_the_run_resumable(tmp_path):
     """Going back to step 2 (checkpoint.load_step) with keep_latest_k 1: the new step 4 is kept, the old step 4
     and step 6 are set aside (not deleted, not resumed from); killed there, a plain resume takes the new step 4.
     A last model-only save never pushes the last full checkpoint out of keep_latest_k."""
-    args = ["--training.steps", "6", "--checkpoint.interval", "2"]
+    args = ["--training.steps", "6", "--checkpoint.interval", "2", "--checkpoint.last_save_hf"]
     train(tmp_path, *args)
     root = tmp_path / "checkpoint"
-    assert sorted(os.listdir(root)) == ["step-000002", "step-000004", "step-000006"]
+    assert sorted(os.listdir(root)) == ["step-000002", "step-000004", "step-000006", "step-000006-hf"]
     killed = train(tmp_path, *args, "--checkpoint.load_step", "2", "--checkpoint.keep_latest_k", "1",
                    fault="4:committed", check=False)
     assert killed.returncode == -signal.SIGKILL
-    assert sorted(os.listdir(root)) == ["step-000004", "step-000004.replaced", "step-000006.abandoned"]
+    # The abandoned continuation's export goes aside with its checkpoint: it would pass for this run's.
+    assert sorted(os.listdir(root)) == ["step-000004", "step-000004.replaced", "step-000006-hf.abandoned",
+                                        "step-000006.abandoned"]
     resumed = train(tmp_path, *args, "--checkpoint.keep_latest_k", "1")
-    assert "resumed from step 4" in resumed.stdout
-    assert sorted(os.listdir(root)) == ["step-000004.replaced", "step-000006", "step-000006.abandoned"]
+    assert "resumed from step 4" in resumed.stdout and "Hugging Face folder of" in resumed.stdout
+    assert sorted(os.listdir(root)) == ["step-000004.replaced", "step-000006", "step-000006-hf",
+                                        "step-000006-hf.abandoned", "step-000006.abandoned"]
     # One metrics.jsonl, appended by each run (1-6, 3-4, 5-6): read as one curve of the last segments.
     assert [r["step"] for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())] == \
         [1, 2, 3, 4, 5, 6, 3, 4, 5, 6]
     assert sorted(metrics(tmp_path)) == [1, 2, 3, 4, 5, 6] and not list(tmp_path.glob("metrics.*.jsonl"))
+    # Back to the step before the last: the new last step replaces the old one, and its export is written anew.
+    short = tmp_path / "short"
+    args = ["--training.steps", "4", "--checkpoint.interval", "2", "--checkpoint.last_save_hf"]
+    train(short, *args)
+    again = train(short, *args, "--checkpoint.load_step", "2")
+    assert "already exists" not in again.stdout and "Hugging Face folder of" in again.stdout
+    assert sorted(os.listdir(short / "checkpoint")) == ["step-000002", "step-000004", "step-000004-hf",
+                                                        "step-000004-hf.replaced", "step-000004.replaced"]
 
     other = tmp_path / "model_only"
     args = ["--training.steps", "4", "--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "1",

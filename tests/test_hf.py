@@ -165,6 +165,18 @@ def test_args_from_hf_config_inverts_hf_config(flavor):
         assert Llama3HFAdapter.args_from_hf_config(variant) == back
 
 
+def test_args_from_hf_config_takes_any_intermediate_size():
+    """Every FFN size reads back exactly, including those smaller than int(8 * dim / 3) (a multiplier below 1,
+    whose float product used to round one below: 1 with hidden_size 74 failed an assert)."""
+    config = Llama3HFAdapter.hf_config(DEBUG)
+    for dim, heads in ((74, 1), (96, 4), (148, 2), (256, 16)):
+        for hidden in range(1, int(8 * dim / 3) + 3):
+            variant = {**config, "hidden_size": dim, "num_attention_heads": heads, "num_key_value_heads": heads,
+                       "head_dim": dim // heads, "intermediate_size": hidden}
+            args = Llama3HFAdapter.args_from_hf_config(variant)
+            assert ffn_hidden_dim(args.dim, args.multiple_of, args.ffn_dim_multiplier) == hidden, (dim, hidden)
+
+
 def test_transformers_reads_the_config_as_written():
     config = transformers.LlamaConfig(**Llama3HFAdapter.hf_config(TINY_8B))
     assert config.rope_parameters["rope_type"] == "llama3" and config.rope_parameters["factor"] == 8.0

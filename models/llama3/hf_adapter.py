@@ -308,7 +308,7 @@ class Llama3HFAdapter:
         rope_theta, rope_scaling = _read_rope(config, field)
         hidden = config["intermediate_size"]
         base_hidden = int(2 * (4 * dim) / 3)
-        ffn_dim_multiplier = None if hidden >= base_hidden else hidden / base_hidden
+        ffn_dim_multiplier = None if hidden >= base_hidden else (hidden + 0.5) / base_hidden  # int() gives hidden
         try:
             args = TransformerModelArgs(
                 dim=dim,
