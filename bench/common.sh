@@ -1,23 +1,33 @@
 # Shared set-up of the GPU bench scripts (sourced, not run): installs the carried wheels of .whl/ (packages
 # the device machine lacks) into /tmp/site, puts the repository on PYTHONPATH, prints the GPU and torch,
 # and defines run LABEL ARGS...: a 20-step debug-config run with ARGS, summarized after 5 warm-up steps.
+#
+# The device returns at most 8 files from its $OUT, so the run folders and logs stay on the machine, under
+# RUNS (default /tmp/tessera_bench/<script>), and `pack NAME` puts them into ONE tarball, $RET/NAME.tar.gz (plots left
+# out); RET is the device's $OUT (/tmp/tessera_bench_out elsewhere), where summaries go too.
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site
 fi
 export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD" PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/tessera_bench}
-mkdir -p "$OUT"
+RET=${OUT:-/tmp/tessera_bench_out}
+RUNS=${RUNS:-/tmp/tessera_bench/$(basename "$0" .sh)}
+mkdir -p "$RET" "$RUNS"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
 
 run() {  # LABEL ARGS...
   local label=$1; shift
-  python3 -m engine.train --config train_configs/debug_model.toml --job.dump_folder "$OUT/$label" \
+  python3 -m engine.train --config train_configs/debug_model.toml --job.dump_folder "$RUNS/$label" \
     --training.steps 20 --metrics.log_freq 1 --lr_scheduler.warmup_steps 2 --optimizer.lr 3e-4 "$@" \
-    > "$OUT/$label.log" 2>&1
+    > "$RUNS/$label.log" 2>&1
   local rc=$?
-  tail -n 3 "$OUT/$label.log"
-  [ $rc = 0 ] && python3 bench/summarize.py "$OUT/$label" --skip 5 || echo "$label: exit $rc"
+  tail -n 3 "$RUNS/$label.log"
+  [ $rc = 0 ] && python3 bench/summarize.py "$RUNS/$label" --skip 5 || echo "$label: exit $rc"
+}
+
+pack() {  # NAME: every run folder and log of this script (plots and traces left out) as $RET/NAME.tar.gz
+  tar czf "$RET/$1.tar.gz" --exclude "*.png" --exclude "*trace*.json*" --exclude "*.pickle" -C "$RUNS" . \
+    && echo "packed $(find "$RUNS" -type f | wc -l) files of $RUNS into $RET/$1.tar.gz ($(du -h "$RET/$1.tar.gz" | cut -f1))"
 }

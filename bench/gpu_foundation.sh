@@ -14,15 +14,23 @@ source "$(dirname "$0")/common.sh"
 run 8b_l8_bf16_sdpa --model.flavor 8B_L8 --training.seq_len 8192 --training.local_batch_size 1
 
 # The CUDA side of [profiling] (8B_L2, seq 2048, 10 steps): a trace of step 10 with CUDA kernels in it, and
-# the allocator's history at step 10. Written outside $OUT (tens of MB); their sizes and a count are printed.
-python3 -m engine.train --config train_configs/debug_model.toml --job.dump_folder /tmp/tessera_profiled \
+# the allocator's history at step 10 (tens of MB: not packed; their sizes and a count are printed).
+python3 -m engine.train --config train_configs/debug_model.toml --job.dump_folder "$RUNS/profiled" \
   --model.flavor 8B_L2 --training.seq_len 2048 --training.local_batch_size 1 --training.steps 10 \
-  --profiling.enable_profiling --profiling.enable_memory_snapshot > "$OUT/8b_l2_profiled.log" 2>&1 \
-  || { echo "8b_l2_profiled: failed"; tail -n 5 "$OUT/8b_l2_profiled.log"; }
-ls -la /tmp/tessera_profiled/profile_traces/iteration_10 /tmp/tessera_profiled/memory_snapshot/iteration_10
-python3 - <<'PY'
-import json
-events = json.load(open("/tmp/tessera_profiled/profile_traces/iteration_10/rank0_trace.json"))["traceEvents"]
+  --profiling.enable_profiling --profiling.enable_memory_snapshot > "$RUNS/8b_l2_profiled.log" 2>&1 \
+  || { echo "8b_l2_profiled: failed"; tail -n 5 "$RUNS/8b_l2_profiled.log"; }
+ls -la "$RUNS/profiled/profile_traces/iteration_10" "$RUNS/profiled/memory_snapshot/iteration_10"
+python3 - "$RUNS/profiled/profile_traces/iteration_10/rank0_trace.json" <<'PY'
+import json, sys
+events = json.load(open(sys.argv[1]))["traceEvents"]
 kernels = [e for e in events if e.get("cat") == "kernel"]
 print(f"trace of step 10: {len(events)} events, {len(kernels)} CUDA kernels")
+# Which attention kernels sdpa = auto ran (flash, cuDNN or efficient), by name and total time.
+attn = {}
+for e in kernels:
+    if any(w in e["name"].lower() for w in ("flash", "fmha", "cudnn", "attention", "attn", "sdpa")):
+        attn[e["name"][:100]] = attn.get(e["name"][:100], 0) + e.get("dur", 0)
+for name, us in sorted(attn.items(), key=lambda kv: -kv[1]):
+    print(f"  attention kernel {us / 1e3:8.2f} ms  {name}")
 PY
+pack gpu_foundation

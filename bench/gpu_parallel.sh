@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The mesh issue's GPU checks, in one device call on the H100 machine (issue 3, acceptance 4):
-#  1. one rank, 8B layer shapes with 8 layers (8B_L8), seq 8192, batch 1: eager bf16; compile; compile +
-#     per-op selective AC; compile + full AC; FSDP2 on the one rank + compile + per-op AC (the acceptance
-#     item): median tps, TFLOP/s, MFU and peak memory after 5 warm-up steps.
+#  1. one rank, 8B layer shapes with 8 layers (8B_L8), seq 8192, batch 1: FSDP2 on the one rank + compile +
+#     per-op AC (the acceptance item), and beside it the same without FSDP: median tps, TFLOP/s, MFU and peak
+#     memory after 5 warm-up steps. (Eager, no-AC and full-AC runs are perf_vs_reference.sh's.)
 #  2. CUDA paths of FSDP and TP: 2 processes sharing the GPU over gloo (NCCL refuses two ranks on one GPU),
 #     debug model in fp32, FSDP 2 and TP 2, loss curves printed beside the single-rank CUDA run's (TP 2 reads
 #     the same batches and must match it; FSDP 2's ranks read their own shards of the data), TP 2 with the
@@ -16,20 +16,17 @@ set -uo pipefail
 source "$(dirname "$0")/common.sh"
 
 L8=(--model.flavor 8B_L8 --training.seq_len 8192 --training.local_batch_size 1)
-run 8b_l8_eager "${L8[@]}"
-run 8b_l8_compile "${L8[@]}" --compile.enable
-run 8b_l8_compile_ac_op "${L8[@]}" --compile.enable --activation_checkpoint.mode selective
-run 8b_l8_compile_ac_full "${L8[@]}" --compile.enable --activation_checkpoint.mode full
 run 8b_l8_fsdp_compile_ac_op "${L8[@]}" --parallelism.fsdp_single_rank --compile.enable \
   --activation_checkpoint.mode selective
+run 8b_l8_compile_ac_op "${L8[@]}" --compile.enable --activation_checkpoint.mode selective
 
 # CUDA paths of FSDP2 and TP: gloo over CUDA tensors, two ranks on one GPU.
 SMALL=(--training.steps 8 --training.seq_len 256 --training.local_batch_size 4 --metrics.log_freq 1
        --lr_scheduler.warmup_steps 2 --debug.deterministic --training.mixed_precision_param float32)
-python3 -m engine.train --config train_configs/debug_model.toml --job.dump_folder "$OUT/one" "${SMALL[@]}" \
-  --training.global_batch_size 8 > "$OUT/one.log" 2>&1 || tail -n 20 "$OUT/one.log"
-compare_to_one() {  # the run in $OUT/$1 beside the single-rank run's losses
-  python3 - "$OUT/one" "$OUT/$1" <<'PY'
+python3 -m engine.train --config train_configs/debug_model.toml --job.dump_folder "$RUNS/one" "${SMALL[@]}" \
+  --training.global_batch_size 8 > "$RUNS/one.log" 2>&1 || tail -n 20 "$RUNS/one.log"
+compare_to_one() {  # the run in $RUNS/$1 beside the single-rank run's losses
+  python3 - "$RUNS/one" "$RUNS/$1" <<'PY'
 import json, sys
 a, b = ([json.loads(l)["loss"] for l in open(f"{d}/metrics.jsonl")] for d in sys.argv[1:3])
 print(sys.argv[2].split("/")[-1], "losses", [round(x, 5) for x in b], "one rank", [round(x, 5) for x in a])
@@ -41,13 +38,14 @@ for layout in "--parallelism.dp_shard 2" "--parallelism.tp 2 --training.global_b
               "--parallelism.cp 2 --training.global_batch_size 8"; do
   name=$(echo "$layout" | tr -d ' -' | tr '.' '_')
   TESSERA_BACKEND=gloo python3 -m torch.distributed.run --nproc_per_node 2 --local-ranks-filter 0 -m engine.train \
-    --config train_configs/debug_model.toml --job.dump_folder "$OUT/$name" "${SMALL[@]}" $layout \
-    > "$OUT/$name.log" 2>&1 || tail -n 30 "$OUT/$name.log"
+    --config train_configs/debug_model.toml --job.dump_folder "$RUNS/$name" "${SMALL[@]}" $layout \
+    > "$RUNS/$name.log" 2>&1 || tail -n 30 "$RUNS/$name.log"
   compare_to_one "$name"
 done
-python3 -m engine.train --config train_configs/debug_model.toml --job.dump_folder "$OUT/fsdp_cpu_offload" \
+python3 -m engine.train --config train_configs/debug_model.toml --job.dump_folder "$RUNS/fsdp_cpu_offload" \
   "${SMALL[@]}" --training.global_batch_size 8 --parallelism.fsdp_single_rank --parallelism.fsdp_cpu_offload \
-  > "$OUT/fsdp_cpu_offload.log" 2>&1 || tail -n 30 "$OUT/fsdp_cpu_offload.log"
+  > "$RUNS/fsdp_cpu_offload.log" 2>&1 || tail -n 30 "$RUNS/fsdp_cpu_offload.log"
 compare_to_one fsdp_cpu_offload
 
 python3 bench/cuda_cp_check.py
+pack gpu_parallel

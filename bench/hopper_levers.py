@@ -19,11 +19,14 @@ Needs a CUDA GPU; on a CPU it says so and exits 0.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 
 import torch
 import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # models.loss, run from anywhere
 
 GIB = 2**30
 

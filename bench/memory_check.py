@@ -1,10 +1,10 @@
 """Measured peak GPU memory beside engine/tools/memory.py's estimate, for single-GPU configurations.
 
-    python3 bench/memory_check.py [--steps 8] [--only NAME,...] [--out DIR] [--estimate-only]
+    python3 bench/memory_check.py [--steps 8] [--only NAME,...] [--out DIR] [--runs DIR] [--estimate-only]
 
 On the H100 machine (one device call; .whl carried for the packages it lacks, see bench/common.sh):
 
-    source bench/common.sh && python3 bench/memory_check.py --out "$OUT/memory_check"
+    source bench/common.sh && python3 bench/memory_check.py --out "$OUT"
 
 Each configuration trains Llama-3-8B layer shapes (flavor 8B_L8, or 8B_L2) on the built-in corpus for
 ``--steps`` steps, bf16, sdpa, local batch 1, in this process (one after the other, memory released in
@@ -14,8 +14,9 @@ between), with metrics logged every step. Reported per configuration:
   each logging window, what the trainer reports);
 - estimate: the largest per-rank peak of engine.tools.memory for the same config, and the moment it is at;
 - ratio = estimate / measured allocated.
-The table is printed and written to <out>/memory_check.md and .json. ``--estimate-only`` prints the
-estimates without training (no GPU needed).
+The table is printed and written to <out>/memory_check.md and .json (two files: the device returns at most 8);
+the run folders go under ``--runs`` and stay on the machine. ``--estimate-only`` prints the estimates without
+training (no GPU needed).
 """
 
 from __future__ import annotations
@@ -119,7 +120,9 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--only", default="", help="comma-separated names (default: all); see CONFIGS")
-    p.add_argument("--out", default=os.environ.get("OUT", "/tmp/tessera_bench") + "/memory_check")
+    p.add_argument("--out", default=os.environ.get("OUT", "/tmp/tessera_bench_out"),
+                   help="where memory_check.md and memory_check.json go")
+    p.add_argument("--runs", default="/tmp/tessera_bench/memory_check", help="where the run folders go")
     p.add_argument("--estimate-only", action="store_true", help="print the estimates; train nothing")
     a = p.parse_args(argv)
     names = [n.strip() for n in a.only.split(",") if n.strip()] or list(CONFIGS)
@@ -139,7 +142,7 @@ def main(argv=None) -> int:
     results = []
     for name in names:
         argv_run = COMMON + CONFIGS[name] + ["--training.steps", str(a.steps),
-                                             "--job.dump_folder", os.path.join(a.out, name.replace(" ", "_")
+                                             "--job.dump_folder", os.path.join(a.runs, name.replace(" ", "_")
                                                                                .replace(",", ""))]
         est, moment = estimate(argv_run)
         row = {"name": name, "estimate_gib": est / GIB, "moment": moment}

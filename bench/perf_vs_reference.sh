@@ -14,7 +14,7 @@
 #   ANCHOR_LOGS=$OUT bash bench/perf_vs_reference.sh
 #
 # Environment:
-#   ONLY     Tessera configurations to run, in this order (default: all five below)
+#   ONLY     Tessera configurations to run, in this order (default: the first five below)
 #   ANCHOR   reference configurations (default: "bf16_compile fp8_compile"; also: eager noac_compile)
 #   STEPS    Tessera steps (default 15; medians over steps 6..STEPS, one logged line per step)
 #   ANCHOR_STEPS  reference steps (default 20; it logs every 5 steps, medians over the lines after step 10)
@@ -25,12 +25,9 @@
 # Comes back under $OUT: the reference's logs (ANCHOR_LOGS), summary.txt and tessera_runs.tar.gz (every
 # Tessera run's log and metrics.jsonl; the run folders themselves stay on the machine, under /tmp).
 set -uo pipefail
-RET=${OUT:-/tmp/perf_vs_reference}
-mkdir -p "$RET"
-export ANCHOR_LOGS=${ANCHOR_LOGS:-$RET}
-export OUT=/tmp/tessera_bench                     # common.sh's run folder
 START=$SECONDS
-source "$(dirname "$0")/common.sh"                # cd to the repo, carried wheels, GPU and torch versions
+source "$(dirname "$0")/common.sh"                # cd to the repo, carried wheels, GPU and torch; RET, RUNS
+export ANCHOR_LOGS=${ANCHOR_LOGS:-$RET}
 export PYTORCH_ALLOC_CONF="expandable_segments:True"   # as the reference kit runs
 
 ONLY=${ONLY:-"bf16_compile_ac_op fp8_compile_ac_op eager_ac_op noac_compile fullac_compile"}
@@ -47,8 +44,12 @@ declare -A TESSERA=(
   [eager_ac_op]="--activation_checkpoint.mode selective"
   [noac_compile]="--compile.enable"
   [fullac_compile]="--compile.enable --activation_checkpoint.mode full"
-  # Speed levers, measured beside bf16_compile_ac_op (not in the default ONLY: a second call with
-  # ONLY="fused_loss cudnn_sdpa fused_loss_cudnn" ANCHOR=""):
+  # Not in the default ONLY (a second call): per-op AC keeping every other matmul, as the reference's per-op
+  # policy does (Tessera's keeps them all: less recompute; at these shapes the peak is at the end of backward,
+  # parameters, gradients and AdamW, so the estimate gives both policies the same peak):
+  [bf16_compile_ac_alt]="--compile.enable --activation_checkpoint.mode selective --activation_checkpoint.op_matmuls alternate"
+  [fp8_compile_ac_alt]="--compile.enable --activation_checkpoint.mode selective --activation_checkpoint.op_matmuls alternate --float8.enable"
+  # and the speed levers, measured beside bf16_compile_ac_op:
   [fused_loss]="--compile.enable --activation_checkpoint.mode selective --training.loss_chunk_tokens 2048"
   [cudnn_sdpa]="--compile.enable --activation_checkpoint.mode selective --model.sdpa_backend cudnn"
   [fused_loss_cudnn]="--compile.enable --activation_checkpoint.mode selective --training.loss_chunk_tokens 2048 --model.sdpa_backend cudnn"
@@ -69,11 +70,11 @@ tessera() {  # LABEL: one Tessera run, summarized after 5 warm-up steps
   echo "=== Tessera $label: ${TESSERA[$label]}"
   # shellcheck disable=SC2086
   timeout $((BUDGET - (SECONDS - START))) python3 -m engine.train --config train_configs/debug_model.toml \
-    --job.dump_folder "$OUT/$label" "${L8[@]}" --training.steps "$STEPS" --metrics.log_freq 1 \
-    --lr_scheduler.warmup_steps 2 --optimizer.lr 3e-4 ${TESSERA[$label]} > "$OUT/$label.log" 2>&1
+    --job.dump_folder "$RUNS/$label" "${L8[@]}" --training.steps "$STEPS" --metrics.log_freq 1 \
+    --lr_scheduler.warmup_steps 2 --optimizer.lr 3e-4 ${TESSERA[$label]} > "$RUNS/$label.log" 2>&1
   local rc=$?
-  tail -n 2 "$OUT/$label.log"
-  [ $rc = 0 ] && python3 bench/summarize.py "$OUT/$label" --skip 5 || echo "Tessera $label: exit $rc"
+  tail -n 2 "$RUNS/$label.log"
+  [ $rc = 0 ] && python3 bench/summarize.py "$RUNS/$label" --skip 5 || echo "Tessera $label: exit $rc"
 }
 
 reference() {  # LABEL: one reference run (its script prints its last logged steps)
@@ -88,7 +89,8 @@ python3 -c "import torchao" 2>/dev/null || echo "warning: torchao missing (carry
 
 # Interleaved, so that each pair runs close in time; the acceptance pairs first.
 for pair in "bf16_compile bf16_compile_ac_op" "fp8_compile fp8_compile_ac_op" "eager eager_ac_op" \
-            "noac_compile noac_compile" "- fullac_compile" "- fused_loss" "- cudnn_sdpa" "- fused_loss_cudnn"; do
+            "noac_compile noac_compile" "- fullac_compile" "- bf16_compile_ac_alt" "- fp8_compile_ac_alt" \
+            "- fused_loss" "- cudnn_sdpa" "- fused_loss_cudnn"; do
   set -- $pair
   [[ " $ANCHOR " == *" $1 "* ]] && [ -f .anchor/run_anchor.sh ] && reference "$1"
   [[ " $ONLY " == *" $2 "* ]] && tessera "$2"
@@ -101,10 +103,10 @@ fi
 {
   echo
   echo "=== Tessera / reference, $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), $(python3 -c 'import torch; print("torch", torch.__version__)')"
-  python3 bench/compare_reference.py --tessera "$OUT" --anchor "$ANCHOR_LOGS" --labels "$(echo $ONLY | tr ' ' ,)" \
-    --pairs bf16_compile_ac_op=bf16_compile,fp8_compile_ac_op=fp8_compile,eager_ac_op=eager,noac_compile=noac_compile,fused_loss=bf16_compile,cudnn_sdpa=bf16_compile,fused_loss_cudnn=bf16_compile \
+  python3 bench/compare_reference.py --tessera "$RUNS" --anchor "$ANCHOR_LOGS" --labels "$(echo $ONLY | tr ' ' ,)" \
+    --pairs bf16_compile_ac_op=bf16_compile,fp8_compile_ac_op=fp8_compile,bf16_compile_ac_alt=bf16_compile,fp8_compile_ac_alt=fp8_compile,eager_ac_op=eager,noac_compile=noac_compile,fused_loss=bf16_compile,cudnn_sdpa=bf16_compile,fused_loss_cudnn=bf16_compile \
     --json "$RET/summary.json"
   [ -n "$SKIPPED" ] && echo "skipped for the time budget:$SKIPPED"
   echo "elapsed $((SECONDS - START)) s"
 } | tee "$RET/summary.txt"
-tar czf "$RET/tessera_runs.tar.gz" --exclude "*.png" -C "$OUT" . 2>/dev/null
+pack tessera_runs

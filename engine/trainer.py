@@ -181,7 +181,7 @@ class Trainer:
                 check_data_source(self.resume_from, self.dataloader.source, cfg)
 
         # Model on the meta device: shapes and FLOPs without memory; the attention kernel SDPA may use.
-        select_sdpa_backend(cfg.model.sdpa_backend)
+        sdpa_choice = select_sdpa_backend(cfg.model.sdpa_backend)
         spec = get_model_spec(cfg.model.name)
         self.model_args = spec.flavors[cfg.model.flavor].update_from_config(
             cfg.model, self.tokenizer.vocab_size, cfg.training.seq_len
@@ -249,7 +249,8 @@ class Trainer:
             print(
                 f"model {cfg.model.name}/{cfg.model.flavor}: {self.num_params:,} parameters, "
                 f"{self.num_flops_per_token / 1e9:.3f} GFLOP per token; device {self.device}; "
-                f"grad accumulation {self.grad_accum}; layout {self.dims.describe()}",
+                f"grad accumulation {self.grad_accum}; layout {self.dims.describe()}; attention {cfg.model.attn}"
+                + (f" ({sdpa_choice})" if cfg.model.attn == "sdpa" else ""),
                 flush=True,
             )
             source = self.dataloader.source

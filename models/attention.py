@@ -45,16 +45,31 @@ SDPA_BACKENDS = ("auto", "flash", "cudnn", "efficient", "math")
 """Valid values of ``model.sdpa_backend``: the kernel ``scaled_dot_product_attention`` may use."""
 
 # The kernels that take grouped-query attention (fewer K/V heads) directly; with the others K/V are repeated
-# to the query heads first (https://github.com/pytorch/pytorch/issues/139586: enable_gqa is a flash feature).
+# to the query heads first (https://github.com/pytorch/pytorch/issues/139586: enable_gqa was a flash feature;
+# cuDNN takes it in recent torch releases, which select_sdpa_backend probes once on the GPU).
 _GQA_NATIVE = ("auto", "flash", "math")
 _sdpa_backend = "auto"
+_gqa_native = True
 
 
-def select_sdpa_backend(name: str) -> None:
+def _cudnn_takes_gqa() -> bool:
+    """Whether cuDNN's SDPA kernel runs grouped-query attention as it is (one tiny bf16 call on the GPU, with
+    only cuDNN enabled); a torch release or GPU where it does not gets K/V repeated instead."""
+    q = torch.zeros(1, 4, 128, 64, device="cuda", dtype=torch.bfloat16)
+    kv = torch.zeros(1, 2, 128, 64, device="cuda", dtype=torch.bfloat16)
+    try:
+        F.scaled_dot_product_attention(q, kv, kv, is_causal=True, enable_gqa=True)
+        return True
+    except RuntimeError:
+        return False
+
+
+def select_sdpa_backend(name: str) -> str:
     """Let ``scaled_dot_product_attention`` use only the ``name`` kernel in this process (``auto``: any, torch's
     own choice). torch keeps this choice per process (torch.backends.cuda.enable_*_sdp, which CPU SDPA
-    follows too), and so does this module: a kernel that lacks grouped-query support gets repeated K/V."""
-    global _sdpa_backend
+    follows too), and so does this module: a kernel that lacks grouped-query support gets repeated K/V.
+    Returns the choice in words, for the start-up log."""
+    global _sdpa_backend, _gqa_native
     if name not in SDPA_BACKENDS:
         raise ValueError(f"model.sdpa_backend: unknown kernel {name!r}; choose one of {', '.join(SDPA_BACKENDS)}")
     every = name == "auto"
@@ -63,10 +78,14 @@ def select_sdpa_backend(name: str) -> None:
     torch.backends.cuda.enable_mem_efficient_sdp(every or name == "efficient")
     torch.backends.cuda.enable_math_sdp(every or name == "math")
     _sdpa_backend = name
+    _gqa_native = name in _GQA_NATIVE or (name == "cudnn" and torch.cuda.is_available() and _cudnn_takes_gqa())
+    if name == "auto":
+        return "any SDPA kernel"
+    return f"{name} SDPA kernel only, {'grouped-query' if _gqa_native else 'K/V repeated to the query heads'}"
 
 
 def _sdpa(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-    if k.shape[1] != q.shape[1] and _sdpa_backend not in _GQA_NATIVE:
+    if k.shape[1] != q.shape[1] and not _gqa_native:
         rep = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])

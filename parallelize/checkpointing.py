@@ -2,8 +2,9 @@
 
 Blocks are wrapped with torch's ``checkpoint_wrapper`` (non-reentrant), whose state-dict hooks keep the
 parameter names unchanged, so checkpoints do not depend on the AC setting. Per-op selective AC saves the
-outputs of the matmuls, of attention and of the tensor-parallel reduce-scatters (expensive to recompute)
-and recomputes everything else (norms, activations, RoPE, elementwise ops) in backward.
+outputs of the matmuls (all, or every other one: activation_checkpoint.op_matmuls), of attention and of the
+tensor-parallel reduce-scatters (expensive to recompute) and recomputes everything else (norms, activations,
+RoPE, elementwise ops) in backward.
 """
 
 from __future__ import annotations
@@ -37,15 +38,32 @@ def _save_list() -> set:
     return ops
 
 
-def _policy(save_ops, ctx, op, *args, **kwargs):
-    return CheckpointPolicy.MUST_SAVE if op in save_ops else CheckpointPolicy.PREFER_RECOMPUTE
+_MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+            torch.ops.aten._scaled_mm.default}
 
 
-def _op_context():
-    return create_selective_checkpoint_contexts(partial(_policy, _save_list()))
+def op_policy(op_matmuls: str):
+    """The per-op policy of one block's forward (and of its recomputation): save the ops of ``_save_list``;
+    with ``op_matmuls = "alternate"`` only the odd-numbered matmuls of the block (wq, wv, w1, w2 of the llama3
+    block: wk, wo and w3 are recomputed), counted separately in the forward and in the recomputation so that
+    both make the same choices. A fresh policy per block forward (its counts start at 0)."""
+    save_ops, counts = _save_list(), {False: 0, True: 0}
+
+    def policy(ctx, op, *args, **kwargs):
+        if op in _MATMULS and op_matmuls == "alternate":
+            counts[ctx.is_recompute] += 1
+            if counts[ctx.is_recompute] % 2 == 0:
+                return CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.MUST_SAVE if op in save_ops else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return policy
 
 
-def wrap_block(block: nn.Module, mode: str, selective_option: str, index: int) -> nn.Module:
+def _op_context(op_matmuls: str):
+    return create_selective_checkpoint_contexts(op_policy(op_matmuls))
+
+
+def wrap_block(block: nn.Module, mode: str, selective_option: str, index: int, op_matmuls: str = "all") -> nn.Module:
     """The block, wrapped as ``mode`` asks (unchanged when this block is not checkpointed)."""
     if mode == "none":
         return block
@@ -53,14 +71,15 @@ def wrap_block(block: nn.Module, mode: str, selective_option: str, index: int) -
         return checkpoint_wrapper(block, preserve_rng_state=False)
     assert mode == "selective", mode
     if selective_option == "op":
-        return checkpoint_wrapper(block, context_fn=_op_context, preserve_rng_state=False)
+        assert op_matmuls in ("all", "alternate"), op_matmuls
+        return checkpoint_wrapper(block, context_fn=partial(_op_context, op_matmuls), preserve_rng_state=False)
     every = int(selective_option)
     if index % every == 0:
         return checkpoint_wrapper(block, preserve_rng_state=False)
     return block
 
 
-def apply_ac(blocks: nn.ModuleDict, mode: str, selective_option: str) -> None:
+def apply_ac(blocks: nn.ModuleDict, mode: str, selective_option: str, op_matmuls: str = "all") -> None:
     """Wrap the blocks of ``blocks`` in place."""
     for i, (name, block) in enumerate(list(blocks.items())):
-        blocks[name] = wrap_block(block, mode, selective_option, i)
+        blocks[name] = wrap_block(block, mode, selective_option, i, op_matmuls)

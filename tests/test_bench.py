@@ -79,10 +79,16 @@ def _run_script(tmp_path, script: str, env_extra: dict) -> list[dict]:
                        ("nvidia-smi", "#!/usr/bin/env bash\necho 'NVIDIA H100 80GB HBM3, 81559 MiB, 0'\n")):
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod((bin_dir / name).stat().st_mode | stat.S_IEXEC)
-    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", OUT=str(tmp_path / "out"), **env_extra)
+    out = tmp_path / "out"
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", OUT=str(out), RUNS=str(tmp_path / "runs"),
+               **env_extra)
     proc = subprocess.run(["bash", os.path.join(repo, "bench", script)], env=env, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    # What the device returns: at most 8 files from $OUT, none more than 2 folders down; the runs are packed.
+    returned = [p.relative_to(out) for p in out.rglob("*") if p.is_file()]
+    assert 1 <= len(returned) <= 8 and all(len(p.parts) <= 3 for p in returned), returned
+    assert any(p.name.endswith(".tar.gz") for p in returned), returned
     rows = [_check(p.read_text().split("\0")[:-1]) for p in sorted(record.iterdir())]
     errors = [f"{' '.join(r['argv'])} (world {r['world']}): {r['error']}" for r in rows if "error" in r]
     assert not errors, "\n".join(errors)
@@ -98,23 +104,26 @@ def test_gpu_foundation_configs_are_valid_on_hopper(tmp_path):
 
 def test_gpu_parallel_configs_are_valid_on_hopper(tmp_path):
     rows = _run_script(tmp_path, "gpu_parallel.sh", {})
-    # five single-GPU 8B_L8 runs, the one-rank debug run, four two-rank layouts over gloo, then CPU offload
-    assert [r["world"] for r in rows] == [1] * 6 + [2] * 4 + [1], rows
-    two_rank = [" ".join(r["argv"]) for r in rows[6:10]]
+    # two single-GPU 8B_L8 runs (FSDP on one rank first), the one-rank debug run, four two-rank layouts over
+    # gloo, then CPU offload
+    assert [r["world"] for r in rows] == [1] * 3 + [2] * 4 + [1], rows
+    assert "--parallelism.fsdp_single_rank" in rows[0]["argv"] and "8B_L8" in rows[0]["argv"]
+    two_rank = [" ".join(r["argv"]) for r in rows[3:7]]
     assert any("--parallelism.cp 2" in a for a in two_rank)
     assert any("--training.loss_chunk_tokens" in a and "--parallelism.tp 2" in a for a in two_rank)
-    assert "--parallelism.fsdp_cpu_offload" in rows[10]["argv"]
+    assert "--parallelism.fsdp_cpu_offload" in rows[7]["argv"]
 
 
 def test_perf_vs_reference_configs_are_valid_on_hopper(tmp_path):
-    only = "bf16_compile_ac_op fp8_compile_ac_op eager_ac_op noac_compile fullac_compile fused_loss cudnn_sdpa " \
-           "fused_loss_cudnn"
+    only = "bf16_compile_ac_op fp8_compile_ac_op bf16_compile_ac_alt fp8_compile_ac_alt eager_ac_op noac_compile " \
+           "fullac_compile fused_loss cudnn_sdpa fused_loss_cudnn"
     rows = _run_script(tmp_path, "perf_vs_reference.sh", {"ONLY": only, "ANCHOR": "", "BUDGET": "100000"})
     assert len(rows) == len(only.split()), rows
     for r in rows:  # the reference kit's shapes, every one
         argv = " ".join(r["argv"])
         assert "--model.flavor 8B_L8 --training.seq_len 8192 --training.local_batch_size 1" in argv, argv
-    assert sum("--float8.enable" in r["argv"] for r in rows) == 1
+    assert sum("--float8.enable" in r["argv"] for r in rows) == 2
+    assert sum("alternate" in r["argv"] for r in rows) == 2
 
 
 def test_memory_check_estimates_every_configuration(tmp_path):

@@ -7,6 +7,7 @@ import re
 import subprocess
 import sys
 import time
+import types
 
 import pytest
 import torch
@@ -148,17 +149,19 @@ def test_block_activation_formula_matches_autograd(precision):
 
 
 @pytest.mark.parametrize("precision", ["float32", "bfloat16"])
-@pytest.mark.parametrize("mode", ["none", "selective"])
+@pytest.mark.parametrize("mode", ["none", "selective", "selective_alternate"])
 def test_compiled_block_formula_matches_autograd(precision, mode):
-    """compile.enable: what inductor's partitioner keeps for backward, no AC and per-op AC (the compiled
-    graph saves through autograd, so the hooks see it all, the SAC policy's choices included)."""
+    """compile.enable: what inductor's partitioner keeps for backward, no AC and per-op AC with all or every
+    other matmul kept (the compiled graph saves through autograd, so the hooks see it all, the SAC policy's
+    choices included)."""
     from parallelize.checkpointing import apply_ac
 
     torch._dynamo.reset()
     args = dataclasses.replace(llama3_flavors["debugmodel"], vocab_size=512, n_heads=8, n_kv_heads=2)
     blocks = torch.nn.ModuleDict({"0": TransformerBlock(0, args)})
+    mode, _, op_matmuls = mode.partition("_")
     if mode == "selective":
-        apply_ac(blocks, mode, "op")
+        apply_ac(blocks, mode, "op", op_matmuls or "all")
     block = torch.compile(blocks["0"], fullgraph=True)
     B, S = 3, 32
     x = torch.randn(B, S, args.dim, requires_grad=True)
@@ -167,7 +170,8 @@ def test_compiled_block_formula_matches_autograd(precision, mode):
     measured = _saved_activation_bytes(block, x, freqs, ctx)
     shape = memory.ModelShape.from_args(args)
     lay = memory.RankLayout(S, B, 1, 1, 1, 1, 0, "", 1, 1, False, "default", False, False, mode, "op",
-                            memory.precision_for(precision, data_parallel=False), compiled=True)
+                            memory.precision_for(precision, data_parallel=False), compiled=True,
+                            ac_op_matmuls=op_matmuls or "all")
     kind = "op" if mode == "selective" else "none"
     assert measured == memory.block_bytes_per_token(shape, lay, kind) * B * S
     eager = dataclasses.replace(lay, compiled=False)
@@ -197,20 +201,23 @@ def test_compiled_loss_keeps_the_logits_only():
     assert sum(kept.values()) + gradient == memory.loss_bytes(memory.ModelShape.from_args(args), lay, B * S)
 
 
-def test_selective_op_formula_matches_the_policy():
-    """'op' keeps the block input and the outputs of the ops the policy saves (parallelize/checkpointing.py)."""
+@pytest.mark.parametrize("op_matmuls", ["all", "alternate"])
+def test_selective_op_formula_matches_the_policy(op_matmuls):
+    """'op' keeps the block input and the outputs of the ops the policy saves (parallelize/checkpointing.py):
+    every matmul, or every other one."""
     from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils.checkpoint import CheckpointPolicy
 
-    from parallelize.checkpointing import _save_list
+    from parallelize.checkpointing import op_policy
 
-    save = _save_list()
+    policy, forward = op_policy(op_matmuls), types.SimpleNamespace(is_recompute=False)
 
     class Record(TorchDispatchMode):
         bytes = 0
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
-            if func in save:
+            if policy(forward, func, *args) == CheckpointPolicy.MUST_SAVE:
                 first = out[0] if isinstance(out, (tuple, list)) else out
                 Record.bytes += first.numel() * first.element_size()
                 if func is not torch.ops.aten.mm.default:  # attention: the log-sum-exp too
@@ -225,7 +232,7 @@ def test_selective_op_formula_matches_the_policy():
         block(x, precompute_freqs_cis(args.head_dim, S, args.rope_theta))
     shape = memory.ModelShape.from_args(args)
     lay = memory.RankLayout(S, B, 1, 1, 1, 1, 0, "", 1, 1, False, "default", False, False, "selective", "op",
-                            memory.precision_for("float32", data_parallel=False))
+                            memory.precision_for("float32", data_parallel=False), ac_op_matmuls=op_matmuls)
     block_input = args.dim * 4 * B * S
     assert Record.bytes + block_input == memory.block_bytes_per_token(shape, lay, "op") * B * S
 

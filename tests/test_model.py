@@ -267,9 +267,9 @@ def test_sdpa_backend_choice_gives_the_same_attention(kernel, sdpa_kernels, monk
     assert torch.backends.cuda.flash_sdp_enabled() == (kernel == "flash")
     out = attention(q, k, v, "sdpa")
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
-    # The path of the kernels without grouped-query support (cudnn, efficient: CUDA only): K/V repeated to
-    # the query heads, here run by the CPU kernel chosen above.
-    monkeypatch.setattr(A, "_sdpa_backend", "cudnn")
+    # The path of the kernels without grouped-query support (efficient, and cudnn where the probe says so:
+    # CUDA only): K/V repeated to the query heads, here run by the CPU kernel chosen above.
+    monkeypatch.setattr(A, "_gqa_native", False)
     out = attention(q, k, v, "sdpa")
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     for g, r in zip(torch.autograd.grad(out.sum(), (q, k, v)), ref_grads):

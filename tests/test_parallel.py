@@ -70,6 +70,8 @@ LAYOUTS = {
                             "--parallelism.tp", "2"),
         "fsdp4_ac_full": _layout(2, "--parallelism.dp_shard", "4", "--activation_checkpoint.mode", "full"),
         "fsdp2_tp2_ac_op": _layout(4, *FSDP2_TP2, "--activation_checkpoint.mode", "selective"),
+        "fsdp2_tp2_ac_op_alternate": _layout(4, *FSDP2_TP2, "--activation_checkpoint.mode", "selective",
+                                             "--activation_checkpoint.op_matmuls", "alternate"),
         "fsdp2_tp2_ac_every2": _layout(4, *FSDP2_TP2, "--activation_checkpoint.mode", "selective",
                                        "--activation_checkpoint.selective_option", "2"),
         "fsdp2_tp2_accum2": _layout(2, *FSDP2_TP2, "--training.global_batch_size", "8"),
@@ -134,7 +136,9 @@ def test_reference_trains(reference):
 
 
 def test_single_process_ac_matches_reference(batches, reference, tmp_path):
-    for mode in (["full"], ["selective"], ["selective", "--activation_checkpoint.selective_option", "3"]):
+    for mode in (["full"], ["selective"], ["selective", "--activation_checkpoint.selective_option", "3"],
+                 ["selective", "--activation_checkpoint.op_matmuls", "alternate"],
+                 ["selective", "--activation_checkpoint.op_matmuls", "alternate", "--compile.enable"]):
         args = _layout(GLOBAL, "--activation_checkpoint.mode", *mode)
         result = run_layout(args, 1, 0, batches, str(tmp_path))
         _check(result, reference, args)

@@ -40,7 +40,9 @@ block (every tensor an op keeps for its backward, as in the llama3 model):
     full:  r d / t                     only the block input; the block is recomputed in backward
     op:    r d / t + c (2 hq + 2 hkv) / t + 4 H / t + 2 c f / t + 2 c d (+ 2 c d / t with tp > 1)
                                        block input, outputs of every matmul and of attention (the policy in
-                                       parallelize/checkpointing.py), and the TP reduce-scatter outputs
+                                       parallelize/checkpointing.py), and the TP reduce-scatter outputs;
+                                       op_matmuls = alternate keeps every other matmul's output: minus wk's,
+                                       wo's and w3's, c hkv / t + c d + c f / t (compiled too)
 Compiled blocks (compile.enable) keep less, as inductor's partitioner chooses (measured on CPU against autograd,
 tests/test_dry_run.py): the casts happen once, the attention residual, silu(w1) and the outputs of wo/w2 that
 backward does not read are recomputed or never kept, the attention output is kept twice (as the kernel wrote it
@@ -289,6 +291,8 @@ class RankLayout:
     """training.loss_chunk_tokens: the output projection fused with the loss, this many tokens at a time."""
     compiled: bool = False
     """compile.enable: the blocks and the loss compiled."""
+    ac_op_matmuls: str = "all"
+    """activation_checkpoint.op_matmuls: the matmul outputs per-op AC keeps, all or alternate."""
 
     @property
     def tokens(self) -> int:
@@ -325,6 +329,7 @@ def rank_layout(cfg, dims, pp_rank: int) -> RankLayout:
         precision=precision_for(t.mixed_precision_param, dims.data_parallel),
         loss_chunk_tokens=t.loss_chunk_tokens,
         compiled=cfg.compile.enable,
+        ac_op_matmuls=cfg.activation_checkpoint.op_matmuls,
     )
 
 
@@ -343,7 +348,10 @@ def block_bytes_per_token(shape: ModelShape, lay: RankLayout, kind: str) -> floa
         # hq-wide tensors kept per token (q, the attention output); compiled, one fewer (tests/test_dry_run.py)
         hq_tensors = 1 if lay.compiled else 2
         reduce_scatter = 2 * c * d / t if t > 1 else 0
-        return r * d / t + 2 * c * d + (hq_tensors * c * hq + 2 * c * hkv + 4 * h) / t + 2 * c * f / t + reduce_scatter
+        kept = r * d / t + 2 * c * d + (hq_tensors * c * hq + 2 * c * hkv + 4 * h) / t + 2 * c * f / t + reduce_scatter
+        if lay.ac_op_matmuls == "alternate":  # wk, wo and w3 recomputed: their outputs are not kept
+            kept -= c * hkv / t + c * d + c * f / t
+        return kept
     assert kind == "none", kind
     if lay.compiled:  # one cast per input, no attention residual, the attention output twice, no silu(w1)
         residuals, copies, hq_tensors, ffn = 1, 2, 3, 3
@@ -646,6 +654,8 @@ def describe_layout(cfg, dims) -> str:
     t, ac = cfg.training, cfg.activation_checkpoint
     pr = precision_for(t.mixed_precision_param, dims.data_parallel)
     ac_text = ac.mode if ac.mode != "selective" else f"selective ({ac.selective_option})"
+    if ac.mode == "selective" and ac.selective_option == "op" and ac.op_matmuls != "all":
+        ac_text = f"selective (op, {ac.op_matmuls} matmuls)"
     text = (f"compute {pr.name}; activation checkpointing {ac_text}; seq_len {t.seq_len}, local batch "
             f"{t.local_batch_size}, grad accumulation {grad_accumulation_steps(cfg, dims.dp)}")
     if dims.pp > 1:

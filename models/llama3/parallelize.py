@@ -131,7 +131,7 @@ def parallelize_llama(model: nn.Module, dims: ParallelDims, cfg: Any, device_typ
 
     ac = cfg.activation_checkpoint
     if ac.mode != "none":
-        apply_ac(model.layers, ac.mode, ac.selective_option)
+        apply_ac(model.layers, ac.mode, ac.selective_option, ac.op_matmuls)
 
     if cfg.compile.enable:
         apply_compile(model.layers, fullgraph=not (dims.cp_enabled and p.cp_rotate == "alltoall"))
