@@ -1,30 +1,56 @@
 #!/usr/bin/env bash
 # Launch Tessera training.
 #   ./run_train.sh [--config FILE] [--section.key value | --section.key=value ...]
+# Runs in the caller's directory: relative paths (--config, --data.path, --job.dump_folder, ...) are the caller's.
 # Environment:
-#   NGPU      processes on this node (default 1; on a CPU-only machine they use gloo)
-#   LOG_RANK  comma-separated ranks whose output is shown (default 0)
-#   PYTHON    the interpreter (default: python3 from PATH, e.g. the activated virtual environment)
-#   DRY_RUN=1 build for NGPU simulated ranks on the fake backend and meta device, print the mesh and the
-#             per-rank memory, train nothing (engine/tools/dry_run.py)
+#   NGPU             processes on this node (default 1; on a CPU-only machine they use gloo)
+#   LOG_RANK         comma-separated ranks whose output is shown (default 0)
+#   CONFIG_FILE      the TOML file when no --config is given (default train_configs/debug_model.toml of this
+#                    checkout)
+#   PYTHON           the interpreter (default: python3 from PATH, e.g. the activated virtual environment)
+#   TESSERA_BACKEND  the process-group backend instead of nccl (CUDA) / gloo (CPU): gloo or nccl
+#   DRY_RUN=1        build for NGPU simulated ranks on the fake backend and meta device, print the mesh and the
+#                    per-rank memory, train nothing (engine/tools/dry_run.py); GPU_MEMORY_GIB: memory per GPU (80)
 set -euo pipefail
-cd "$(dirname "$0")"
+
+ROOT=$(cd "$(dirname "$0")" && pwd)
+# This checkout's packages, whatever the current directory; PYTHONSAFEPATH: a folder of the caller's named like
+# one of them (engine, models, ...) does not shadow it.
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONSAFEPATH=1
 
 NGPU=${NGPU:-1}
 LOG_RANK=${LOG_RANK:-0}
 PYTHON=${PYTHON:-python3}
-DEFAULT_CONFIG=train_configs/debug_model.toml
+DRY_RUN=${DRY_RUN:-0}
+
+fail() {  # a user error: one line, status 2
+  echo "error: $1" >&2
+  exit 2
+}
+
+case "$DRY_RUN" in
+  0|1) ;;
+  *) fail "DRY_RUN: expected 0 or 1, got '$DRY_RUN'" ;;
+esac
 
 args=("$@")
 has_config=0
 for a in "${args[@]+"${args[@]}"}"; do
-  case "$a" in --config|--config=*) has_config=1 ;; esac
+  case "$a" in
+    --config|--config=*) has_config=1 ;;
+    --help|-h)  # the options, once, from this one process
+      exec "$PYTHON" -m engine.train --help ;;
+  esac
 done
 if [ "$has_config" = 0 ]; then
-  args=(--config "$DEFAULT_CONFIG" "${args[@]+"${args[@]}"}")
+  if [ -n "${CONFIG_FILE:-}" ] && [ ! -f "$CONFIG_FILE" ]; then
+    fail "CONFIG_FILE: '$CONFIG_FILE' is not a file; give a TOML file such as $ROOT/train_configs/debug_model.toml"
+  fi
+  args=(--config "${CONFIG_FILE:-$ROOT/train_configs/debug_model.toml}" "${args[@]+"${args[@]}"}")
 fi
 
-if [ "${DRY_RUN:-0}" = 1 ]; then
+if [ "$DRY_RUN" = 1 ]; then
   # Dry run: the real build path for NGPU simulated ranks in this one process (fake process group, meta
   # device): validation, mesh, parallel plan, per-rank memory table. GPU_MEMORY_GIB: memory per GPU (80).
   WORLD_SIZE=$NGPU exec "$PYTHON" -m engine.tools.dry_run "${args[@]}"
@@ -36,12 +62,20 @@ if [ "$NGPU" = 1 ]; then
 fi
 
 # Several processes: check the configuration once, quietly, so that a user error prints one line and
-# no launcher traceback; then launch.
+# no launcher traceback (NGPU among them); then LOG_RANK; then launch.
 WORLD_SIZE=$NGPU TESSERA_CHECK_ONLY=1 "$PYTHON" -m engine.train "${args[@]}"
+for rank in ${LOG_RANK//,/ }; do
+  case "$rank" in
+    *[!0-9]*) fail "LOG_RANK: '$LOG_RANK' is not a comma-separated list of ranks in [0, $NGPU) (NGPU = $NGPU)" ;;
+  esac
+  [ "$((10#$rank))" -lt "$NGPU" ] ||
+    fail "LOG_RANK: rank $rank is not in [0, $NGPU) (NGPU = $NGPU); show one of the ranks this run starts"
+done
+[ -n "${LOG_RANK//[, ]/}" ] || fail "LOG_RANK: empty; name the ranks whose output is shown, e.g. 0"
 # SIGTERM (SLURM preemption, or a user's kill) goes straight to the training processes, which save a
 # checkpoint at the next step boundary and exit 0 (checkpoint.enable); torchrun then exits 0 too. (torchrun
 # itself, signalled, would stop its workers after a grace period and exit non-zero.) engine.launch is torchrun
-# that ends quietly when the processes stop on a user error (they have printed its line).
+# that ends with the one error: line when the processes stop on a user error.
 # One OpenMP thread per process unless set: torchrun's own default, without its banner about it.
 OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} "$PYTHON" -m engine.launch \
   --nproc_per_node="$NGPU" --rdzv_backend=c10d --rdzv_endpoint="localhost:0" \

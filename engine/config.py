@@ -445,7 +445,15 @@ def help_text() -> str:
         "usage: ./run_train.sh [--config FILE] [--section.key VALUE | --section.key=VALUE ...]",
         "",
         "Booleans also take --section.key (true) and --section.no-key (false). Lists are comma-separated.",
-        "Environment: NGPU (processes on this node), LOG_RANK (ranks whose output is shown).",
+        "Environment (run_train.sh):",
+        "  NGPU             processes on this node (default 1; gloo on a CPU-only machine)",
+        "  LOG_RANK         comma-separated ranks whose output is shown (default 0)",
+        "  CONFIG_FILE      the TOML file when no --config is given (default train_configs/debug_model.toml)",
+        "  PYTHON           the interpreter (default python3)",
+        "  TESSERA_BACKEND  the process-group backend instead of nccl (CUDA) / gloo (CPU): gloo or nccl",
+        "  DRY_RUN          1: build for NGPU simulated ranks on the meta device, print the per-rank memory, train",
+        "                   nothing; 0 (default): train",
+        "  GPU_MEMORY_GIB   with DRY_RUN=1: the memory of one GPU in GiB (default 80)",
         "",
     ]
     defaults = Config()
@@ -490,10 +498,11 @@ def _convert(key: str, tp, value, from_cli: bool):
         raise ConfigError(f"{key}: expected true or false, got {value!r}")
     if tp is int:
         if from_cli:
-            try:
-                return int(value, 0)
-            except ValueError:
-                pass
+            for base in (0, 10):  # 0x1f, 0o17, 1_000; base 10 for leading zeros (042), which base 0 refuses
+                try:
+                    return int(value, base)
+                except ValueError:
+                    pass
         elif isinstance(value, int) and not isinstance(value, bool):
             return value
         raise ConfigError(f"{key}: expected an integer, got {value!r}")
@@ -527,8 +536,18 @@ def _all_keys() -> list[str]:
     return [f"{s}.{f.name}" for s, cls in SECTIONS.items() for f in dataclasses.fields(cls)]
 
 
+# Fields that hold a file or folder path: a leading ~ is expanded when the value is read (from the TOML file or
+# the command line, where bash leaves `--key=~/x` alone), so that every consumer sees the same path.
+PATH_FIELDS = frozenset({
+    "job.dump_folder", "model.hf_assets_path", "data.path", "data.tokenizer", "parallelism.pp_schedule_csv",
+    "validation.path", "checkpoint.folder", "checkpoint.initial_load_path", "profiling.save_traces_folder",
+    "profiling.save_memory_snapshot_folder",
+})
+
+
 def set_value(cfg: Config, key: str, value, from_cli: bool) -> None:
-    """Set ``section.name`` on cfg from a TOML value or a CLI string, checking the key and the type."""
+    """Set ``section.name`` on cfg from a TOML value or a CLI string, checking the key and the type (and
+    expanding ~ in PATH_FIELDS)."""
     section, _, name = key.partition(".")
     if section not in SECTIONS or not name:
         raise ConfigError(f"unknown config key '{key}'{_did_you_mean(key, _all_keys())}")
@@ -536,7 +555,8 @@ def set_value(cfg: Config, key: str, value, from_cli: bool) -> None:
     names = [f.name for f in dataclasses.fields(cls)]
     if name not in names:
         raise ConfigError(f"unknown config key '{key}'{_did_you_mean(key, _all_keys())}")
-    setattr(getattr(cfg, section), name, _convert(key, _field_type(cls, name), value, from_cli))
+    value = _convert(key, _field_type(cls, name), value, from_cli)
+    setattr(getattr(cfg, section), name, os.path.expanduser(value) if key in PATH_FIELDS else value)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -545,6 +565,8 @@ def set_value(cfg: Config, key: str, value, from_cli: bool) -> None:
 
 
 def load_toml(cfg: Config, path: str) -> None:
+    if os.path.isdir(path):
+        raise ConfigError(f"--config: '{path}' is a folder; pass a TOML file such as train_configs/debug_model.toml")
     if not os.path.isfile(path):
         raise ConfigError(f"--config: file '{path}' not found; pass an existing TOML file such as train_configs/debug_model.toml")
     try:
@@ -552,6 +574,10 @@ def load_toml(cfg: Config, path: str) -> None:
             data = tomllib.load(f)
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"--config: '{path}' is not valid TOML ({e})") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"--config: '{path}' is not UTF-8 text ({e.reason} at byte {e.start}); save it as UTF-8") from None
+    except OSError as e:
+        raise ConfigError(f"--config: cannot read '{path}': {e.strerror}") from None
     for section, values in data.items():
         if section not in SECTIONS:
             raise ConfigError(f"unknown config section '[{section}]' in {path}{_did_you_mean(section, SECTIONS)}")
@@ -583,12 +609,16 @@ def parse_args(argv: list[str] | None = None) -> Config:
         key, eq, inline = body.partition("=")
         if key == "config":
             if eq:
-                config_file = inline
+                value = inline
             elif i + 1 < len(argv):
-                config_file = argv[i + 1]
+                value = argv[i + 1]
                 i += 1
             else:
                 raise ConfigError("--config: expects a TOML file path")
+            if config_file is not None:
+                raise ConfigError(f"--config: given twice ('{config_file}', then '{value}'); pass one file and "
+                                  "override its values with --section.key value")
+            config_file = os.path.expanduser(value)
         elif eq:
             overrides.append((key, inline))
         else:
@@ -758,7 +788,8 @@ def validate(cfg: Config, world_size: int = 1, machine: Optional[Machine] = None
     if s.warmup_steps < 0:
         raise ConfigError(f"lr_scheduler.warmup_steps: must be >= 0, got {s.warmup_steps}")
     if s.warmup_steps > t.steps:
-        raise ConfigError(f"lr_scheduler.warmup_steps: {s.warmup_steps} exceeds training.steps = {t.steps}")
+        raise ConfigError(f"lr_scheduler.warmup_steps: {s.warmup_steps} exceeds training.steps = {t.steps}; lower "
+                          "lr_scheduler.warmup_steps or raise training.steps")
     if s.decay_ratio != -1.0 and not 0.0 <= s.decay_ratio <= 1.0:
         raise ConfigError(f"lr_scheduler.decay_ratio: must be in [0, 1] or -1, got {s.decay_ratio}")
     _choice("lr_scheduler.decay_type", s.decay_type, ["linear", "cosine", "sqrt"])
@@ -790,9 +821,10 @@ def validate(cfg: Config, world_size: int = 1, machine: Optional[Machine] = None
     if c.load_step != -1 and not c.enable:
         raise ConfigError(f"checkpoint.load_step: loading step {c.load_step} needs checkpoint.enable = true (it reads "
                           "this run's checkpoint folder); for initial weights use checkpoint.initial_load_path")
-    if c.last_save_hf and not c.enable:
-        raise ConfigError("checkpoint.last_save_hf: the export is made from the last step's checkpoint; set "
-                          "checkpoint.enable = true as well")
+    for key in ("last_save_hf", "last_save_model_only"):
+        if getattr(c, key) and not c.enable:
+            raise ConfigError(f"checkpoint.{key}: the export is made from the last step's checkpoint; set "
+                              "checkpoint.enable = true as well")
     if c.create_seed_checkpoint and world_size != 1:
         raise ConfigError("checkpoint.create_seed_checkpoint: run it with one process (NGPU=1); the seed "
                           "checkpoint loads on any layout")
@@ -827,8 +859,8 @@ def validate(cfg: Config, world_size: int = 1, machine: Optional[Machine] = None
     _choice("metrics.wandb_mode", cfg.metrics.wandb_mode, ["online", "offline", "disabled"])
     if cfg.metrics.peak_flops != -1.0:
         _positive("metrics.peak_flops", cfg.metrics.peak_flops)
-    if cfg.debug.seed < 0:
-        raise ConfigError(f"debug.seed: must be >= 0, got {cfg.debug.seed}")
+    if not 0 <= cfg.debug.seed <= 2**32 - 1:  # what torch.manual_seed and numpy take
+        raise ConfigError(f"debug.seed: must be in [0, 2**32 - 1], got {cfg.debug.seed}")
 
 
 def validate_parallelism(cfg: Config, world_size: int, spec, machine: Optional[Machine] = None):
@@ -836,7 +868,7 @@ def validate_parallelism(cfg: Config, world_size: int, spec, machine: Optional[M
     from parallelize.mesh import ParallelDims
 
     p = cfg.parallelism
-    _choice("parallelism.fsdp_reshard_after_forward", p.fsdp_reshard_after_forward, ["default", "always", "never"])
+    _validate_values(cfg)
     dims = ParallelDims.from_config(p, world_size)
     args = spec.flavors[cfg.model.flavor]
     if dims.tp > 1:
@@ -862,7 +894,6 @@ def validate_parallelism(cfg: Config, world_size: int, spec, machine: Optional[M
     if dims.pp > 1:
         _validate_pipeline(cfg, dims, args)
     if dims.cp > 1:
-        _choice("parallelism.cp_rotate", p.cp_rotate, ["allgather", "alltoall"])
         if cfg.model.attn not in ("sdpa", "flex"):
             raise ConfigError("model.attn: context parallelism runs its own ring attention; use model.attn = sdpa "
                               "(or flex, with model.attn_mask = block_causal)")
@@ -875,10 +906,29 @@ def validate_parallelism(cfg: Config, world_size: int, spec, machine: Optional[M
             f"training.seq_len: {cfg.training.seq_len} is not divisible by 2 x cp x tp = {chunks} (context "
             f"parallelism cuts each sequence into 2 x cp chunks, sequence parallelism each chunk into tp)"
         )
+    return dims
+
+
+def _validate_values(cfg: Config) -> None:
+    """The parallelism and activation checkpointing options' own values (names, signs), whether or not the layout
+    uses them: a config valid at pp = 1 stays valid at pp = 2 as far as they go."""
+    from parallelize.pipeline import SCHEDULES
+
+    p = cfg.parallelism
+    _choice("parallelism.fsdp_reshard_after_forward", p.fsdp_reshard_after_forward, ["default", "always", "never"])
+    _choice("parallelism.pp_schedule", p.pp_schedule, list(SCHEDULES))
+    if p.pp_schedule_csv and not os.path.isfile(p.pp_schedule_csv):
+        raise ConfigError(f"parallelism.pp_schedule_csv: file '{p.pp_schedule_csv}' not found")
+    _positive("parallelism.pp_virtual_stages", p.pp_virtual_stages)
+    if p.pp_microbatches != -1 and p.pp_microbatches < 1:
+        raise ConfigError(f"parallelism.pp_microbatches: must be >= 1 or -1, got {p.pp_microbatches}")
+    if any(n < 0 for n in p.pp_layers_per_stage):
+        raise ConfigError(f"parallelism.pp_layers_per_stage: layer counts must be >= 0, got {p.pp_layers_per_stage}")
+    _choice("parallelism.cp_rotate", p.cp_rotate, ["allgather", "alltoall"])
     ac = cfg.activation_checkpoint
     _choice("activation_checkpoint.mode", ac.mode, ["none", "full", "selective"])
     _choice("activation_checkpoint.op_matmuls", ac.op_matmuls, ["all", "alternate"])
-    if ac.mode == "selective" and ac.selective_option != "op":
+    if ac.selective_option != "op":
         try:
             every = int(ac.selective_option)
         except ValueError:
@@ -888,7 +938,6 @@ def validate_parallelism(cfg: Config, world_size: int, spec, machine: Optional[M
                 f"activation_checkpoint.selective_option: {ac.selective_option!r} is neither \"op\" nor a "
                 f"positive integer N (checkpoint every N-th block)"
             )
-    return dims
 
 
 def _validate_float8(cfg: Config, machine: Machine) -> None:
@@ -916,13 +965,9 @@ def _validate_float8(cfg: Config, machine: Machine) -> None:
 
 
 def _validate_pipeline(cfg: Config, dims, args) -> None:
-    from parallelize.pipeline import SCHEDULES, num_stages, split_backward_takes_custom_functions, splits_backward
+    from parallelize.pipeline import num_stages, split_backward_takes_custom_functions, splits_backward
 
     p = cfg.parallelism
-    _choice("parallelism.pp_schedule", p.pp_schedule, list(SCHEDULES))
-    if p.pp_schedule_csv and not os.path.isfile(p.pp_schedule_csv):
-        raise ConfigError(f"parallelism.pp_schedule_csv: file '{p.pp_schedule_csv}' not found")
-    _positive("parallelism.pp_virtual_stages", p.pp_virtual_stages)
     stages = num_stages(dims.pp, p.pp_schedule, p.pp_virtual_stages, p.pp_schedule_csv)
     if p.pp_layers_per_stage:
         if len(p.pp_layers_per_stage) != stages or sum(p.pp_layers_per_stage) != args.n_layers:
@@ -930,8 +975,6 @@ def _validate_pipeline(cfg: Config, dims, args) -> None:
                 f"parallelism.pp_layers_per_stage: {p.pp_layers_per_stage} must list {stages} stages adding up "
                 f"to the {args.n_layers} layers of {cfg.model.flavor}"
             )
-        if any(n < 0 for n in p.pp_layers_per_stage):
-            raise ConfigError("parallelism.pp_layers_per_stage: layer counts must be >= 0")
         if any(n == 0 for n in p.pp_layers_per_stage[1:-1]):
             raise ConfigError(
                 f"parallelism.pp_layers_per_stage: {p.pp_layers_per_stage} leaves a middle stage without layers "
@@ -961,8 +1004,6 @@ def _validate_pipeline(cfg: Config, dims, args) -> None:
             f"Interleaved1F1B or LoopedBFS, or turn {key} off"
         )
     micro = p.pp_microbatches if p.pp_microbatches != -1 else stages
-    if micro < 1:
-        raise ConfigError(f"parallelism.pp_microbatches: must be >= 1 or -1, got {p.pp_microbatches}")
     if micro < dims.pp:
         raise ConfigError(
             f"parallelism.pp_microbatches: {micro} microbatches cannot keep {dims.pp} pipeline ranks busy; use at "

@@ -42,6 +42,20 @@ def process_group_backend(device_type: str, cpu_offload: bool = False) -> str:
     return "cuda:nccl,cpu:gloo" if cpu_offload else "nccl"
 
 
+def backend_from_env(cuda: bool) -> Optional[str]:
+    """TESSERA_BACKEND, the process-group backend chosen instead of process_group_backend's (gloo lets several ranks
+    share one GPU, which NCCL refuses: a check of CUDA code paths); None when unset. ``cuda``: CUDA GPUs are
+    present. A ConfigError naming it when it is not a backend this machine has."""
+    from engine.config import ConfigError, _choice
+
+    backend = os.environ.get("TESSERA_BACKEND") or None
+    if backend is not None:
+        _choice("TESSERA_BACKEND", backend, ["gloo", "nccl"])
+        if backend == "nccl" and not cuda:
+            raise ConfigError("TESSERA_BACKEND: nccl needs CUDA GPUs; unset it (gloo is the default here) or set gloo")
+    return backend
+
+
 def world_size_from_env() -> int:
     """WORLD_SIZE (run_train.sh sets it from NGPU; torchrun sets it), default 1; a ValueError naming both when
     it is not a positive integer."""
@@ -67,9 +81,8 @@ def init_distributed(cfg=None) -> World:
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-    backend = process_group_backend(device.type, cfg is not None and cfg.parallelism.fsdp_cpu_offload)
-    # TESSERA_BACKEND=gloo lets several ranks share one GPU (NCCL refuses that): a check of CUDA code paths.
-    backend = os.environ.get("TESSERA_BACKEND", backend)
+    backend = (backend_from_env(device.type == "cuda")
+               or process_group_backend(device.type, cfg is not None and cfg.parallelism.fsdp_cpu_offload))
     timeout = None
     if cfg is not None:
         timeout = timedelta(seconds=cfg.comm.init_timeout_seconds)

@@ -6,7 +6,8 @@ ValueErrors (ConfigError among them) whose message names the field; during set-u
 while errors inside the training loop keep their traceback, except a diverged run (nan or inf loss or gradient
 norm, engine.trainer.TrainingDiverged): one ``error:`` line and exit status 3, and data found unreadable
 mid-run (engine.data.datasets.DataError, on the rank that reads it): one ``error:`` line and exit status 2. The
-other ranks, whose next collective then fails, report that rank's line (rank 0 prints it) and its status.
+other ranks, whose next collective then fails, report that rank's line and its status. Under several processes
+the launcher (engine/launch.py) prints the line, else rank 0 does.
 """
 
 from __future__ import annotations
@@ -15,29 +16,42 @@ import os
 import sys
 import tempfile
 
-from engine.config import ConfigError, help_text, parse_args, validate
+from engine.config import ConfigError, Machine, help_text, parse_args, validate
 
 
 def check(argv: list[str] | None = None, machine=None):
     """Parse and validate the configuration for this world (and ``machine``, an engine.config.Machine: by
     default this one's); raises ConfigError."""
     from engine.data.datasets import check_data_config
-    from engine.distributed import world_size_from_env
+    from engine.distributed import backend_from_env, world_size_from_env
 
     cfg = parse_args(argv)
+    machine = machine or Machine.this()
     validate(cfg, world_size_from_env(), machine)
-    check_writable_folder(cfg.job.dump_folder, "job.dump_folder")
-    if cfg.checkpoint.enable:
-        from engine.checkpoint import checkpoint_root
-
-        check_writable_folder(checkpoint_root(cfg), "checkpoint.folder")
+    backend_from_env(machine.cuda)
+    check_output_folders(cfg)
     check_data_config(cfg)
     return cfg
 
 
+def check_output_folders(cfg) -> None:
+    """Every folder the run will write must be writable: the dump folder, the checkpoint folder (checkpoints, or the
+    seed checkpoint) and the profiler's folders when on (relative ones are inside the dump folder)."""
+    check_writable_folder(cfg.job.dump_folder, "job.dump_folder")
+    if cfg.checkpoint.enable or cfg.checkpoint.create_seed_checkpoint:
+        from engine.checkpoint import checkpoint_root
+
+        check_writable_folder(checkpoint_root(cfg), "checkpoint.folder")
+    pr = cfg.profiling
+    for on, key in ((pr.enable_profiling, "save_traces_folder"),
+                    (pr.enable_memory_snapshot, "save_memory_snapshot_folder")):
+        if on:  # os.path.join keeps an absolute folder as it is
+            check_writable_folder(os.path.join(cfg.job.dump_folder, getattr(pr, key)), f"profiling.{key}")
+
+
 def check_writable_folder(folder: str, field: str) -> None:
     """``folder`` (the value of ``field``) must be a folder this process can write, or one it can create."""
-    path = os.path.abspath(os.path.expanduser(folder))
+    path = os.path.abspath(folder)
     if os.path.exists(path) and not os.path.isdir(path):
         raise ConfigError(f"{field}: '{folder}' exists and is not a folder; give a folder path")
     existing = path
@@ -54,18 +68,21 @@ def check_writable_folder(folder: str, field: str) -> None:
 
 
 def user_error(e: BaseException, status: int, show: bool) -> int:
-    """Report a user error: its ``error:`` line on stderr when ``show``, and, under torchrun, the line and whether
-    it was shown in this process's error file (torchrun's format, with Tessera's entry in extraInfo). The
-    launcher (engine/launch.py) reads it: it prints the line itself when no rank shown on the console printed it
-    (a rank other than 0 may fail alone: its data shard), and exits with ``status``. Returns ``status``."""
-    if show:
+    """Report a user error: its ``error:`` line on stderr when ``show``, and, under torchrun, the line in this
+    process's error file (torchrun's format, with Tessera's entry in extraInfo). Under Tessera's launcher
+    (engine/launch.py, which sets LAUNCHER_ENV) no rank prints: the launcher reads the ranks' files, prints the one
+    line itself (torchrun's --tee would put "[rank0]:" before a rank's own) and exits with ``status``. Returns
+    ``status``."""
+    from engine.launch import LAUNCHER_ENV
+
+    if show and os.environ.get(LAUNCHER_ENV) != "1":
         print(f"error: {e}", file=sys.stderr, flush=True)
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if path:
         import json
         import time
 
-        info = {"timestamp": str(int(time.time())), "tessera": {"status": status, "printed": show}}
+        info = {"timestamp": str(int(time.time())), "tessera": {"status": status}}
         with open(path, "w") as f:
             json.dump({"message": {"message": str(e), "extraInfo": info}}, f)
     return status

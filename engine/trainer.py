@@ -8,7 +8,6 @@ accumulation and data parallelism give exactly the gradient of the mean loss ove
 from __future__ import annotations
 
 import contextlib
-import copy
 import gc
 import math
 import os
@@ -23,7 +22,7 @@ import torch.distributed as dist
 
 from engine.checkpoint import Checkpointer, check_data_source, check_fits_model, fault_point, find_resume_point
 from engine.config import Config, dump, grad_accumulation_steps, pp_microbatches, to_toml
-from engine.data.datasets import DataError
+from engine.data.datasets import DataError, validation_data
 from engine.data.loader import build_dataloader
 from engine.data.tokenizer import build_tokenizer
 from engine.distributed import (World, agree_on_user_errors, comm_trace_prefix, process_group_backend,
@@ -177,6 +176,10 @@ class Trainer:
             init_path = cfg.checkpoint.initial_load_path
             self.tokenizer = build_tokenizer(cfg)
             self.dataloader = build_dataloader(cfg, self.tokenizer, self.dp_rank, self.dp_size)
+            if cfg.validation.enable:  # built now, so that its errors (naming validation.* fields) come now too
+                vcfg, fields = validation_data(cfg)
+                self._val_loader = build_dataloader(vcfg, self.tokenizer, self.dp_rank, self.dp_size, fields=fields)
+                self._val_start = self._val_loader.state_dict()  # every validation reads from here
             if self.resume_from is not None:  # its data position must belong to this data
                 check_data_source(self.resume_from, self.dataloader.source, cfg)
 
@@ -409,20 +412,8 @@ class Trainer:
 
     def _validate(self) -> float:
         """validation.steps batches of the validation data, the same ones each time."""
-        v = self.cfg.validation
-        if self._val_loader is None:
-            vcfg = copy.deepcopy(self.cfg)
-            if v.dataset:
-                vcfg.data.dataset, vcfg.data.path = v.dataset, ""
-            elif v.path:
-                vcfg.data.path = v.path
-            if v.split:
-                vcfg.data.split = v.split
-            vcfg.data.num_shards = -1
-            self._val_loader = build_dataloader(vcfg, self.tokenizer, self.dp_rank, self.dp_size)
-            self._val_start = self._val_loader.state_dict()
         self._val_loader.load_state_dict(self._val_start)
-        batches = [next(self._val_loader) for _ in range(v.steps)]
+        batches = [next(self._val_loader) for _ in range(self.cfg.validation.steps)]
         return float(self.evaluate(batches))
 
     def _should_log(self, step: int) -> bool:
@@ -452,7 +443,6 @@ class Trainer:
         window_tokens, window_data_wait, window_steps = 0, 0.0, 0
         window_loss = torch.zeros((), device=self.device)
         window_nonfinite = torch.zeros((), device=self.device)  # steps whose gradient norm was nan or inf
-        self._val_loader = None
         validation: dict = {}
         first_step = self._first_step = self.step + 1
         try:

@@ -29,6 +29,8 @@ def test_help_lists_every_field():
     for section, cls in SECTIONS.items():
         for f in dataclasses.fields(cls):
             assert f"--{section}.{f.name} " in text
+    for variable in ("NGPU", "LOG_RANK", "CONFIG_FILE", "PYTHON", "TESSERA_BACKEND", "DRY_RUN", "GPU_MEMORY_GIB"):
+        assert f"\n  {variable} " in text, variable
 
 
 def test_toml_then_cli_overrides(tmp_path):
@@ -55,6 +57,8 @@ def test_toml_then_cli_overrides(tmp_path):
         (["--training.steps"], "--training.steps: expects a value"),
         (["stray"], "unexpected argument 'stray'"),
         (["--config", "/nonexistent/x.toml"], "--config: file '/nonexistent/x.toml' not found"),
+        (["--config", "train_configs"], "--config: 'train_configs' is a folder"),
+        (["--config", "a.toml", "--config=b.toml"], "--config: given twice ('a.toml', then 'b.toml')"),
     ],
 )
 def test_parse_errors(argv, fragment):
@@ -76,6 +80,28 @@ def test_toml_errors(tmp_path):
     bad_syntax.write_text("[training\nsteps = 3\n")
     with pytest.raises(ConfigError, match="not valid TOML"):
         parse_args(["--config", str(bad_syntax)])
+    latin1 = tmp_path / "d.toml"
+    latin1.write_bytes('[job]\ndescription = "café"\n'.encode("latin-1"))
+    with pytest.raises(ConfigError, match=r"^--config: '.*d\.toml' is not UTF-8 text"):
+        parse_args(["--config", str(latin1)])
+
+
+def test_integers_take_leading_zeros_and_prefixes():
+    assert parse_args(["--debug.seed", "042"]).debug.seed == 42
+    assert parse_args(["--debug.seed", "0x10"]).debug.seed == 16
+    assert parse_args(["--training.steps", "1_000"]).training.steps == 1000
+
+
+def test_home_is_expanded_in_path_fields(tmp_path, monkeypatch):
+    """A leading ~ (which bash leaves alone in --key=~/x) is expanded once, when the value is read, in the TOML
+    file and on the command line, so that the run and its checks see the same folder."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "c.toml").write_text('[data]\npath = "~/docs.jsonl"\n[checkpoint]\nfolder = "~/ckpt"\n')
+    cfg = parse_args(["--config", "~/c.toml", "--job.dump_folder=~/run", "--profiling.save_traces_folder=~/tr",
+                      "--job.description=~ stays in text"])
+    assert cfg.job.dump_folder == str(tmp_path / "run") and cfg.profiling.save_traces_folder == str(tmp_path / "tr")
+    assert cfg.data.path == str(tmp_path / "docs.jsonl") and cfg.checkpoint.folder == str(tmp_path / "ckpt")
+    assert cfg.job.description == "~ stays in text"
 
 
 @pytest.mark.parametrize(
@@ -93,12 +119,24 @@ def test_toml_errors(tmp_path):
         (["--model.flavor", "9B"], "model.flavor"),
         (["--model.attn", "xformers"], "model.attn"),
         (["--model.attn_mask", "block_causal"], "model.attn_mask"),
-        (["--lr_scheduler.warmup_steps", "500", "--training.steps", "10"], "lr_scheduler.warmup_steps"),
+        (["--lr_scheduler.warmup_steps", "500", "--training.steps", "10"],
+         "lr_scheduler.warmup_steps: 500 exceeds training.steps = 10; lower lr_scheduler.warmup_steps or raise"),
         (["--lr_scheduler.decay_type", "exp"], "lr_scheduler.decay_type"),
         (["--metrics.log_freq", "0"], "metrics.log_freq"),
         (["--data.path", "/nonexistent/data.jsonl"], "data.path"),
         (["--data.tokenizer", "/nonexistent/tokenizer.json"], "data.tokenizer"),
         (["--job.dump_folder", ""], "job.dump_folder"),
+        (["--debug.seed", "4294967296"], "debug.seed: must be in [0, 2**32 - 1]"),
+        (["--debug.seed", "-1"], "debug.seed: must be in [0, 2**32 - 1]"),
+        (["--checkpoint.last_save_model_only"], "checkpoint.last_save_model_only: "),  # needs checkpoint.enable
+        # The values of options the layout does not use (pp = 1, cp = 1, no AC) are checked all the same.
+        (["--parallelism.pp_schedule", "1f1b"], "parallelism.pp_schedule: '1f1b' is not one of"),
+        (["--parallelism.pp_schedule_csv", "/nonexistent/s.csv"], "parallelism.pp_schedule_csv"),
+        (["--parallelism.pp_virtual_stages", "0"], "parallelism.pp_virtual_stages"),
+        (["--parallelism.pp_microbatches", "0"], "parallelism.pp_microbatches"),
+        (["--parallelism.pp_layers_per_stage", "2,-1"], "parallelism.pp_layers_per_stage"),
+        (["--parallelism.cp_rotate", "ring"], "parallelism.cp_rotate"),
+        (["--activation_checkpoint.selective_option", "every2"], "activation_checkpoint.selective_option"),
     ],
 )
 def test_validate_names_the_field(argv, field):

@@ -474,6 +474,53 @@ def test_bad_data_inputs_name_the_field(tmp_path, tok):
         build_dataset(make_cfg(one, streaming=False), 1, 2)
 
 
+def test_bad_validation_data_names_the_validation_field(tmp_path, tok):
+    """validation.enable: the validation data is checked with the training data, and its errors name the
+    validation.* field that chose it (the data.* one it takes otherwise)."""
+    good = write_jsonl(tmp_path / "good.jsonl", docs_of(3))
+    body = write_jsonl(tmp_path / "body.jsonl", docs_of(3), field="body")
+
+    def fails(field, pattern, **validation):
+        cfg = make_cfg(good)
+        cfg.validation.enable = True
+        for key, value in validation.items():
+            setattr(cfg.validation, key, value)
+        with pytest.raises(ConfigError, match=rf"^{field.replace('.', '[.]')}: .*{pattern}"):
+            check_data_config(cfg)
+
+    fails("validation.path", "'text' is not a column .*'body'", path=body)
+    csv = tmp_path / "d.csv"
+    csv.write_text("text\nhello\n")
+    fails("validation.path", "unsupported extension", path=str(csv))
+    fails("validation.split", "single 'train' split", split="validation")
+    fails("validation.dataset", "did you mean 'tessera_docs'", dataset="tessera_doc")
+    cfg = make_cfg(good)
+    cfg.validation.path = body  # validation off: not read
+    check_data_config(cfg)
+
+
+def test_mistyped_builtin_dataset_fails_at_once(tok):
+    """A name close to a built-in dataset's is a typo, not a Hub dataset (those are owner/name): refused by the
+    cheap check, with the suggestion, instead of a Hub lookup."""
+    with pytest.raises(ConfigError, match=r"^data\.dataset: 'tessera_doc' is not a built-in dataset \(did you mean "
+                                          r"'tessera_docs'\?\)"):
+        check_data_config(make_cfg("", dataset="tessera_doc"))
+    assert resolve_source(make_cfg("", dataset="someone/tessera_doc")).kind == "hub"
+
+
+def test_hub_retries_are_not_logged_while_loading():
+    """huggingface_hub logs a warning for every retry of an unreachable Hub (ten lines over half a minute): silent
+    while Tessera loads, so that its error stays one line."""
+    import logging
+
+    from engine.data.datasets import _datasets_quiet
+
+    retries = logging.getLogger("huggingface_hub.utils._http")
+    with _datasets_quiet():
+        assert not retries.isEnabledFor(logging.WARNING)
+    assert retries.isEnabledFor(logging.WARNING)
+
+
 def test_bad_record_found_mid_run_is_a_data_error(tmp_path, tok):
     """A record of the wrong type after the first ones (the start-up check reads the first 64, in the streaming
     order) stops the loader with a DataError (the trainer's one-line mid-run error) naming the field and the

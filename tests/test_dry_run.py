@@ -82,6 +82,12 @@ def test_dry_run_user_error_is_one_line(monkeypatch, capsys):
         assert dry_run.main(["--config", "train_configs/debug_model.toml"]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert err == [f"error: NGPU (WORLD_SIZE): must be a positive number of processes, got '{bad}'"], err
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    for bad in ("inf", "nan", "0", "lots"):  # the memory of one GPU
+        monkeypatch.setenv("GPU_MEMORY_GIB", bad)
+        assert dry_run.main(["--config", "train_configs/debug_model.toml"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: GPU_MEMORY_GIB: expected a positive number"), err
 
 
 def test_dry_run_refuses_what_a_launch_refuses(monkeypatch, capsys):

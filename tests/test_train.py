@@ -69,6 +69,10 @@ BAD_INPUTS = [
     (["--optimizer.lr", "nan"], "optimizer.lr"),
     (["--optimizer.lr", "inf"], "optimizer.lr"),
     (["--checkpoint.exclude_from_loading", "optimizer"], "checkpoint.exclude_from_loading"),
+    (["--checkpoint.last_save_model_only"], "checkpoint.last_save_model_only"),  # needs checkpoint.enable
+    (["--debug.seed", "4294967296"], "debug.seed: must be in [0, 2**32 - 1]"),
+    (["--parallelism.pp_schedule", "1f1b"], "parallelism.pp_schedule"),  # checked at pp = 1 too
+    (["--data.dataset", "tessera_doc"], "data.dataset: 'tessera_doc' is not a built-in dataset (did you mean"),
 ]
 
 
@@ -122,6 +126,9 @@ def test_bad_data_contents_give_one_error_line(tmp_path, capsys, jsonl_data):
         (["--data.path", str(numbers)], "data.text_field: column 'text' holds int values"),
         (["--data.path", str(numbers), "--data.streaming", "false"], "data.text_field: column 'text' holds int"),
         (["--data.path", str(blank)], "data.path: "),
+        # The validation data is checked with the training data, before step 1 trains.
+        (["--validation.enable", "--validation.path", jsonl_data], "validation.path: 'text' is not a column"),
+        (["--validation.enable", "--validation.split", "test"], "validation.split: "),
     ]:
         rc, out, err = run_main(["--job.dump_folder", str(dump), *SMALL, *argv], capsys)
         lines = err.strip().splitlines()
@@ -142,6 +149,57 @@ def test_run_train_sh_error_is_one_line(tmp_path):
     assert not dump.exists()
 
 
+RUN_TRAIN_SH = os.path.join(ROOT, "run_train.sh")
+
+
+def test_run_train_sh_runs_in_the_callers_directory(tmp_path, jsonl_data):
+    """Relative paths (CONFIG_FILE, the config's data.path and job.dump_folder) are the caller's: run_train.sh
+    does not change directory, and finds Tessera even where a folder of the caller's is named like its package."""
+    work = tmp_path / "work"
+    (work / "engine").mkdir(parents=True)  # not Tessera's
+    os.rename(jsonl_data, work / "docs.jsonl")
+    (work / "my.toml").write_text('[job]\ndump_folder = "out"\n[data]\npath = "docs.jsonl"\ntext_field = "body"\n'
+                                  '[training]\nsteps = 2\nseq_len = 64\nlocal_batch_size = 2\n'
+                                  '[lr_scheduler]\nwarmup_steps = 1\n')
+    env = {**os.environ, "PYTHON": sys.executable, "CONFIG_FILE": "my.toml"}
+    env.pop("NGPU", None)
+    proc = subprocess.run([RUN_TRAIN_SH], cwd=work, capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert len(read_jsonl(work / "out" / "metrics.jsonl")) == 2
+    assert not os.path.exists(os.path.join(ROOT, "out"))
+
+
+@pytest.mark.parametrize("env, argv, message", [
+    ({"DRY_RUN": "true"}, [], "DRY_RUN: expected 0 or 1, got 'true'"),
+    ({"CONFIG_FILE": "/no/such.toml"}, [], "CONFIG_FILE: '/no/such.toml' is not a file"),
+    ({"NGPU": "2", "LOG_RANK": "abc"}, [], "LOG_RANK: 'abc' is not a comma-separated list of ranks in [0, 2)"),
+    ({"NGPU": "2", "LOG_RANK": "0,5"}, [], "LOG_RANK: rank 5 is not in [0, 2)"),
+    ({"NGPU": "2", "TESSERA_BACKEND": "foo"}, [], "TESSERA_BACKEND: 'foo' is not one of gloo, nccl"),
+    ({"TESSERA_BACKEND": "nccl"}, [], "TESSERA_BACKEND: nccl needs CUDA GPUs"),
+    ({"NGPU": "2"}, ["--debug.seed", "4294967296"], "debug.seed: must be in [0, 2**32 - 1]"),  # before any worker
+    ({}, ["--config", "a.toml", "--config", "b.toml"], "--config: given twice"),
+], ids=["DRY_RUN", "CONFIG_FILE", "LOG_RANK=abc", "LOG_RANK=0,5", "TESSERA_BACKEND=foo", "TESSERA_BACKEND=nccl",
+        "seed", "config-twice"])
+def test_run_train_sh_bad_environment_is_one_error_line(env, argv, message, tmp_path):
+    import torch
+
+    if env.get("TESSERA_BACKEND") == "nccl" and torch.cuda.is_available():
+        pytest.skip("nccl is this machine's backend")
+    dump = tmp_path / "run"
+    proc = subprocess.run([RUN_TRAIN_SH, *argv, "--job.dump_folder", str(dump)], cwd=tmp_path, capture_output=True,
+                          text=True, env={**os.environ, "PYTHON": sys.executable, **env}, timeout=120)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith(f"error: {message}"), proc.stderr[-2000:]
+    assert not dump.exists()
+
+
+def test_run_train_sh_help_is_printed_once():
+    proc = subprocess.run([RUN_TRAIN_SH, "--training.steps", "3", "--help"], capture_output=True, text=True,
+                          env={**os.environ, "PYTHON": sys.executable, "NGPU": "2"}, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.count("usage: ./run_train.sh") == 1, proc.stderr[-2000:]
+    assert "--training.steps" in proc.stdout and "rank" not in proc.stderr
+
+
 def test_unusable_dump_folder_is_one_error_line(tmp_path, capsys):
     a_file = tmp_path / "a_file"
     a_file.write_text("not a folder")
@@ -156,10 +214,20 @@ def test_unusable_dump_folder_is_one_error_line(tmp_path, capsys):
          "checkpoint.folder: "),
         (["--job.dump_folder", str(tmp_path / "run"), "--checkpoint.load_step", "4"],
          "checkpoint.load_step: loading step 4 needs checkpoint.enable"),
+        # The seed checkpoint goes to checkpoint.folder without checkpoint.enable; the profiler's traces to theirs.
+        (["--job.dump_folder", str(tmp_path / "run"), "--checkpoint.create_seed_checkpoint", "--checkpoint.folder",
+          str(a_file)], "checkpoint.folder: "),
+        (["--job.dump_folder", str(tmp_path / "run"), "--profiling.enable_profiling",
+          "--profiling.save_traces_folder", str(a_file / "traces")], "profiling.save_traces_folder: "),
     ]:
         rc, out, err = run_main(argv, capsys)
         lines = err.strip().splitlines()
         assert rc == 2 and len(lines) == 1 and message in lines[0], err
+    from engine.config import HOPPER, ConfigError  # memory snapshots need CUDA: checked for a Hopper machine
+
+    with pytest.raises(ConfigError, match="^profiling.save_memory_snapshot_folder: "):
+        train.check(["--job.dump_folder", str(tmp_path / "run"), "--profiling.enable_memory_snapshot",
+                     "--profiling.save_memory_snapshot_folder", str(a_file)], HOPPER)
     assert a_file.read_text() == "not a folder" and sorted(os.listdir(tmp_path)) == ["a_file", "inf.toml"]
 
 
@@ -198,7 +266,7 @@ def test_mid_run_error_of_a_hidden_rank_is_one_line(tmp_path):
     assert proc.returncode == 2, proc.stderr[-3000:]
     ours = proc.stderr.strip().splitlines()
     line = f"error: [rank 1] data.path: cannot read '{data}' (4 json files) past record 3 of shard 1 of 2 (epoch 0): "
-    assert len(ours) == 1 and ours[0].removeprefix("[rank0]:").startswith(line), proc.stderr[-3000:]
+    assert len(ours) == 1 and ours[0].startswith(line), proc.stderr[-3000:]
     assert "d.jsonl" in ours[0]
 
 
@@ -208,33 +276,36 @@ def _failure(tmp_path, local_rank: int, record: dict | None, timestamp: int = 10
 
     path = tmp_path / f"error_{local_rank}.json"
     if record is not None:
-        info = {"timestamp": str(timestamp), "tessera": {"status": record["status"], "printed": record["printed"]}}
+        info = {"timestamp": str(timestamp), "tessera": {"status": record["status"]}}
         path.write_text(json.dumps({"message": {"message": record["line"], "extraInfo": info}}))
     return ProcessFailure(local_rank=local_rank, pid=1000 + local_rank, exitcode=1, error_file=str(path))
 
 
-@pytest.mark.parametrize("printed_by_rank0", [False, True])
-def test_launcher_ends_with_the_recorded_user_error(tmp_path, monkeypatch, capsys, printed_by_rank0):
+@pytest.mark.parametrize("recorded_by_rank0", [False, True])
+def test_launcher_ends_with_the_recorded_user_error(tmp_path, monkeypatch, capsys, recorded_by_rank0):
     """engine/launch.py: a user error recorded in a rank's error file ends the launch with its status and no
-    torchrun report; the launcher prints the line only when no rank the console shows (LOG_RANK) printed it.
-    A failure without a record (a crash) keeps torchrun's ChildFailedError."""
+    torchrun report; the launcher prints the one line (no rank prints it: torchrun would prefix it), rank 0's
+    (which names the failing rank) or else the first one recorded, prefixed with its rank. A failure without a
+    record (a crash) keeps torchrun's ChildFailedError."""
     import torch.distributed.run as torchrun
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     from engine import launch
 
-    rank1 = {"line": "data.path: cannot read 'x'", "status": 2, "printed": True}
-    rank0 = {"line": "[rank 1] data.path: cannot read 'x'", "status": 2, "printed": True} if printed_by_rank0 else None
+    rank1 = {"line": "data.path: cannot read 'x'", "status": 2}
+    rank0 = {"line": "[rank 1] data.path: cannot read 'x'", "status": 2} if recorded_by_rank0 else None
     failures = {0: _failure(tmp_path, 0, rank0, timestamp=101), 1: _failure(tmp_path, 1, rank1)}
 
     def run(args):
+        assert os.environ[launch.LAUNCHER_ENV] == "1"  # the training processes record, they do not print
         raise ChildFailedError("engine.train", failures)
 
     monkeypatch.setattr(torchrun, "run", run)
+    monkeypatch.setenv(launch.LAUNCHER_ENV, "0")  # launch.main sets it in this process: undone after the test
     argv = ["--nproc_per_node=2", "--local-ranks-filter=0", "-m", "engine.train"]
     assert launch.main(argv) == 2
     err = capsys.readouterr().err
-    assert err.splitlines() == ([] if printed_by_rank0 else ["error: [rank 1] data.path: cannot read 'x'"]), err
+    assert err.splitlines() == ["error: [rank 1] data.path: cannot read 'x'"], err
 
     failures.update({0: _failure(tmp_path / "none", 0, None), 1: _failure(tmp_path / "none", 1, None)})
     with pytest.raises(ChildFailedError):
@@ -294,7 +365,7 @@ def test_divergence_stops_before_it_is_saved(tmp_path, capsys):
                           text=True, timeout=300, env={**os.environ, "PYTHON": sys.executable, "NGPU": "2"})
     assert proc.returncode == 3, proc.stderr[-3000:]
     errors = [line for line in proc.stderr.splitlines() if "error" in line.lower()]
-    assert len(errors) == 1 and errors[0].startswith("[rank0]:error: optimizer.lr: training diverged by step "), \
+    assert len(errors) == 1 and errors[0].startswith("error: optimizer.lr: training diverged by step "), \
         proc.stderr[-3000:]
     assert "ChildFailedError" not in proc.stderr and "exitcode" not in proc.stderr  # no launcher report
     stopped2 = int(errors[0].split("by step ")[1].split()[0])
@@ -313,7 +384,7 @@ def test_error_of_a_rank_whose_output_is_hidden_is_printed_by_the_launcher(tmp_p
                           env={**os.environ, "PYTHON": sys.executable, "NGPU": "2"})
     assert proc.returncode == 2, proc.stderr[-3000:]
     errors = [line for line in proc.stderr.splitlines() if "error" in line.lower()]
-    assert len(errors) == 1 and errors[0].startswith(f"[rank0]:error: [rank 1] data.path: cannot read '{data}'"), \
+    assert len(errors) == 1 and errors[0].startswith(f"error: [rank 1] data.path: cannot read '{data}'"), \
         proc.stderr[-3000:]
     assert "JSON parse error" in errors[0] and "ChildFailedError" not in proc.stderr
     assert not dump.exists()  # the ranks agreed before anything was written

@@ -23,14 +23,19 @@ Local files and the built-in dataset form a single ``train`` split (``data.split
 streaming one gets whole files per rank when the number of files is a multiple of the number of ranks,
 else every world_size-th document.
 
+The validation data (``validation.*``) goes through the same functions: ``validation_data(cfg)`` gives the
+config to read it with and the fields its errors name (``DataFields``).
+
 ``check_data_config(cfg)`` runs every check that needs no data loaded (files exist, extension known,
-split name, the text column of the first record, tokenizer file); ``build_dataset`` loads.
+split name, the text column of the first record, tokenizer file), for the training data and, when
+validation.enable, the validation data; ``build_dataset`` loads.
 """
 
 from __future__ import annotations
 
 import bz2
 import contextlib
+import copy
 import gzip
 import json
 import logging
@@ -38,7 +43,7 @@ import lzma
 import os
 from dataclasses import dataclass, field
 
-from engine.config import Config, ConfigError
+from engine.config import Config, ConfigError, _did_you_mean
 
 ASSETS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets")
 BUILTIN_DATASETS = {"tessera_docs": os.path.join(ASSETS_DIR, "tessera_docs.jsonl.gz")}
@@ -48,16 +53,52 @@ COMPRESSIONS = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}
 COMPRESSIBLE = ("json", "text")
 
 
+@dataclass(frozen=True)
+class DataFields:
+    """The config fields that set a data source, as its errors name them: the training data's (data.*), or the
+    validation data's (validation_data)."""
+
+    path: str = "data.path"
+    dataset: str = "data.dataset"
+    split: str = "data.split"
+    text_field: str = "data.text_field"
+    """Named when the text column is missing or holds no text (the validation data's own source names it)."""
+
+
+TRAINING_FIELDS = DataFields()
+
+
+def validation_data(cfg: Config) -> tuple[Config, DataFields]:
+    """The validation data: a copy of ``cfg`` whose data section reads it (validation.dataset, or validation.path,
+    and validation.split in the place of the training data's where set; one shard per data-parallel rank), and
+    the fields its errors name (validation.* where set, else the data.* it takes)."""
+    v = cfg.validation
+    vcfg = copy.deepcopy(cfg)
+    fields = {}
+    if v.dataset:
+        vcfg.data.dataset, vcfg.data.path = v.dataset, ""
+        fields["dataset"] = fields["text_field"] = "validation.dataset"
+    elif v.path:
+        vcfg.data.path = v.path
+        fields["path"] = fields["text_field"] = "validation.path"
+    if v.split:
+        vcfg.data.split = v.split
+        fields["split"] = "validation.split"
+    vcfg.data.num_shards = -1
+    return vcfg, DataFields(**fields)
+
+
 @dataclass
 class DataSource:
     """Where the documents come from, resolved from the config without reading any data."""
 
     kind: str  # "local", "builtin" or "hub"
-    field: str  # the config field that chose it: "data.path" or "data.dataset"
+    field: str  # the config field that chose it: fields.path or fields.dataset
     name: str  # the path, built-in name or hub name as given
     builder: str = ""  # local/builtin: "json", "parquet" or "text"
     files: list[str] = field(default_factory=list)  # local/builtin: absolute paths, sorted
     ignored: list[str] = field(default_factory=list)  # a folder's supported files of another format, not read
+    fields: DataFields = TRAINING_FIELDS  # the fields its errors name
 
     def describe(self) -> str:
         if self.kind == "hub":
@@ -85,8 +126,8 @@ def _supported_list() -> str:
     return "json, jsonl, parquet or txt (json, jsonl and txt also .gz, .bz2 or .xz compressed)"
 
 
-def _folder_files(folder: str) -> tuple[str, list[str], list[str]]:
-    """(format, its files, the supported files of other formats) of a folder."""
+def _folder_files(folder: str, key: str) -> tuple[str, list[str], list[str]]:
+    """(format, its files, the supported files of other formats) of a folder, the value of the field ``key``."""
     found = []
     for dirpath, dirnames, filenames in os.walk(folder):
         dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
@@ -99,47 +140,53 @@ def _folder_files(folder: str) -> tuple[str, list[str], list[str]]:
     if builder is not None:
         return (builder, [p for p, f in formats.items() if f == builder],
                 [p for p, f in formats.items() if f not in (None, builder)])
-    raise ConfigError(f"data.path: folder '{folder}' holds no {_supported_list()} files")
+    raise ConfigError(f"{key}: folder '{folder}' holds no {_supported_list()} files")
 
 
-def resolve_source(cfg: Config) -> DataSource:
-    """Resolve data.path / data.dataset to a DataSource; cheap, raises ConfigError."""
+def resolve_source(cfg: Config, fields: DataFields = TRAINING_FIELDS) -> DataSource:
+    """Resolve data.path / data.dataset to a DataSource whose errors name ``fields``; cheap, raises
+    ConfigError."""
     d = cfg.data
     if d.path:
-        path = os.path.abspath(os.path.expanduser(d.path))
+        path = os.path.abspath(d.path)
         if not os.path.exists(path):
-            raise ConfigError(f"data.path: '{d.path}' not found; give a {_supported_list()} file or a folder of them")
+            raise ConfigError(f"{fields.path}: '{d.path}' not found; give a {_supported_list()} file or a folder of them")
         if os.path.isdir(path):
-            builder, files, ignored = _folder_files(path)
-            return DataSource("local", "data.path", d.path, builder, files, ignored)
+            builder, files, ignored = _folder_files(path, fields.path)
+            return DataSource("local", fields.path, d.path, builder, files, ignored, fields)
         builder = file_format(path)
         if builder is None:
-            raise ConfigError(f"data.path: '{d.path}' has an unsupported extension; give a {_supported_list()} file")
-        return DataSource("local", "data.path", d.path, builder, [path])
+            raise ConfigError(f"{fields.path}: '{d.path}' has an unsupported extension; give a {_supported_list()} file")
+        return DataSource("local", fields.path, d.path, builder, [path], fields=fields)
     if not d.dataset:
-        raise ConfigError("data.dataset: empty; name a built-in dataset (tessera_docs), a Hugging Face dataset, or set data.path")
+        raise ConfigError(f"{fields.dataset}: empty; name a built-in dataset (tessera_docs), a Hugging Face dataset, "
+                          f"or set {fields.path}")
     if d.dataset in BUILTIN_DATASETS:
         path = BUILTIN_DATASETS[d.dataset]
         if not os.path.isfile(path):
-            raise ConfigError(f"data.dataset: the built-in dataset file '{path}' is missing; reinstall Tessera")
-        return DataSource("builtin", "data.dataset", d.dataset, "json", [path])
+            raise ConfigError(f"{fields.dataset}: the built-in dataset file '{path}' is missing; reinstall Tessera")
+        return DataSource("builtin", fields.dataset, d.dataset, "json", [path], fields=fields)
     if file_format(d.dataset) is not None or os.path.exists(d.dataset):
-        raise ConfigError(f"data.dataset: '{d.dataset}' looks like a local file; set data.path for local data")
-    return DataSource("hub", "data.dataset", d.dataset)
+        raise ConfigError(f"{fields.dataset}: '{d.dataset}' looks like a local file; set {fields.path} for local data")
+    builtin = _did_you_mean(d.dataset, BUILTIN_DATASETS)
+    if builtin and "/" not in d.dataset:  # a typo of a built-in name, not a Hub dataset (owner/name)
+        raise ConfigError(f"{fields.dataset}: '{d.dataset}' is not a built-in dataset{builtin}; a Hugging Face "
+                          "dataset is named owner/name")
+    return DataSource("hub", fields.dataset, d.dataset, fields=fields)
 
 
 def _check_split(cfg: Config, source: DataSource) -> None:
-    split = cfg.data.split.strip()
+    split, key = cfg.data.split.strip(), source.fields.split
     if not split:
-        raise ConfigError("data.split: must not be empty")
+        raise ConfigError(f"{key}: must not be empty")
     if source.kind == "hub":
         return
     if split.split("[")[0].strip() != "train":
         raise ConfigError(
-            f"data.split: {source.describe()} has a single 'train' split (nothing is held out yet), got '{split}'"
+            f"{key}: {source.describe()} has a single 'train' split (nothing is held out yet), got '{split}'"
         )
     if "[" in split and cfg.data.streaming:
-        raise ConfigError(f"data.split: slicing ('{split}') needs data.streaming = false")
+        raise ConfigError(f"{key}: slicing ('{split}') needs data.streaming = false")
 
 
 def _open_text(path: str):
@@ -183,14 +230,16 @@ def _first_record_columns(source: DataSource) -> list[str] | None:
 
 def _missing_field_error(text_field: str, columns, source: DataSource) -> ConfigError:
     found = ", ".join(repr(c) for c in columns) if columns else "none"
-    return ConfigError(f"data.text_field: '{text_field}' is not a column of {source.describe()}; columns found: {found}")
+    return ConfigError(f"{source.fields.text_field}: '{text_field}' is not a column of {source.describe()}; columns "
+                       f"found: {found}")
 
 
-def check_dataset_config(cfg: Config) -> DataSource:
-    """The data checks that need no data loaded (no tokenizer check); returns the resolved source."""
+def check_dataset_config(cfg: Config, fields: DataFields = TRAINING_FIELDS) -> DataSource:
+    """The data checks that need no data loaded (no tokenizer check); returns the resolved source, whose errors
+    name ``fields``."""
     if not cfg.data.text_field:
         raise ConfigError("data.text_field: must not be empty")
-    source = resolve_source(cfg)
+    source = resolve_source(cfg, fields)
     _check_split(cfg, source)
     if source.kind != "hub":
         if len(source.files) == 1 and os.path.getsize(source.files[0]) == 0:
@@ -203,11 +252,14 @@ def check_dataset_config(cfg: Config) -> DataSource:
 
 def check_data_config(cfg: Config) -> DataSource:
     """Every data and tokenizer check that needs no data loaded (files exist, extension known, split name,
-    the text column of the first record, tokenizer file); raises ConfigError naming the field. Cheap:
-    the entry point calls it before building anything."""
+    the text column of the first record, tokenizer file), for the training data and, when validation.enable, the
+    validation data; raises ConfigError naming the field. Cheap: the entry point calls it before building
+    anything. Returns the training data's source."""
     from engine.data.tokenizer import check_tokenizer_config
 
     source = check_dataset_config(cfg)
+    if cfg.validation.enable:
+        check_dataset_config(*validation_data(cfg))
     check_tokenizer_config(cfg)
     return source
 
@@ -215,18 +267,21 @@ def check_data_config(cfg: Config) -> DataSource:
 @contextlib.contextmanager
 def _datasets_quiet():
     """Silence the datasets library's own output while it reads the data: its json reader logs a parse error
-    before raising it, and its progress bar would stay on the screen above Tessera's one error line."""
+    before raising it, huggingface_hub logs every retry of an unreachable Hub, and the progress bar would stay on
+    the screen above Tessera's one error line."""
     import datasets
 
-    logger = logging.getLogger("datasets")
-    level = logger.level
+    loggers = [logging.getLogger(name) for name in ("datasets", "huggingface_hub")]
+    levels = [logger.level for logger in loggers]
     bars_were_on = datasets.is_progress_bar_enabled()
-    logger.setLevel(logging.CRITICAL)
+    for logger in loggers:
+        logger.setLevel(logging.CRITICAL)
     datasets.disable_progress_bars()
     try:
         yield
     finally:
-        logger.setLevel(level)
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
         if bars_were_on:
             datasets.enable_progress_bars()
 
@@ -306,8 +361,9 @@ def load_full_dataset(cfg: Config, source: DataSource | None = None):
         raise ConfigError(f"{source.field}: cannot load {what}: {one_line(e)}") from None
 
 
-def build_dataset(cfg: Config, dp_rank: int = 0, dp_world_size: int = 1):
-    """This rank's share of the dataset, with the text column and non-emptiness checked.
+def build_dataset(cfg: Config, dp_rank: int = 0, dp_world_size: int = 1, fields: DataFields = TRAINING_FIELDS):
+    """This rank's share of the dataset, with the text column and non-emptiness checked; its errors name
+    ``fields``.
 
     Returns a ``datasets.Dataset`` (data.streaming = false) or ``datasets.IterableDataset``.
     """
@@ -316,7 +372,7 @@ def build_dataset(cfg: Config, dp_rank: int = 0, dp_world_size: int = 1):
 
     if not 0 <= dp_rank < dp_world_size:
         raise ValueError(f"dp_rank {dp_rank} is not in [0, {dp_world_size})")
-    source = check_dataset_config(cfg)
+    source = check_dataset_config(cfg, fields)
     full = load_full_dataset(cfg, source)
     text_field = cfg.data.text_field
     columns = full.column_names

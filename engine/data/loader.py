@@ -30,8 +30,8 @@ import numpy as np
 import torch
 
 from engine.config import Config, ConfigError, check_shard_split
-from engine.data.datasets import (DataError, build_dataset, capture_reader_errors, document_text, one_line,
-                                  one_line_text, resolve_source)
+from engine.data.datasets import (TRAINING_FIELDS, DataError, DataFields, build_dataset, capture_reader_errors,
+                                  document_text, one_line, one_line_text, resolve_source)
 
 STATE_VERSION = 1
 READ_AHEAD = 64  # records read and tokenized together
@@ -57,7 +57,8 @@ class DataLoader:
     stops; ``state_dict``/``load_state_dict`` save and restore the position after the last batch.
     """
 
-    def __init__(self, cfg: Config, tokenizer, dp_rank: int, dp_world_size: int):
+    def __init__(self, cfg: Config, tokenizer, dp_rank: int, dp_world_size: int,
+                 fields: DataFields = TRAINING_FIELDS):
         import datasets
 
         self.cfg = cfg
@@ -68,8 +69,8 @@ class DataLoader:
         self.batch_size = cfg.training.local_batch_size
         self.seed = cfg.debug.seed
         self.text_field = cfg.data.text_field
-        self.source = resolve_source(cfg)
-        self.dataset = build_dataset(cfg, self.dp_rank, self.dp_world_size)
+        self.source = resolve_source(cfg, fields)
+        self.dataset = build_dataset(cfg, self.dp_rank, self.dp_world_size, fields)
         self.streaming = not isinstance(self.dataset, datasets.Dataset)
         if not self.streaming:
             self.dataset = self.dataset.select_columns([self.text_field])
@@ -159,7 +160,7 @@ class DataLoader:
                 if record is not None:
                     i, before, after, example = record
                     try:
-                        text = document_text(example, self.text_field)
+                        text = document_text(example, self.text_field, self.source.fields.text_field)
                     except ConfigError as e:
                         if at_start:
                             raise
@@ -315,7 +316,7 @@ SAMPLE_ID_STRIDE = 1 << 36  # sample id = shard * stride + index of the sample i
 
 def source_id(kind: str, name: str) -> str:
     """How a loader's state names its data: "kind:name" of its DataSource, a local path made absolute."""
-    return f"{kind}:{os.path.abspath(os.path.expanduser(name)) if kind == 'local' else name}"
+    return f"{kind}:{os.path.abspath(name) if kind == 'local' else name}"
 
 
 class ShardedDataLoader:
@@ -332,7 +333,8 @@ class ShardedDataLoader:
     rank's shards, wherever they were saved (engine/checkpoint.py gathers them).
     """
 
-    def __init__(self, cfg: Config, tokenizer, dp_rank: int, dp_world_size: int, num_shards: int = -1):
+    def __init__(self, cfg: Config, tokenizer, dp_rank: int, dp_world_size: int, num_shards: int = -1,
+                 fields: DataFields = TRAINING_FIELDS):
         if num_shards == -1:
             num_shards = cfg.data.num_shards if cfg.data.num_shards > 0 else dp_world_size
         check_shard_split(num_shards, dp_world_size, "the data is split into",
@@ -342,7 +344,7 @@ class ShardedDataLoader:
         self.dp_rank, self.dp_world_size = dp_rank, dp_world_size
         self.batch_size = cfg.training.local_batch_size
         self.shard_ids = list(range(dp_rank, num_shards, dp_world_size))
-        self.shards = {s: DataLoader(cfg, tokenizer, s, num_shards) for s in self.shard_ids}
+        self.shards = {s: DataLoader(cfg, tokenizer, s, num_shards, fields) for s in self.shard_ids}
         self.turn = 0  # position in shard_ids of the shard that gives the next sample
 
     @property
@@ -399,6 +401,7 @@ class ShardedDataLoader:
 
 
 def build_dataloader(cfg: Config, tokenizer, dp_rank: int = 0, dp_world_size: int = 1,
-                     num_shards: int = -1) -> ShardedDataLoader:
-    """This data-parallel rank's loader (``num_shards`` -1: data.num_shards, else one per dp rank)."""
-    return ShardedDataLoader(cfg, tokenizer, dp_rank, dp_world_size, num_shards)
+                     num_shards: int = -1, fields: DataFields = TRAINING_FIELDS) -> ShardedDataLoader:
+    """This data-parallel rank's loader (``num_shards`` -1: data.num_shards, else one per dp rank); its errors
+    name ``fields`` (engine.data.datasets.validation_data gives the validation data's)."""
+    return ShardedDataLoader(cfg, tokenizer, dp_rank, dp_world_size, num_shards, fields)

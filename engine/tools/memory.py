@@ -86,6 +86,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import os
 import sys
 from dataclasses import dataclass
@@ -745,7 +746,7 @@ def _positive_number(flag: str, value: Optional[str], default: float, kind=float
         number = kind(value)
     except ValueError:
         number = -1
-    if not number > 0:
+    if not (number > 0 and math.isfinite(number)):  # nan and inf too
         raise ValueError(f"{flag}: expected a positive {'integer' if kind is int else 'number'}, got {value!r}")
     return number
 
