@@ -454,9 +454,9 @@ class Checkpointer:
             elif os.path.exists(folder):  # committed by this run before a rollback (checkpoint.load_step): kept
                 self._log(f"checkpoint: an earlier checkpoint of step {step} is set aside as "
                           f"{_set_aside(folder, '.replaced')}")
-                if os.path.exists(hf_export_folder(self.root, step)):  # its export would pass for this run's
-                    self._log(f"checkpoint: its Hugging Face folder is set aside as "
-                              f"{_set_aside(hf_export_folder(self.root, step), '.replaced')}")
+                export = hf_export_folder(self.root, step)
+                if os.path.exists(export):  # its export would pass for this run's
+                    self._log(f"checkpoint: its Hugging Face folder is set aside as {_set_aside(export, '.replaced')}")
         self._barrier()
         _fault(step, "begin")
         t0 = time.perf_counter()

@@ -48,7 +48,6 @@ SDPA_BACKENDS = ("auto", "flash", "cudnn", "efficient", "math")
 # to the query heads first (https://github.com/pytorch/pytorch/issues/139586: enable_gqa was a flash feature;
 # cuDNN takes it in recent torch releases, which select_sdpa_backend probes once on the GPU).
 _GQA_NATIVE = ("auto", "flash", "math")
-_sdpa_backend = "auto"
 _gqa_native = True
 
 
@@ -69,7 +68,7 @@ def select_sdpa_backend(name: str) -> str:
     own choice). torch keeps this choice per process (torch.backends.cuda.enable_*_sdp, which CPU SDPA
     follows too), and so does this module: a kernel that lacks grouped-query support gets repeated K/V.
     Returns the choice in words, for the start-up log."""
-    global _sdpa_backend, _gqa_native
+    global _gqa_native
     if name not in SDPA_BACKENDS:
         raise ValueError(f"model.sdpa_backend: unknown kernel {name!r}; choose one of {', '.join(SDPA_BACKENDS)}")
     every = name == "auto"
@@ -77,7 +76,6 @@ def select_sdpa_backend(name: str) -> str:
     torch.backends.cuda.enable_cudnn_sdp(every or name == "cudnn")
     torch.backends.cuda.enable_mem_efficient_sdp(every or name == "efficient")
     torch.backends.cuda.enable_math_sdp(every or name == "math")
-    _sdpa_backend = name
     _gqa_native = name in _GQA_NATIVE or (name == "cudnn" and torch.cuda.is_available() and _cudnn_takes_gqa())
     if name == "auto":
         return "any SDPA kernel"
