@@ -61,17 +61,21 @@ if [ "$NGPU" = 1 ]; then
   exec "$PYTHON" -m engine.train "${args[@]}"
 fi
 
-# Several processes: check the configuration once, quietly, so that a user error prints one line and
-# no launcher traceback (NGPU among them); then LOG_RANK; then launch.
-WORLD_SIZE=$NGPU TESSERA_CHECK_ONLY=1 "$PYTHON" -m engine.train "${args[@]}"
+# Several processes: LOG_RANK (here, in no time; a malformed NGPU is left to the next check's message); then the
+# configuration, once, quietly, so that a user error prints one line and no launcher traceback (NGPU among
+# them); then launch.
 for rank in ${LOG_RANK//,/ }; do
   case "$rank" in
     *[!0-9]*) fail "LOG_RANK: '$LOG_RANK' is not a comma-separated list of ranks in [0, $NGPU) (NGPU = $NGPU)" ;;
   esac
-  [ "$((10#$rank))" -lt "$NGPU" ] ||
-    fail "LOG_RANK: rank $rank is not in [0, $NGPU) (NGPU = $NGPU); show one of the ranks this run starts"
+  case "$NGPU" in
+    ''|*[!0-9]*) ;;
+    *) [ "$((10#$NGPU))" -eq 0 ] || [ "$((10#$rank))" -lt "$((10#$NGPU))" ] ||
+         fail "LOG_RANK: rank $rank is not in [0, $NGPU) (NGPU = $NGPU); show one of the ranks this run starts" ;;
+  esac
 done
 [ -n "${LOG_RANK//[, ]/}" ] || fail "LOG_RANK: empty; name the ranks whose output is shown, e.g. 0"
+WORLD_SIZE=$NGPU TESSERA_CHECK_ONLY=1 "$PYTHON" -m engine.train "${args[@]}"
 # SIGTERM (SLURM preemption, or a user's kill) goes straight to the training processes, which save a
 # checkpoint at the next step boundary and exit 0 (checkpoint.enable); torchrun then exits 0 too. (torchrun
 # itself, signalled, would stop its workers after a grace period and exit non-zero.) engine.launch is torchrun
