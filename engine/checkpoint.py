@@ -215,13 +215,16 @@ def inspect_checkpoint(folder: str, field: str, cfg: Optional[Config] = None) ->
     here), DCP's metadata readable without pickled objects, and train_state.json naming the same model and
     flavor as ``cfg``.
     """
+    # A run's own checkpoints are chosen with checkpoint.load_step; any other folder is given by path.
+    another = ("pick another step with checkpoint.load_step" if field in ("checkpoint.load_step", "checkpoint.folder")
+               else f"use another step folder for {field}")
     if not os.path.isdir(folder):
         raise ConfigError(f"{field}: checkpoint folder {folder} not found")
     if not os.listdir(folder):
         raise ConfigError(f"{field}: checkpoint folder {folder} is empty")
     if not is_complete(folder):
         raise ConfigError(f"{field}: {folder} is an incomplete checkpoint (no {COMMIT_FILE}: the save did not "
-                          "finish); pick another step with checkpoint.load_step")
+                          f"finish); {another}")
     commit = read_json_object(os.path.join(folder, COMMIT_FILE), field)
     for rel, size in dict(commit.get("files", {})).items():
         path = os.path.join(folder, rel)
@@ -230,7 +233,7 @@ def inspect_checkpoint(folder: str, field: str, cfg: Optional[Config] = None) ->
         actual = os.path.getsize(path)
         if actual != size:
             raise ConfigError(f"{field}: {folder} is damaged: {rel} has {actual} bytes, {size} were written "
-                              "(truncated or overwritten); pick another step with checkpoint.load_step")
+                              f"(truncated or overwritten); {another}")
     if not os.path.isfile(os.path.join(folder, ".metadata")):
         raise ConfigError(f"{field}: {folder} has no DCP .metadata file; it is not a Tessera checkpoint")
     try:
@@ -253,7 +256,7 @@ def inspect_checkpoint(folder: str, field: str, cfg: Optional[Config] = None) ->
     bad = _train_state_problems(state)
     if bad:
         raise ConfigError(f"{field}: {folder}/{TRAIN_STATE_FILE} has no valid {', '.join(bad)} (edited or damaged); "
-                          "pick another step with checkpoint.load_step")
+                          f"{another}")
     return CheckpointInfo(folder, int(state["step"]), state, tensors)
 
 

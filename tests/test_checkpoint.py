@@ -450,6 +450,11 @@ def test_bad_checkpoint_is_an_error_naming_the_field_and_nothing_is_deleted(refe
     with pytest.raises(ConfigError, match="checkpoint.load_step") as e:
         find_resume_point(cfg)
     assert BAD[kind] in str(e.value), str(e.value)
+    if kind in ("edited train state", "truncated shard", "no commit marker"):  # the advice fits where it came from
+        assert str(e.value).endswith("; pick another step with checkpoint.load_step"), str(e.value)
+        with pytest.raises(ConfigError) as given:  # a folder given by path: initial weights, convert_hf
+            inspect_checkpoint(str(root / "step-000010"), "checkpoint.initial_load_path")
+        assert str(given.value).endswith("; use another step folder for checkpoint.initial_load_path")
     assert tree(tmp_path) == before
 
 
