@@ -553,6 +553,8 @@ def test_unreachable_hub_dataset_is_one_line(tok):
     with pytest.raises(ConfigError, match=r"^data\.dataset: cannot load 'no-such-user/no-such-dataset'") as info:
         build_dataloader(cfg, tok, 0, 1)
     assert "\n" not in str(info.value)
+    assert str(info.value).endswith("(hf download --repo-type dataset no-such-user/no-such-dataset --local-dir DIR) "
+                                    "and give them with data.path")
     with pytest.raises(ConfigError, match=r"^data\.dataset: .*data\.path"):
         check_data_config(make_cfg("", dataset="my_docs.jsonl"))
 

@@ -358,7 +358,11 @@ def load_full_dataset(cfg: Config, source: DataSource | None = None):
         what = f"'{d.dataset}'" + (f" (config '{d.dataset_config}')" if d.dataset_config else "")
         if source.kind != "hub":
             what = source.describe()
-        raise ConfigError(f"{source.field}: cannot load {what}: {one_line(e)}") from None
+        advice = ""
+        if source.kind == "hub" and "Couldn't reach" in str(e):  # no network here (a compute node), or offline mode
+            advice = (f"; without network here, download its files where there is (hf download --repo-type dataset "
+                      f"{d.dataset} --local-dir DIR) and give them with data.path")
+        raise ConfigError(f"{source.field}: cannot load {what}: {one_line(e)}{advice}") from None
 
 
 def build_dataset(cfg: Config, dp_rank: int = 0, dp_world_size: int = 1, fields: DataFields = TRAINING_FIELDS):
