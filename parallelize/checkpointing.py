@@ -72,7 +72,9 @@ def wrap_block(block: nn.Module, mode: str, selective_option: str, index: int, o
     assert mode == "selective", mode
     if selective_option == "op":
         assert op_matmuls in ("all", "alternate"), op_matmuls
-        return checkpoint_wrapper(block, context_fn=partial(_op_context, op_matmuls), preserve_rng_state=False)
+        wrapped = checkpoint_wrapper(block, context_fn=partial(_op_context, op_matmuls), preserve_rng_state=False)
+        wrapped.op_matmuls = op_matmuls  # which policy it applies, for whoever inspects the plan (tests)
+        return wrapped
     every = int(selective_option)
     if index % every == 0:
         return checkpoint_wrapper(block, preserve_rng_state=False)

@@ -111,7 +111,8 @@ def run_layout(args: list[str], world_size: int, rank: int, batches, dump: str) 
 def built_features(trainer) -> dict:
     """What the plan did to rank 0's model parts, so that a test can tell a feature applied from a flag ignored
     (the losses of an ignored AC, compile or CSV schedule would match the reference too): blocks held,
-    checkpoint-wrapped, compiled; Float8Linear modules; DTensor parameters; the pipeline schedule's class."""
+    checkpoint-wrapped (and the per-op policies' matmul choices), compiled; Float8Linear modules; DTensor
+    parameters; the pipeline schedule's class."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
     from torch.distributed.tensor import DTensor
 
@@ -120,6 +121,7 @@ def built_features(trainer) -> dict:
     return {
         "blocks": len(blocks),
         "checkpointed": sum(isinstance(b, CheckpointWrapper) for b in blocks),
+        "op_matmuls": sorted({b.op_matmuls for b in blocks if hasattr(b, "op_matmuls")}),
         "compiled": sum(getattr(b, "_compiled_call_impl", None) is not None for b in blocks),
         "float8": sum(type(m).__name__ == "Float8Linear" for m in modules),
         "dtensor_params": all(isinstance(p, DTensor) for part in trainer.model_parts for p in part.parameters()),

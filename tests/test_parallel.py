@@ -184,6 +184,9 @@ def _check_built(args: list[str], built: dict) -> None:
         assert built["checkpointed"] == len(range(0, blocks, every)) > 0, built
     else:
         assert built["checkpointed"] == 0, built
+    per_op = "--activation_checkpoint.mode selective" in a and "selective_option" not in a
+    alternate = "--activation_checkpoint.op_matmuls alternate" in a
+    assert built["op_matmuls"] == (["alternate" if alternate else "all"] if per_op else []), built
     assert built["compiled"] == (blocks if "--compile.enable" in a else 0), built
     if "--parallelism.pp_schedule_csv" in a:
         assert built["schedule"] == "_PipelineScheduleRuntime", built
