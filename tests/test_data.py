@@ -11,7 +11,7 @@ import torch
 from engine.config import Config, ConfigError
 from engine.data.loader import ShardedDataLoader
 from engine.data import Tokenizer, build_dataloader, build_dataset, build_tokenizer, check_data_config
-from engine.data.datasets import BUILTIN_DATASETS, DataError, resolve_source
+from engine.data.datasets import BUILTIN_DATASETS, DataError, resolve_source, validation_data
 from engine.data.tokenizer import BUILTIN_TOKENIZER
 
 ASSETS = os.path.dirname(BUILTIN_TOKENIZER)
@@ -555,6 +555,13 @@ def test_unreachable_hub_dataset_is_one_line(tok):
     assert "\n" not in str(info.value)
     assert str(info.value).endswith("(hf download --repo-type dataset no-such-user/no-such-dataset --local-dir DIR) "
                                     "and give them with data.path")
+    # The validation data's error names its own fields, the advice too.
+    cfg = make_cfg("")
+    cfg.validation.dataset = "no-such-user/other"
+    vcfg, fields = validation_data(cfg)
+    with pytest.raises(ConfigError, match=r"^validation\.dataset: cannot load 'no-such-user/other'") as info:
+        build_dataloader(vcfg, tok, 0, 1, fields=fields)
+    assert str(info.value).endswith("give them with validation.path")
     with pytest.raises(ConfigError, match=r"^data\.dataset: .*data\.path"):
         check_data_config(make_cfg("", dataset="my_docs.jsonl"))
 

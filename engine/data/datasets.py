@@ -78,6 +78,7 @@ def validation_data(cfg: Config) -> tuple[Config, DataFields]:
     if v.dataset:
         vcfg.data.dataset, vcfg.data.path = v.dataset, ""
         fields["dataset"] = fields["text_field"] = "validation.dataset"
+        fields["path"] = "validation.path"  # where its local files would be given instead (the Hub error's advice)
     elif v.path:
         vcfg.data.path = v.path
         fields["path"] = fields["text_field"] = "validation.path"
@@ -359,9 +360,9 @@ def load_full_dataset(cfg: Config, source: DataSource | None = None):
         if source.kind != "hub":
             what = source.describe()
         advice = ""
-        if source.kind == "hub" and "Couldn't reach" in str(e):  # no network here (a compute node), or offline mode
+        if source.kind == "hub" and isinstance(e, ConnectionError):  # no network here (a compute node), or offline
             advice = (f"; without network here, download its files where there is (hf download --repo-type dataset "
-                      f"{d.dataset} --local-dir DIR) and give them with data.path")
+                      f"{d.dataset} --local-dir DIR) and give them with {source.fields.path}")
         raise ConfigError(f"{source.field}: cannot load {what}: {one_line(e)}{advice}") from None
 
 
