@@ -158,8 +158,9 @@ class Parallelism:
     """Pipeline-parallel degree: the layers are split into stages on pp ranks."""
     pp_schedule: str = "1F1B"
     """Pipeline schedule: GPipe, 1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble or
-    DualPipeV. The zero-bubble ones (the last three) split each backward into input and weight passes; torch
-    2.11 cannot run those through compiled blocks, float8 layers or the fused loss (2.13 can)."""
+    DualPipeV. The zero-bubble ones (the last three) split each backward into input and weight passes: they do
+    not run with compiled blocks or per-op selective AC (full AC recomputes each block in both passes), and
+    torch 2.11 cannot run them through float8 layers or the fused loss (2.13 can)."""
     pp_schedule_csv: str = ""
     """A CSV file with a custom schedule (torch.distributed.pipelining's format); overrides pp_schedule's
     actions (pp_schedule still names the stage placement)."""
@@ -964,8 +965,43 @@ def _validate_float8(cfg: Config, machine: Machine) -> None:
     check_float8_supported(f8.emulate, machine.cuda_capability)
 
 
+def _check_split_backward(cfg: Config) -> None:
+    """A zero-bubble schedule runs each stage's backward in two passes (input gradients, later the weights'),
+    both through the same autograd graph. Features that cannot run their part of that graph twice are refused."""
+    import torch
+
+    from parallelize.pipeline import split_backward_takes_custom_functions
+
+    p, ac = cfg.parallelism, cfg.activation_checkpoint
+    field = "parallelism.pp_schedule_csv" if p.pp_schedule_csv else "parallelism.pp_schedule"
+    name = p.pp_schedule_csv or p.pp_schedule
+    fix = "use GPipe, 1F1B, Interleaved1F1B or LoopedBFS, or turn"
+    if cfg.compile.enable:  # a compiled block's backward donates its buffers: it may run once per forward
+        raise ConfigError(
+            f"{field}: {name} splits the backward into input and weight passes, and a compiled block's backward "
+            f"(compile.enable) runs only once per forward; {fix} compile.enable off"
+        )
+    if ac.mode == "selective" and ac.selective_option == "op":  # the saved activations serve one backward
+        raise ConfigError(
+            f"{field}: {name} splits the backward into input and weight passes, and per-op selective activation "
+            f"checkpointing keeps its saved activations for one backward pass only; {fix} "
+            f"activation_checkpoint.mode to full (recomputed in each pass) or none"
+        )
+    # Features whose autograd node takes weights directly: the weight pass goes through their Python function.
+    custom_nodes = [(key, what) for key, on, what in (
+        ("training.loss_chunk_tokens", cfg.training.loss_chunk_tokens, "the fused output loss"),
+        ("float8.enable", cfg.float8.enable, "float8 linear layers"),
+    ) if on]
+    if custom_nodes and not split_backward_takes_custom_functions():
+        key, what = custom_nodes[0]
+        raise ConfigError(
+            f"{field}: {name} splits the backward into input and weight passes, which torch {torch.__version__} "
+            f"cannot run through {what} ({key}; torch 2.13 can); {fix} {key} off"
+        )
+
+
 def _validate_pipeline(cfg: Config, dims, args) -> None:
-    from parallelize.pipeline import num_stages, split_backward_takes_custom_functions, splits_backward
+    from parallelize.pipeline import num_stages, splits_backward
 
     p = cfg.parallelism
     stages = num_stages(dims.pp, p.pp_schedule, p.pp_virtual_stages, p.pp_schedule_csv)
@@ -986,23 +1022,8 @@ def _validate_pipeline(cfg: Config, dims, args) -> None:
             f"has only {args.n_layers} layers (plus the embedding and the output, which may be stages of their "
             f"own); lower parallelism.pp or parallelism.pp_virtual_stages"
         )
-    # Features whose autograd node takes weights directly: a zero-bubble schedule's weight pass goes through it.
-    custom_nodes = [(key, what) for key, on, what in (
-        ("training.loss_chunk_tokens", cfg.training.loss_chunk_tokens, "the fused output loss"),
-        ("compile.enable", cfg.compile.enable, "compiled blocks"),
-        ("float8.enable", cfg.float8.enable, "float8 linear layers"),
-    ) if on]
-    if custom_nodes and splits_backward(p.pp_schedule, p.pp_schedule_csv) \
-            and not split_backward_takes_custom_functions():
-        import torch
-
-        key, what = custom_nodes[0]
-        field = "parallelism.pp_schedule_csv" if p.pp_schedule_csv else "parallelism.pp_schedule"
-        raise ConfigError(
-            f"{field}: {p.pp_schedule_csv or p.pp_schedule} splits the backward into input and weight passes, which "
-            f"torch {torch.__version__} cannot run through {what} ({key}; torch 2.13 can); use GPipe, 1F1B, "
-            f"Interleaved1F1B or LoopedBFS, or turn {key} off"
-        )
+    if splits_backward(p.pp_schedule, p.pp_schedule_csv):
+        _check_split_backward(cfg)
     micro = p.pp_microbatches if p.pp_microbatches != -1 else stages
     if micro < dims.pp:
         raise ConfigError(

@@ -34,7 +34,7 @@ from models import get_model_spec
 from models.attention import select_sdpa_backend
 from models.loss import IGNORE_INDEX, cross_entropy_sum
 from parallelize import pipeline
-from parallelize.compile import compile_loss
+from parallelize.compile import compile_loss, tag_compile_caches
 from parallelize.context import shard_sequence
 from parallelize.data import gradient_divide_factor
 from parallelize.float8 import float8_after_optimizer_step
@@ -163,6 +163,8 @@ class Trainer:
             self.dims.build_mesh(self.device.type,
                                  process_group_backend(self.device.type, cfg.parallelism.fsdp_cpu_offload))
             set_collective_timeout(cfg.comm.init_timeout_seconds)  # the mesh's new groups too, until step 1
+            if cfg.compile.enable:
+                tag_compile_caches(self.dims.group_names())
         self.dp_rank, self.dp_size = self.dims.coordinate("dp")
         self.grad_accum = grad_accumulation_steps(cfg, self.dp_size)
         self.loss_group = self.dims.group("dp_cp")  # ranks holding different tokens

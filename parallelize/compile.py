@@ -19,6 +19,40 @@ def apply_compile(blocks: nn.ModuleDict, fullgraph: bool = True) -> None:
         block.compile(fullgraph=fullgraph)
 
 
+def wait_before_compiled_blocks(module: nn.Module) -> None:
+    """Hand the blocks a finished tensor from ``module`` (the embedding under TP): the forward hook clones an
+    output that is still an asynchronous collective's result (a vocabulary-parallel embedding's
+    reduce-scatter, which TP's styles leave pending). On torch 2.13 a compiled block whose input is such a
+    tensor returns a plain gradient for it where the embedding's redistribution expects a DTensor, and the
+    backward fails (2.11 does not); the clone waits for the collective outside the compiled region, costs one
+    copy of the embedding output, and changes no value. ``AsyncCollectiveTensor`` is private: this is the one
+    place that names it."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    def hook(mod, args, output):
+        return output.clone() if isinstance(output, AsyncCollectiveTensor) else output
+
+    module.register_forward_hook(hook)
+
+
+_USER_CACHE_TAG: list[str] = []  # the tag the process started with (TORCH_COMPILE_CACHE_KEY_TAG), read once
+
+
+def tag_compile_caches(group_names: list[str]) -> None:
+    """Key the compiler's on-disk caches (inductor's graphs, AOT autograd's) by this rank's process-group names
+    too. torch 2.13 keys a graph that calls collectives without the group's name (the mesh is an opaque input)
+    but writes the name into the generated code, so ranks of one node that share the cache folder and belong
+    to different TP groups (ranks 0-1 and 2-3 of FSDP 2 x TP 2) load each other's code, and a collective on a
+    group the rank is not in fails ("Could not resolve the process group"). Ranks with the same groups (the
+    same rank on a restart) still share. ``torch.compiler.config.cache_key_tag`` is the public knob for this;
+    a tag the user set is kept in front."""
+    import torch.compiler.config as compiler_config
+
+    if not _USER_CACHE_TAG:
+        _USER_CACHE_TAG.append(compiler_config.cache_key_tag)
+    compiler_config.cache_key_tag = f"{_USER_CACHE_TAG[0]}|tessera-groups:{','.join(group_names)}"
+
+
 def compile_loss(loss_fn: Callable) -> Callable:
     return torch.compile(loss_fn)
 

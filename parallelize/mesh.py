@@ -159,6 +159,11 @@ class ParallelDims:
         """The process group of a 1-D view; None in a world of one."""
         return self._meshes[view].get_group() if self._meshes else None
 
+    def group_names(self) -> list[str]:
+        """The names of this rank's process groups, one per view (the names collectives are called with)."""
+        return [self._meshes[view].get_group().group_name for view in (*DIM_NAMES, *FLAT_VIEWS)] \
+            if self._meshes else []
+
     def is_dp_leader(self) -> bool:
         """Whether this rank is the first of the ranks that share its data (pp, cp and tp coordinates 0)."""
         return all(self.coordinate(view)[0] == 0 for view in ("pp", "cp", "tp"))

@@ -49,24 +49,41 @@ BAD_LAYOUTS = [
 ]
 
 
-def test_zero_bubble_refuses_custom_nodes_where_torch_cannot(tmp_path, capsys, monkeypatch):
-    """On a torch whose split backward cannot pass through a custom autograd function (2.11), the zero-bubble
-    schedules refuse the fused loss, compile and float8; the other schedules take them."""
+def test_zero_bubble_refuses_what_cannot_run_twice(tmp_path, capsys, monkeypatch):
+    """The zero-bubble schedules run each backward in two passes. On any torch they refuse compiled blocks (whose
+    backward may run once per forward) and per-op AC (whose saved activations serve one pass); both failed in
+    step 1 before. On a torch whose split backward cannot pass through a custom autograd function (2.11) they
+    refuse the fused loss and float8 too. The other schedules take all of these; full AC and the fused loss (on
+    2.13) run under zero-bubble in tests/test_parallel.py."""
     from parallelize import pipeline
 
-    monkeypatch.setattr(pipeline, "split_backward_takes_custom_functions", lambda: False)
     monkeypatch.setenv("WORLD_SIZE", "2")
     pp2 = ["--parallelism.pp", "2", "--job.dump_folder", str(tmp_path / "run")]
+    per_op = ["--activation_checkpoint.mode", "selective"]
+    always = ((["--compile.enable"], "compile.enable"), (per_op, "activation_checkpoint.mode"))
+    before_2_13 = ((["--training.loss_chunk_tokens", "256"], "training.loss_chunk_tokens"),
+                   (["--float8.enable", "--float8.emulate"], "float8.enable"))
+
+    def refused(schedule, feature, key):
+        assert train.main([*pp2, "--parallelism.pp_schedule", schedule, *feature]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"error: parallelism.pp_schedule: {schedule} splits") \
+            and key in err[0], err
+
     for schedule in pipeline.SPLIT_BACKWARD_SCHEDULES:
-        for feature, key in ((["--compile.enable"], "compile.enable"),
-                             (["--training.loss_chunk_tokens", "256"], "training.loss_chunk_tokens")):
-            assert train.main([*pp2, "--parallelism.pp_schedule", schedule, *feature]) == 2
-            err = capsys.readouterr().err.strip().splitlines()
-            assert len(err) == 1 and err[0].startswith(f"error: parallelism.pp_schedule: {schedule} splits") \
-                and f"({key};" in err[0], err
+        for feature, key in always:
+            refused(schedule, feature, key)
+        monkeypatch.setattr(pipeline, "split_backward_takes_custom_functions", lambda: False)
+        for feature, key in before_2_13:
+            refused(schedule, feature, f"({key};")
+        monkeypatch.setattr(pipeline, "split_backward_takes_custom_functions", lambda: True)
+        for feature, _ in before_2_13:
+            train.check([*pp2, "--parallelism.pp_schedule", schedule, *feature])
     assert not (tmp_path / "run").exists()
-    train.check([*pp2, "--parallelism.pp_schedule", "1F1B", "--compile.enable", "--training.loss_chunk_tokens", "256"])
-    train.check([*pp2, "--parallelism.pp_schedule", "ZBVZeroBubble"])  # nothing custom: fine
+    train.check([*pp2, "--parallelism.pp_schedule", "1F1B", "--compile.enable", *per_op,
+                 "--training.loss_chunk_tokens", "256"])
+    for option in (["--activation_checkpoint.mode", "full"], [*per_op, "--activation_checkpoint.selective_option", "2"]):
+        train.check([*pp2, "--parallelism.pp_schedule", "ZBVZeroBubble", *option])
 
 
 def test_schedule_csv_that_does_not_fit_the_layout_is_one_error_line(tmp_path, capsys, monkeypatch):

@@ -11,6 +11,7 @@ way.
 import pytest
 import torch
 
+from engine.config import parse_args
 from parallelize.pipeline import split_backward_takes_custom_functions
 from tests.parallel_harness import global_batches, run_layout, run_world
 
@@ -43,7 +44,13 @@ LAYOUTS = {
         "tp2_no_loss_parallel": _layout(8, "--parallelism.tp", "2", "--parallelism.disable_loss_parallel"),
         "fsdp2_compile_ac_op": _layout(4, "--parallelism.dp_shard", "2", "--compile.enable",
                                        "--activation_checkpoint.mode", "selective"),
+        # Without FSDP the first compiled block takes the embedding's pending reduce-scatter (torch 2.13's backward
+        # failed there: parallelize.compile.wait_before_compiled_blocks).
+        "tp2_compile": _layout(8, "--parallelism.tp", "2", "--compile.enable"),
         **_pipelines(2),
+        # Full AC under a split backward: each block is recomputed in the input pass and again in the weight pass.
+        "pp2_ZBVZeroBubble_ac_full": _layout(8, "--parallelism.pp", "2", "--parallelism.pp_schedule", "ZBVZeroBubble",
+                                             "--activation_checkpoint.mode", "full"),
         "pp2_csv": _layout(8, "--parallelism.pp", "2", "--parallelism.pp_schedule", "Interleaved1F1B",
                            "--parallelism.pp_schedule_csv", "tests/data/pp2_looped_bfs.csv"),
         "cp2": _layout(8, "--parallelism.cp", "2"),
@@ -259,3 +266,48 @@ def test_schedule_table_matches_torch():
     for name in SCHEDULES:
         cls = schedule_class(name)
         assert issubclass(cls, PipelineScheduleMulti if is_multi_stage(name) else PipelineScheduleSingle), name
+
+
+def compiled_tp_collective(world_size: int, rank: int, cache_dir: str, tag: bool) -> dict:
+    """On an FSDP 2 x TP 2 mesh: the trainer's compiled loss over vocabulary-sharded logits (loss parallel: its
+    log-softmax reduces over TP), forward and backward, with the compiler's on-disk cache in ``cache_dir``
+    (``tag``: keyed as the trainer keys it). Returns rank 0's loss and how many compiled graphs it loaded from
+    the cache."""
+    import os
+
+    from torch._dynamo.utils import counters
+    from torch.distributed.tensor import DTensor, Shard
+
+    from models.loss import cross_entropy_sum
+    from parallelize.compile import compile_loss, tag_compile_caches
+    from parallelize.mesh import ParallelDims
+    from parallelize.tensor import loss_context
+
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
+    dims = ParallelDims.from_config(parse_args(["--parallelism.dp_shard", "2", "--parallelism.tp", "2"]).parallelism,
+                                    world_size)
+    dims.build_mesh("cpu")
+    if tag:
+        tag_compile_caches(dims.group_names())
+    tp = dims.mesh("tp")
+    vocab = torch.arange(8.0).repeat(2, 3, 1)  # [batch 2, seq 3, vocab 8], the same on every rank
+    logits = DTensor.from_local(vocab.chunk(2, dim=-1)[tp.get_local_rank()], tp, [Shard(-1)]).requires_grad_()
+    with loss_context(True):
+        loss = compile_loss(cross_entropy_sum)(logits, torch.full((2, 3), 7))
+        loss.backward()
+    return {"loss": float(loss), "cache_hits": counters["aot_autograd"]["autograd_cache_hit"]}
+
+
+def test_compiled_collectives_reload_from_a_cache_shared_by_other_tp_groups(tmp_path):
+    """The compiler's on-disk cache is shared by a node's ranks, but the code it holds names the process group it
+    was compiled for. Keyed without the group (torch 2.13), a restarted run's ranks 0-1 load the code of ranks 2-3
+    and their TP collective fails. The trainer keys the cache by the rank's groups (``tag_compile_caches``): a
+    restart still reloads its own compiled code."""
+    from tests.parallel_harness import run_jobs
+
+    cache = str(tmp_path / "cache")
+    for run in ("first", "restart"):
+        result = run_jobs(4, compiled_tp_collective, {run: (cache, True)}, str(tmp_path / run))[run]
+        # 6 tokens whose target is the largest of the logits 0..7: each loses log(sum(e^(k - 7)))
+        assert result["loss"] == pytest.approx(6 * float(torch.logsumexp(torch.arange(8.0) - 7, 0)))
+    assert result["cache_hits"] > 0

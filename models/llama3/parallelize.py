@@ -33,7 +33,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from parallelize.checkpointing import apply_ac
-from parallelize.compile import apply_compile
+from parallelize.compile import apply_compile, wait_before_compiled_blocks
 from parallelize.context import context_attention, shard_sequence
 from parallelize.data import apply_fsdp, mixed_precision_policy
 from parallelize.float8 import (
@@ -135,6 +135,8 @@ def parallelize_llama(model: nn.Module, dims: ParallelDims, cfg: Any, device_typ
 
     if cfg.compile.enable:
         apply_compile(model.layers, fullgraph=not (dims.cp_enabled and p.cp_rotate == "alltoall"))
+        if dims.tp_enabled and model.tok_embeddings is not None:
+            wait_before_compiled_blocks(model.tok_embeddings)
 
     if dims.data_parallel:
         apply_fsdp(
