@@ -167,7 +167,7 @@ def _flex(q: Tensor, k: Tensor, v: Tensor, doc_ids: Optional[Tensor], block_mask
     if q.device.type == "cpu" and needs_grad:
         # FlexAttention has no CPU backward (torch 2.13): compute the same masked attention with SDPA.
         global _warned_cpu_fallback
-        if not _warned_cpu_fallback:
+        if not _warned_cpu_fallback and not torch.compiler.is_compiling():  # (logging inside a graph breaks it)
             logger.info("model.attn = flex: no flex backward on CPU, using SDPA with a dense mask instead")
             _warned_cpu_fallback = True
         if doc_ids is None:

@@ -314,6 +314,23 @@ def test_flex_document_mask_equals_per_document_sdpa():
     assert torch.isfinite(qg.grad).all()
 
 
+def test_flex_training_path_compiles_in_one_graph():
+    """compile.enable compiles each block with fullgraph: the CPU training path of document masking must trace
+    without a graph break (its one-time log line broke it)."""
+    import models.attention as attention_module
+
+    q, k, v = _qkv(S=64)
+    doc = _doc_ids(2, 64)
+    attention_module._warned_cpu_fallback = False  # the log line is due
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda q: attention(q, k, v, "flex", doc_ids=doc), fullgraph=True, backend="eager")
+    qg = q.clone().requires_grad_()
+    out = compiled(qg)
+    torch.testing.assert_close(out, _per_document_sdpa(q, k, v, doc), rtol=0, atol=1e-5)
+    out.sum().backward()
+    assert torch.isfinite(qg.grad).all()
+
+
 def test_sdpa_with_doc_ids_raises():
     q, k, v = _qkv(S=16)
     with pytest.raises(ValueError, match="flex"):
