@@ -974,18 +974,17 @@ def _check_split_backward(cfg: Config) -> None:
 
     p, ac = cfg.parallelism, cfg.activation_checkpoint
     field = "parallelism.pp_schedule_csv" if p.pp_schedule_csv else "parallelism.pp_schedule"
-    name = p.pp_schedule_csv or p.pp_schedule
+    head = f"{field}: {p.pp_schedule_csv or p.pp_schedule} splits the backward into input and weight passes"
     fix = "use GPipe, 1F1B, Interleaved1F1B or LoopedBFS, or turn"
     if cfg.compile.enable:  # a compiled block's backward donates its buffers: it may run once per forward
         raise ConfigError(
-            f"{field}: {name} splits the backward into input and weight passes, and a compiled block's backward "
-            f"(compile.enable) runs only once per forward; {fix} compile.enable off"
+            f"{head}, and a compiled block's backward (compile.enable) runs only once per forward; {fix} "
+            f"compile.enable off"
         )
     if ac.mode == "selective" and ac.selective_option == "op":  # the saved activations serve one backward
         raise ConfigError(
-            f"{field}: {name} splits the backward into input and weight passes, and per-op selective activation "
-            f"checkpointing keeps its saved activations for one backward pass only; {fix} "
-            f"activation_checkpoint.mode to full (recomputed in each pass) or none"
+            f"{head}, and per-op selective activation checkpointing keeps its saved activations for one backward "
+            f"pass only; {fix} activation_checkpoint.mode to full (recomputed in each pass) or none"
         )
     # Features whose autograd node takes weights directly: the weight pass goes through their Python function.
     custom_nodes = [(key, what) for key, on, what in (
@@ -995,8 +994,8 @@ def _check_split_backward(cfg: Config) -> None:
     if custom_nodes and not split_backward_takes_custom_functions():
         key, what = custom_nodes[0]
         raise ConfigError(
-            f"{field}: {name} splits the backward into input and weight passes, which torch {torch.__version__} "
-            f"cannot run through {what} ({key}; torch 2.13 can); {fix} {key} off"
+            f"{head}, which torch {torch.__version__} cannot run through {what} ({key}; torch 2.13 can); {fix} "
+            f"{key} off"
         )
 
 

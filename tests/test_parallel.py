@@ -30,6 +30,7 @@ PP_SCHEDULES = ["GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZer
 # torch 2.11's zero-bubble weight pass cannot go through the fused loss (validation refuses the pair there; see
 # test_split_backward_probe); on 2.13 the V schedules run it.
 ZB_FUSED = split_backward_takes_custom_functions()
+TORCH_RELEASE = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])  # (2, 13)
 
 
 def _pipelines(pp: int) -> dict:
@@ -248,10 +249,9 @@ def test_document_masking_matches_single_process(batches, reference, tmp_path):
 def test_split_backward_probe():
     """The probe behind the zero-bubble rule: torch 2.13 runs the weight pass through custom autograd functions,
     so CI keeps the zero-bubble fused-loss layouts; 2.11 cannot."""
-    release = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
-    if release >= (2, 13):
+    if TORCH_RELEASE >= (2, 13):
         assert split_backward_takes_custom_functions()
-    elif release == (2, 11):
+    elif TORCH_RELEASE == (2, 11):
         assert not split_backward_takes_custom_functions()
 
 
@@ -268,10 +268,10 @@ def test_schedule_table_matches_torch():
         assert issubclass(cls, PipelineScheduleMulti if is_multi_stage(name) else PipelineScheduleSingle), name
 
 
-def compiled_tp_collective(world_size: int, rank: int, cache_dir: str, tag: bool) -> dict:
+def compiled_tp_collective(world_size: int, rank: int, cache_dir: str) -> dict:
     """On an FSDP 2 x TP 2 mesh: the trainer's compiled loss over vocabulary-sharded logits (loss parallel: its
-    log-softmax reduces over TP), forward and backward, with the compiler's on-disk cache in ``cache_dir``
-    (``tag``: keyed as the trainer keys it). Returns rank 0's loss and how many compiled graphs it loaded from
+    log-softmax reduces over TP), forward and backward, with the compiler's on-disk cache in ``cache_dir`` keyed
+    as the trainer keys it. Returns rank 0's loss and how many compiled graphs it loaded from
     the cache."""
     import os
 
@@ -287,8 +287,7 @@ def compiled_tp_collective(world_size: int, rank: int, cache_dir: str, tag: bool
     dims = ParallelDims.from_config(parse_args(["--parallelism.dp_shard", "2", "--parallelism.tp", "2"]).parallelism,
                                     world_size)
     dims.build_mesh("cpu")
-    if tag:
-        tag_compile_caches(dims.group_names())
+    tag_compile_caches(dims.group_names())
     tp = dims.mesh("tp")
     vocab = torch.arange(8.0).repeat(2, 3, 1)  # [batch 2, seq 3, vocab 8], the same on every rank
     logits = DTensor.from_local(vocab.chunk(2, dim=-1)[tp.get_local_rank()], tp, [Shard(-1)]).requires_grad_()
@@ -307,9 +306,8 @@ def test_compiled_collectives_reload_from_a_cache_shared_by_other_tp_groups(tmp_
 
     cache = str(tmp_path / "cache")
     for run in ("first", "restart"):
-        result = run_jobs(4, compiled_tp_collective, {run: (cache, True)}, str(tmp_path / run))[run]
+        result = run_jobs(4, compiled_tp_collective, {run: (cache,)}, str(tmp_path / run))[run]
         # 6 tokens whose target is the largest of the logits 0..7: each loses log(sum(e^(k - 7)))
         assert result["loss"] == pytest.approx(6 * float(torch.logsumexp(torch.arange(8.0) - 7, 0)))
-    release = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
-    if release >= (2, 13):  # torch 2.11 does not cache graphs over DTensors at all (it cannot pickle them)
+    if TORCH_RELEASE >= (2, 13):  # torch 2.11 does not cache graphs over DTensors at all (it cannot pickle them)
         assert result["cache_hits"] > 0
