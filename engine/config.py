@@ -158,9 +158,9 @@ class Parallelism:
     """Pipeline-parallel degree: the layers are split into stages on pp ranks."""
     pp_schedule: str = "1F1B"
     """Pipeline schedule: GPipe, 1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble or
-    DualPipeV. The zero-bubble ones (the last three) split each backward into input and weight passes: they do
-    not run with compiled blocks or per-op selective AC (full AC recomputes each block in both passes), and
-    torch 2.11 cannot run them through float8 layers or the fused loss (2.13 can)."""
+    DualPipeV. The zero-bubble ones (the last three) split each backward into input and weight passes: they
+    take no compiled blocks, no activation checkpointing and no float8 layers (each would rerun its forward
+    or its whole backward per pass), and torch 2.11 cannot run them through the fused loss (2.13 can)."""
     pp_schedule_csv: str = ""
     """A CSV file with a custom schedule (torch.distributed.pipelining's format); overrides pp_schedule's
     actions (pp_schedule still names the stage placement)."""
@@ -967,7 +967,9 @@ def _validate_float8(cfg: Config, machine: Machine) -> None:
 
 def _check_split_backward(cfg: Config) -> None:
     """A zero-bubble schedule runs each stage's backward in two passes (input gradients, later the weights'),
-    both through the same autograd graph. Features that cannot run their part of that graph twice are refused."""
+    both through the same autograd graph, the weight pass as one ``autograd.grad`` call per group of weights.
+    Features that cannot run their part of that graph again, or would redo their whole backward in each call
+    (measured on 2 CPU ranks, ZBVZeroBubble, debug model), are refused."""
     import torch
 
     from parallelize.pipeline import split_backward_takes_custom_functions
@@ -975,27 +977,34 @@ def _check_split_backward(cfg: Config) -> None:
     p, ac = cfg.parallelism, cfg.activation_checkpoint
     field = "parallelism.pp_schedule_csv" if p.pp_schedule_csv else "parallelism.pp_schedule"
     head = f"{field}: {p.pp_schedule_csv or p.pp_schedule} splits the backward into input and weight passes"
-    fix = "use GPipe, 1F1B, Interleaved1F1B or LoopedBFS, or turn"
+    fix = "use GPipe, 1F1B, Interleaved1F1B or LoopedBFS, or"
     if cfg.compile.enable:  # a compiled block's backward donates its buffers: it may run once per forward
         raise ConfigError(
-            f"{head}, and a compiled block's backward (compile.enable) runs only once per forward; {fix} "
+            f"{head}, and a compiled block's backward (compile.enable) runs only once per forward; {fix} turn "
             f"compile.enable off"
         )
     if ac.mode == "selective" and ac.selective_option == "op":  # the saved activations serve one backward
         raise ConfigError(
             f"{head}, and per-op selective activation checkpointing keeps its saved activations for one backward "
-            f"pass only; {fix} activation_checkpoint.mode to full (recomputed in each pass) or none"
+            f"pass only; {fix} set activation_checkpoint.mode to none"
         )
-    # Features whose autograd node takes weights directly: the weight pass goes through their Python function.
-    custom_nodes = [(key, what) for key, on, what in (
-        ("training.loss_chunk_tokens", cfg.training.loss_chunk_tokens, "the fused output loss"),
-        ("float8.enable", cfg.float8.enable, "float8 linear layers"),
-    ) if on]
-    if custom_nodes and not split_backward_takes_custom_functions():
-        key, what = custom_nodes[0]
+    if ac.mode != "none":  # each autograd.grad call is a new graph task: checkpoint recomputes per task
         raise ConfigError(
-            f"{head}, which torch {torch.__version__} cannot run through {what} ({key}; torch 2.13 can); {fix} "
-            f"{key} off"
+            f"{head}, and activation checkpointing ({ac.mode}) recomputes a block's forward for the input pass "
+            f"and again for each weight group of the weight pass (10x the forwards); {fix} set "
+            f"activation_checkpoint.mode to none"
+        )
+    if cfg.float8.enable:  # torchao's float8 matmul is one autograd node: both its gradients, in each pass
+        raise ConfigError(
+            f"{head}, but float8 linear layers (float8.enable) compute both gradients in each pass (twice the "
+            f"backward matmuls, so the split saves nothing); {fix} turn float8.enable off"
+        )
+    # The fused loss's node takes the output weight directly: the weight pass goes through its Python function
+    # (its backward only scales the gradients its forward computed, so running it twice costs nothing).
+    if cfg.training.loss_chunk_tokens and not split_backward_takes_custom_functions():
+        raise ConfigError(
+            f"{head}, which torch {torch.__version__} cannot run through the fused output loss "
+            f"(training.loss_chunk_tokens; torch 2.13 can); {fix} set training.loss_chunk_tokens to 0"
         )
 
 

@@ -49,9 +49,6 @@ LAYOUTS = {
         # failed there: parallelize.compile.wait_before_compiled_blocks).
         "tp2_compile": _layout(8, "--parallelism.tp", "2", "--compile.enable"),
         **_pipelines(2),
-        # Full AC under a split backward: each block is recomputed in the input pass and again in the weight pass.
-        "pp2_ZBVZeroBubble_ac_full": _layout(8, "--parallelism.pp", "2", "--parallelism.pp_schedule", "ZBVZeroBubble",
-                                             "--activation_checkpoint.mode", "full"),
         "pp2_csv": _layout(8, "--parallelism.pp", "2", "--parallelism.pp_schedule", "Interleaved1F1B",
                            "--parallelism.pp_schedule_csv", "tests/data/pp2_looped_bfs.csv"),
         "cp2": _layout(8, "--parallelism.cp", "2"),
