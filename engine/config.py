@@ -165,7 +165,10 @@ class Parallelism:
     """A CSV file with a custom schedule (torch.distributed.pipelining's format); overrides pp_schedule's
     actions (pp_schedule still names the stage placement)."""
     pp_microbatches: int = -1
-    """Microbatches each local batch is split into for the pipeline; -1 = the number of stages."""
+    """Microbatches each local batch is split into for the pipeline; -1 = the number of stages. With gradient
+    accumulation one schedule step runs the microbatches of all the step's local batches (pp_microbatches x
+    accumulation steps), so the pipeline fills and drains once per optimizer step (GPipe then holds the
+    activations of all of them at once; the 1F1B family at most a few per stage)."""
     pp_virtual_stages: int = 2
     """Stages per pp rank for the looped schedules (Interleaved1F1B, LoopedBFS, InterleavedZeroBubble);
     the V schedules always use 2, the others 1."""
@@ -1047,11 +1050,13 @@ def _validate_pipeline(cfg: Config, dims, args) -> None:
             f"parallelism.pp_microbatches: DualPipeV needs at least as many microbatches as stages ({stages} on "
             f"pp = {dims.pp}), got {micro}"
         )
-    if p.pp_schedule_csv:
+    t = cfg.training
+    if p.pp_schedule_csv and (t.global_batch_size == -1 or t.global_batch_size % (t.local_batch_size * dims.dp) == 0):
         from parallelize.pipeline import check_schedule_csv
 
+        accum = grad_accumulation_steps(cfg, dims.dp)  # one schedule step takes every accumulation batch
         try:
-            check_schedule_csv(p.pp_schedule_csv, dims.pp, p.pp_schedule, p.pp_virtual_stages, micro)
+            check_schedule_csv(p.pp_schedule_csv, dims.pp, p.pp_schedule, p.pp_virtual_stages, micro, accum)
         except ValueError as e:
             raise ConfigError(str(e)) from None
     if cfg.training.local_batch_size % micro:

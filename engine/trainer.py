@@ -36,7 +36,7 @@ from models.loss import IGNORE_INDEX, cross_entropy_sum
 from parallelize import pipeline
 from parallelize.compile import compile_loss, tag_compile_caches
 from parallelize.context import shard_sequence
-from parallelize.data import gradient_divide_factor
+from parallelize.data import gradient_divide_factor, set_replica_all_reduce
 from parallelize.float8 import float8_after_optimizer_step
 from parallelize.init import materialize
 from parallelize.mesh import ParallelDims
@@ -281,8 +281,9 @@ class Trainer:
         stages = pipeline.build_stages(
             self.model_parts, self.pp_stage_ids, self.pp_stage_count, self.dims.group("pp"), self.device
         )
-        return pipeline.build_schedule(stages, p.pp_schedule, pp_microbatches(self.cfg, self.dims), loss_fn,
-                                       p.pp_schedule_csv)
+        # One schedule step per optimizer step: every gradient-accumulation batch's microbatches go through it.
+        return pipeline.build_schedule(stages, p.pp_schedule, pp_microbatches(self.cfg, self.dims) * self.grad_accum,
+                                       loss_fn, p.pp_schedule_csv)
 
     def _to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         non_blocking = self.device.type == "cuda"
@@ -313,13 +314,17 @@ class Trainer:
         microbatches = [self._shard_context({k: v for k, v in mb.items() if k != "sample_ids"})
                         for mb in microbatches]
         num_targets = self._global_num_targets(microbatches)
-        total_loss = torch.zeros((), device=self.device)
         if self.dims.pp_enabled:
+            # The gradient-accumulation batches go through the pipeline as one batch, in one schedule step of
+            # pp_microbatches x accumulation microbatches: the pipeline fills and drains once per optimizer step
+            # (not once per batch), and FSDP/HSDP reduce each stage's gradients once, at the step's end.
             self._num_targets = num_targets
-            for mb in microbatches:
-                total_loss += self._pipeline_step(self._to_device(mb))
-            return total_loss
-        for mb in microbatches:
+            batch = {k: torch.cat([mb[k] for mb in microbatches]) for k in microbatches[0]}
+            return self._pipeline_step(self._to_device(batch))
+        total_loss = torch.zeros((), device=self.device)
+        for i, mb in enumerate(microbatches):
+            if self.dims.dp_replicate > 1 and len(microbatches) > 1:  # HSDP/DDP: all-reduced in the last backward
+                set_replica_all_reduce(self.model_parts, i == len(microbatches) - 1)
             mb = self._to_device(mb)
             with self.autocast():
                 out = self._forward(mb)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -58,6 +58,17 @@ def apply_fsdp(
         offload_policy=offload,
         reshard_after_forward=reshard_after_forward == "always",
     )
+
+
+def set_replica_all_reduce(parts: list[nn.Module], enabled: bool) -> None:
+    """Whether the next backward all-reduces gradients over dp_replicate (HSDP, DDP). Off for all but the last
+    of a step's gradient-accumulation microbatches: each backward still reduce-scatters over the shard group
+    (gradients stay sharded, no memory is added) and FSDP sums the partial results, which the last backward
+    all-reduces once. So the replicas, often on other nodes, exchange the gradients once per optimizer step
+    rather than once per microbatch, with the same result. Without dp_replicate this changes nothing."""
+    for part in parts:
+        if isinstance(part, FSDPModule):
+            part.set_requires_all_reduce(enabled)
 
 
 def gradient_divide_factor(mesh) -> int:

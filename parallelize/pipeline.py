@@ -105,10 +105,12 @@ def stage_ids(pp_rank: int, pp: int, schedule: str, virtual_stages: int, csv: st
     return [pp_rank + i * pp for i in range(virtual_stages)]
 
 
-def check_schedule_csv(csv: str, pp: int, schedule: str, virtual_stages: int, n_microbatches: int) -> None:
+def check_schedule_csv(csv: str, pp: int, schedule: str, virtual_stages: int, microbatches: int,
+                       accumulation: int = 1) -> None:
     """Raise ``ValueError`` (naming parallelism.pp_schedule_csv) when the CSV schedule does not fit the layout
     Tessera builds: one row per pp rank, each row running only the stages its rank holds (``stage_ids``: the
-    placement of ``schedule`` with ``virtual_stages``), every stage running a forward of every microbatch.
+    placement of ``schedule`` with ``virtual_stages``), every stage running a forward of every microbatch of the
+    step (``microbatches`` per local batch, for each of ``accumulation`` gradient-accumulation batches).
     torch checks none of this before the model is built, and some of it never (a rank that meets an action
     for a stage it does not hold fails mid-step)."""
     import csv as csv_module
@@ -140,12 +142,15 @@ def check_schedule_csv(csv: str, pp: int, schedule: str, virtual_stages: int, n_
                 )
             if action.computation_type == _ComputationType.FORWARD:
                 forwards[action.stage_index].add(action.microbatch_index)
+    n_microbatches = microbatches * accumulation
     expected = set(range(n_microbatches))
+    count = (f"{n_microbatches} (parallelism.pp_microbatches = {microbatches} x {accumulation} gradient "
+             "accumulation batches)" if accumulation > 1 else f"{n_microbatches} (parallelism.pp_microbatches)")
     for stage, seen in forwards.items():
         if seen != expected:
             raise ValueError(
-                f"{field}: stage {stage} runs forwards of microbatches {sorted(seen)}, but the step has "
-                f"{n_microbatches} (parallelism.pp_microbatches); make them agree"
+                f"{field}: stage {stage} runs forwards of microbatches {sorted(seen)}, but the step has {count}; "
+                "make them agree"
             )
 
 

@@ -15,6 +15,7 @@ import contextlib
 import io
 import os
 import socket
+import sys
 import traceback
 from typing import Optional
 
@@ -91,7 +92,23 @@ def run_layout(args: list[str], world_size: int, rank: int, batches, dump: str) 
                 for name, g in theirs.items():
                     grads.setdefault(name, g)
 
+    # HSDP/DDP: FSDP's all-reduces of gradients over dp_replicate, counted per step (the engine defers them to
+    # a step's last gradient-accumulation microbatch: parallelize.data.set_replica_all_reduce).
+    import torch.distributed as dist
+
+    replica_all_reduces, all_reduce = [], dist.all_reduce
+    replicate = trainer.dims.group("dp_replicate") if trainer.dims.dp_replicate > 1 else None
+
+    def counting_all_reduce(tensor, *a, group=None, **k):
+        caller = sys._getframe(1).f_globals.get("__name__", "")  # FSDP's, not the loss's over the same ranks
+        if replicate is not None and caller.startswith("torch.distributed.fsdp") and group is not None \
+                and group.group_name == replicate.group_name:
+            replica_all_reduces[-1] += 1
+        return all_reduce(tensor, *a, group=group, **k)
+
+    dist.all_reduce = counting_all_reduce
     for step, batch in enumerate(batches):
+        replica_all_reduces.append(0)
         rows = batch["input_ids"].shape[0]
         assert rows == local * dp * accum, (rows, local, dp, accum)
         # Microbatch k of dp rank r: rows [(k * dp + r) * local, ... + local).
@@ -102,10 +119,19 @@ def run_layout(args: list[str], world_size: int, rank: int, batches, dump: str) 
         loss, norm = trainer.train_step(micro, after_clip=record_grads if step == 0 else None)
         losses.append(float(loss))
         norms.append(float(norm))
+    dist.all_reduce = all_reduce
     trainer.metrics.close()
     if rank != 0:
         return None
-    return {"losses": losses, "grad_norms": norms, "grads": grads, "built": built_features(trainer)}
+    built = {**built_features(trainer), "replica_all_reduces": replica_all_reduces}
+    return {"losses": losses, "grad_norms": norms, "grads": grads, "built": built}
+
+
+def _holds_own_parameters(module, unit_type) -> bool:
+    """Whether ``module`` holds parameters outside its submodules of ``unit_type`` (a pipeline stage's root
+    unit holds none when the embedding, the final norm and the output are on other stages)."""
+    inner = {id(p) for m in module.modules() if m is not module and isinstance(m, unit_type) for p in m.parameters()}
+    return any(id(p) not in inner for p in module.parameters())
 
 
 def built_features(trainer) -> dict:
@@ -116,9 +142,13 @@ def built_features(trainer) -> dict:
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
     from torch.distributed.tensor import DTensor
 
+    from torch.distributed.fsdp import FSDPModule
+
     blocks = [b for part in trainer.model_parts for b in part.layers.values()]
     modules = [m for part in trainer.model_parts for m in part.modules()]
     return {
+        # fully_shard units holding parameters of their own: each reduces their gradients in one collective
+        "fsdp_units": sum(isinstance(m, FSDPModule) and _holds_own_parameters(m, FSDPModule) for m in modules),
         "blocks": len(blocks),
         "checkpointed": sum(isinstance(b, CheckpointWrapper) for b in blocks),
         "op_matmuls": sorted({b.op_matmuls for b in blocks if hasattr(b, "op_matmuls")}),

@@ -41,6 +41,9 @@ def _pipelines(pp: int) -> dict:
 LAYOUTS = {
     2: {
         "ddp2": _layout(4, "--parallelism.dp_replicate", "2", "--parallelism.dp_shard", "1"),
+        # Gradient accumulation under DDP: the gradients are all-reduced once, in the last microbatch's backward.
+        "ddp2_accum2": _layout(2, "--parallelism.dp_replicate", "2", "--parallelism.dp_shard", "1",
+                              "--training.global_batch_size", "8"),
         "tp2": _layout(8, "--parallelism.tp", "2"),
         "tp2_no_loss_parallel": _layout(8, "--parallelism.tp", "2", "--parallelism.disable_loss_parallel"),
         "fsdp2_compile_ac_op": _layout(4, "--parallelism.dp_shard", "2", "--compile.enable",
@@ -72,6 +75,10 @@ LAYOUTS = {
     4: {
         "fsdp4": _layout(2, "--parallelism.dp_shard", "4"),
         "hsdp2x2": _layout(2, "--parallelism.dp_replicate", "2", "--parallelism.dp_shard", "2"),
+        "hsdp2x2_accum2": _layout(1, "--parallelism.dp_replicate", "2", "--parallelism.dp_shard", "2",
+                                  "--training.global_batch_size", "8"),
+        "pp2_ddp2_accum2": _layout(2, "--parallelism.pp", "2", "--parallelism.dp_replicate", "2",
+                                   "--parallelism.dp_shard", "1", "--training.global_batch_size", "8"),
         "tp4": _layout(8, "--parallelism.tp", "4"),
         "fsdp2_tp2": _layout(4, *FSDP2_TP2),
         "ddp2_tp2": _layout(4, "--parallelism.dp_replicate", "2", "--parallelism.dp_shard", "1",
@@ -193,6 +200,8 @@ def _check_built(args: list[str], built: dict) -> None:
     alternate = "--activation_checkpoint.op_matmuls alternate" in a
     assert built["op_matmuls"] == (["alternate" if alternate else "all"] if per_op else []), built
     assert built["compiled"] == (blocks if "--compile.enable" in a else 0), built
+    if "--parallelism.dp_replicate 2" in a:  # HSDP/DDP: the replicas all-reduce once per step, whatever the
+        assert built["replica_all_reduces"] == [built["fsdp_units"]] * STEPS, built  # gradient accumulation
     if "--parallelism.pp_schedule_csv" in a:
         assert built["schedule"] == "_PipelineScheduleRuntime", built
     elif "--parallelism.pp " in a:

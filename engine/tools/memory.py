@@ -60,7 +60,9 @@ weight's gradient (V d, in the weight's dtype) instead, with V / t under TP (eac
 A block's backward adds about (3 c f / t + c d + 2 r d / t) T bytes of gradients in flight; a checkpointed
 block is first recomputed (its "none" bytes, less what it kept).
 
-Pipeline parallelism multiplies the saved bytes by the microbatches in flight on this rank: GPipe all m;
+Pipeline parallelism multiplies the saved bytes by the microbatches in flight on this rank, where m counts
+the microbatches of the whole optimizer step (pp_microbatches x gradient accumulation: one schedule step runs
+them all): GPipe all m;
 1F1B min(m, pp - pp_rank); Interleaved1F1B/InterleavedZeroBubble min(m v, (v - 1) pp + 2 (pp - 1 - pp_rank) + 1)
 stage-chunks; LoopedBFS m v; the V schedules 2 pp chunks (an approximation); a CSV schedule m v. Gradient
 accumulation (and pipeline microbatches without FSDP) keeps the gradients alive during later forwards.
@@ -276,7 +278,8 @@ class RankLayout:
     pp_rank: int
     pp_schedule: str
     microbatches: int
-    """Pipeline microbatches per local batch (1 without PP)."""
+    """Pipeline microbatches of one schedule step: per local batch x gradient accumulation steps, as the trainer
+    runs the whole optimizer step in one schedule step (1 without PP)."""
     virtual_stages: int
     """Stages this pp rank runs."""
     fsdp: bool
@@ -319,7 +322,7 @@ def rank_layout(cfg, dims, pp_rank: int) -> RankLayout:
         pp=dims.pp,
         pp_rank=pp_rank,
         pp_schedule="csv" if p.pp_schedule_csv else p.pp_schedule,
-        microbatches=micro,
+        microbatches=micro * grad_accumulation_steps(cfg, dims.dp) if dims.pp > 1 else 1,
         virtual_stages=local_stages,
         fsdp=dims.data_parallel,
         reshard_after_forward=p.fsdp_reshard_after_forward,

@@ -19,7 +19,8 @@ are ranked by the step time of this cost model (per GPU, per optimizer step):
                 full AC 1/3 (the forward again), selective op 0.07 (the anchor's measured no-AC/op-AC ratio);
                 MFU: --mfu (default 0.40: 43.5% was measured for 8B_L8 bf16 eager with op AC on one H100, see
                 ../shared/bench/anchor; multi-GPU runs rarely do better); peak: --peak-tflops (989, H100 bf16)
-    bubble    = compute x (pp - 1) / (microbatches x stages per rank)      pipeline fill and drain
+    bubble    = compute x (pp - 1) / (microbatches x accumulation x stages per rank)   pipeline fill and
+                drain, once per optimizer step (one schedule step runs every accumulation batch)
     tp        = per block and pass, 4 all-gathers/reduce-scatters of the T x d activations forward and 4 in
                 backward (and the forward's 4 again with full AC): (tp - 1) / tp x T d x 2 bytes each; on the
                 critical path
@@ -30,11 +31,11 @@ are ranked by the step time of this cost model (per GPU, per optimizer step):
     fsdp      = (n - 1) / n x params after TP x (2 per all-gather + 4 per reduce-scatter) bytes, n = dp_shard x cp:
                 per pass a bf16 all-gather of the stage's parameters forward and one again in backward (forward
                 only with fsdp_reshard_after_forward = never), and per gradient-accumulation step one fp32
-                reduce-scatter of their gradients. Under PP a pipeline step() keeps its stage gathered over all
-                its microbatches and reduces at its end: one all-gather and one reduce-scatter per
-                accumulation step (unless reshard "always": the forward's gathers return)
-    replicate = HSDP/DDP: all-reduce of the gradient shards over dp_replicate, once per gradient-accumulation
-                step: 2 (r - 1) / r x 4 bytes each
+                reduce-scatter of their gradients. Under PP the one schedule step of an optimizer step keeps
+                its stage gathered over all its microbatches and reduces at its end: one all-gather and one
+                reduce-scatter per step (unless reshard "always": the forward's gathers return)
+    replicate = HSDP/DDP: all-reduce of the gradient shards over dp_replicate, once per optimizer step (the
+                accumulation batches before the last only reduce-scatter): 2 (r - 1) / r x 4 bytes
     step      = compute + bubble + tp + cp + pp p2p + max(0, fsdp + replicate - overlap x compute)
 FSDP and replicate traffic is prefetched and overlaps the compute (``--dp-overlap``, default 0.8 of it);
 TP, CP and PP transfers are waited on. Each transfer takes volume / bandwidth, where the bandwidth is
@@ -214,7 +215,7 @@ def step_cost(cfg, dims, shape: memory.ModelShape, flops_per_token: float, rows:
     links: dict[str, str] = {}
     compute = flops_per_token * tokens_step / gpus * (1 + RECOMPUTE[ac]) / (model.peak_tflops * 1e12 * model.mfu)
     costs["compute"] = compute
-    costs["bubble"] = compute * (dims.pp - 1) / (micro * local_stages) if dims.pp > 1 else 0.0
+    costs["bubble"] = compute * (dims.pp - 1) / (micro * ga * local_stages) if dims.pp > 1 else 0.0
 
     tp, cp = dims.tp, dims.cp
     if tp > 1:
@@ -236,16 +237,16 @@ def step_cost(cfg, dims, shape: memory.ModelShape, flops_per_token: float, rows:
     if n > 1:
         policy = cfg.parallelism.fsdp_reshard_after_forward
         if dims.pp > 1:  # a pipeline step() keeps its stage gathered after each backward
-            gathers = passes if policy == "always" else ga  # "always": gathered again for each backward
+            gathers = passes if policy == "always" else 1  # "always": gathered again for each backward
         else:
             gathers = passes if policy == "never" else 2 * passes
-        volume = (n - 1) / n * held.tp * (2 * gathers + 4 * ga)
+        reduce_scatters = 1 if dims.pp > 1 else ga
+        volume = (n - 1) / n * held.tp * (2 * gathers + 4 * reduce_scatters)
         bw, links["dp"] = bandwidth(tp, n)
         dp_time += volume / bw
     r = dims.dp_replicate
     if r > 1:
-        reduces = ga  # one reduce per pipeline step() call too (torch reduces at the end of each)
-        volume = 2 * (r - 1) / r * held.local * 4 * reduces
+        volume = 2 * (r - 1) / r * held.local * 4  # once per step: the trainer defers it to the last backward
         bw, link = bandwidth(tp * n, r)
         links["dp"] = link if links.get("dp", "NVLink") == "NVLink" else links["dp"]
         dp_time += volume / bw
