@@ -498,6 +498,7 @@ class Checkpointer:
                 "layout": t.dims.describe(),
                 "dp": t.dp_size,
                 "num_shards": t.dataloader.num_shards,
+                "tokenizer": os.path.abspath(t.tokenizer.path),  # what convert_hf to-hf copies by default
                 "lr_scheduler": t.lr_scheduler.state_dict(),
             })
         if model_only:

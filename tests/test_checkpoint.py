@@ -570,6 +570,35 @@ def test_hf_export_and_import_start_a_run_from_the_same_weights(reference, tmp_p
     assert metrics(tmp_path / "from_hf")[1]["loss"] < metrics(reference)[1]["loss"] - 1  # trained weights
 
 
+def test_to_hf_copies_the_runs_tokenizer_unless_told_otherwise(reference, tmp_path, capsys):
+    """Each checkpoint records the tokenizer its run trained with (from-hf: the Hugging Face folder's), and
+    to-hf copies it, with its BOS/EOS ids in config.json, so that the folder is ready for transformers; a
+    tokenizer that is gone, or --no-tokenizer, leaves it out with a note."""
+    from engine.data.tokenizer import BUILTIN_TOKENIZER, Tokenizer
+    from engine.tools.convert_hf import from_hf, main as convert
+
+    step = reference / "checkpoint" / "step-000020"
+    assert json.loads((step / "train_state.json").read_text())["tokenizer"] == os.path.abspath(BUILTIN_TOKENIZER)
+
+    def to_hf(source: Path, name: str, *extra: str) -> tuple[set[str], str]:
+        assert convert(["to-hf", str(source), str(tmp_path / name), *extra]) == 0
+        return set(os.listdir(tmp_path / name)), capsys.readouterr().out.strip()
+
+    files, said = to_hf(step, "hf")
+    assert "tokenizer.json" in files and said.endswith(f"tokenizer: the run's {os.path.abspath(BUILTIN_TOKENIZER)}")
+    assert (tmp_path / "hf" / "tokenizer.json").read_bytes() == Path(BUILTIN_TOKENIZER).read_bytes()
+    config, tokenizer = json.loads((tmp_path / "hf" / "config.json").read_text()), Tokenizer(BUILTIN_TOKENIZER)
+    assert (config["bos_token_id"], config["eos_token_id"]) == (tokenizer.bos_id, tokenizer.eos_id)
+    assert "tokenizer.json" not in to_hf(step, "none", "--no-tokenizer")[0]
+
+    from_hf(str(tmp_path / "hf"), str(tmp_path / "back"), "debugmodel")  # records hf/tokenizer.json
+    capsys.readouterr()
+    assert "tokenizer.json" in to_hf(tmp_path / "back", "again")[0]
+    (tmp_path / "hf" / "tokenizer.json").unlink()
+    files, said = to_hf(tmp_path / "back", "gone")
+    assert "tokenizer.json" not in files and said.endswith("is gone (give --tokenizer FILE)"), said
+
+
 def test_last_save_hf_writes_the_final_model_for_transformers(tmp_path):
     from engine.hf import load_hf, model_args_for
     from tests.test_hf import load_in_transformers

@@ -1,11 +1,12 @@
 """Convert between Tessera checkpoints and Hugging Face folders (safetensors + config.json).
 
-    python -m engine.tools.convert_hf to-hf   CHECKPOINT_STEP_FOLDER OUT_FOLDER [--dtype bfloat16] [--tokenizer FILE]
+    python -m engine.tools.convert_hf to-hf   CHECKPOINT_STEP_FOLDER OUT_FOLDER [--dtype bfloat16]
+                                              [--tokenizer FILE | --no-tokenizer]
     python -m engine.tools.convert_hf from-hf HF_FOLDER OUT_STEP_FOLDER --flavor FLAVOR [--model llama3]
 
 to-hf reads the model of a Tessera step folder (any layout it was saved on; the model name, flavor and
 vocabulary come from the checkpoint) and writes a folder that transformers' LlamaForCausalLM.from_pretrained
-loads. from-hf writes a model-only Tessera step folder for checkpoint.initial_load_path (which also takes a
+loads, with the run's tokenizer.json (recorded in the checkpoint) unless told otherwise. from-hf writes a model-only Tessera step folder for checkpoint.initial_load_path (which also takes a
 Hugging Face folder directly). One process, CPU; the whole model is held in memory once.
 """
 
@@ -18,9 +19,29 @@ from engine.hf import EXPORT_DTYPES, export_checkpoint_hf
 from engine.tools import ArgumentParser
 
 
-def to_hf(step_folder: str, out: str, dtype: str = "bfloat16", tokenizer: str = "") -> None:
+def recorded_tokenizer(step_folder: str) -> tuple[str, str]:
+    """(the tokenizer.json the checkpoint's run trained with, or "", what to tell the user about it)."""
+    from engine.checkpoint import inspect_checkpoint
+
+    path = inspect_checkpoint(step_folder, "checkpoint").train_state.get("tokenizer")
+    if not isinstance(path, str) or not path:
+        return "", "no tokenizer copied: the checkpoint does not name its run's (give --tokenizer FILE)"
+    if not os.path.isfile(path):
+        return "", f"no tokenizer copied: the run's {path} is gone (give --tokenizer FILE)"
+    return path, f"tokenizer: the run's {path}"
+
+
+def to_hf(step_folder: str, out: str, dtype: str = "bfloat16", tokenizer: str = "", copy_tokenizer: bool = True) -> None:
+    """``tokenizer``: a tokenizer.json to copy in; by default (with ``copy_tokenizer``) the one the run trained
+    with, as the checkpoint records it, when it is still there."""
+    if tokenizer:
+        told = f"tokenizer: {tokenizer}"
+    elif copy_tokenizer:
+        tokenizer, told = recorded_tokenizer(step_folder)
+    else:
+        told = "no tokenizer copied (--no-tokenizer)"
     what = export_checkpoint_hf(step_folder, out, EXPORT_DTYPES[dtype], tokenizer or None, field="out")
-    print(f"wrote {out} ({what}, {dtype})")
+    print(f"wrote {out} ({what}, {dtype}); {told}")
 
 
 def from_hf(hf_folder: str, out: str, flavor: str, model_name: str = "llama3") -> None:
@@ -37,10 +58,12 @@ def from_hf(hf_folder: str, out: str, flavor: str, model_name: str = "llama3") -
         raise ValueError(f"hf_folder: {hf_folder}/config.json has no positive integer vocab_size")
     args = model_args_for(model_name, flavor, vocab, field="--flavor")
     state = {f"model.{k}": v for k, v in load_hf(hf_folder, args, flavor=flavor, field="hf_folder").items()}
+    tokenizer = os.path.join(hf_folder, "tokenizer.json")
     dcp.save(state, checkpoint_id=out, no_dist=True)
     write_json(os.path.join(out, TRAIN_STATE_FILE), {
         "format": FORMAT_VERSION, "step": 0, "model_only": True, "model": model_name, "flavor": flavor,
         "dtype": "float32", "world_size": 1, "layout": "converted from Hugging Face", "source": hf_folder,
+        **({"tokenizer": os.path.abspath(tokenizer)} if os.path.isfile(tokenizer) else {}),
     })
     write_commit_marker(out, 0)
     print(f"wrote {out} ({model_name}/{flavor}, model only, float32)")
@@ -54,7 +77,10 @@ def main(argv: list[str] | None = None) -> int:
     a.add_argument("out", help="the Hugging Face folder to write (new or empty)")
     a.add_argument("--dtype", choices=list(EXPORT_DTYPES), default="bfloat16",
                    help="the weights' dtype in model.safetensors (default: bfloat16)")
-    a.add_argument("--tokenizer", default="", help="a tokenizer.json to copy into the folder (default: none)")
+    tok = a.add_mutually_exclusive_group()
+    tok.add_argument("--tokenizer", default="", help="a tokenizer.json to copy into the folder (default: the one "
+                     "the run trained with, which the checkpoint records, when the file is still there)")
+    tok.add_argument("--no-tokenizer", action="store_true", help="copy no tokenizer")
     b = sub.add_parser("from-hf", help="Hugging Face folder -> Tessera model-only step folder")
     b.add_argument("hf_folder", help="a folder with config.json and *.safetensors (e.g. Llama-3.1-8B)")
     b.add_argument("out", help="the step folder to write (new or empty), for checkpoint.initial_load_path")
@@ -63,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     ns = parser.parse_args(argv)
     try:
         if ns.direction == "to-hf":
-            to_hf(ns.checkpoint, ns.out, ns.dtype, ns.tokenizer)
+            to_hf(ns.checkpoint, ns.out, ns.dtype, ns.tokenizer, copy_tokenizer=not ns.no_tokenizer)
         else:
             from_hf(ns.hf_folder, ns.out, ns.flavor, ns.model)
     except (ValueError, OSError, KeyError) as e:
