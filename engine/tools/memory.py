@@ -660,10 +660,13 @@ def describe_layout(cfg, dims) -> str:
     ac_text = ac.mode if ac.mode != "selective" else f"selective ({ac.selective_option})"
     if ac.mode == "selective" and ac.selective_option == "op" and ac.op_matmuls != "all":
         ac_text = f"selective (op, {ac.op_matmuls} matmuls)"
+    accum = grad_accumulation_steps(cfg, dims.dp)
     text = (f"compute {pr.name}; activation checkpointing {ac_text}; seq_len {t.seq_len}, local batch "
-            f"{t.local_batch_size}, grad accumulation {grad_accumulation_steps(cfg, dims.dp)}")
+            f"{t.local_batch_size}, grad accumulation {accum}")
     if dims.pp > 1:
-        text += f"; pipeline {cfg.parallelism.pp_schedule}, {pp_microbatches(cfg, dims)} microbatches"
+        micro = pp_microbatches(cfg, dims)
+        per_step = f" per local batch, {micro * accum} per schedule step" if accum > 1 else ""
+        text += f"; pipeline {cfg.parallelism.pp_schedule}, {micro} microbatches{per_step}"
     return text
 
 
