@@ -1051,7 +1051,8 @@ def _validate_pipeline(cfg: Config, dims, args) -> None:
             f"pp = {dims.pp}), got {micro}"
         )
     t = cfg.training
-    if p.pp_schedule_csv and (t.global_batch_size == -1 or t.global_batch_size % (t.local_batch_size * dims.dp) == 0):
+    batch_divides = t.global_batch_size == -1 or t.global_batch_size % (t.local_batch_size * dims.dp) == 0
+    if p.pp_schedule_csv and batch_divides:  # (else validate() names training.global_batch_size next)
         from parallelize.pipeline import check_schedule_csv
 
         accum = grad_accumulation_steps(cfg, dims.dp)  # one schedule step takes every accumulation batch

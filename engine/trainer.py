@@ -282,8 +282,8 @@ class Trainer:
             self.model_parts, self.pp_stage_ids, self.pp_stage_count, self.dims.group("pp"), self.device
         )
         # One schedule step per optimizer step: every gradient-accumulation batch's microbatches go through it.
-        return pipeline.build_schedule(stages, p.pp_schedule, pp_microbatches(self.cfg, self.dims) * self.grad_accum,
-                                       loss_fn, p.pp_schedule_csv)
+        n_microbatches = pp_microbatches(self.cfg, self.dims) * self.grad_accum
+        return pipeline.build_schedule(stages, p.pp_schedule, n_microbatches, loss_fn, p.pp_schedule_csv)
 
     def _to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         non_blocking = self.device.type == "cuda"

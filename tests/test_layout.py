@@ -87,8 +87,9 @@ def test_zero_bubble_refuses_what_cannot_run_twice(tmp_path, capsys, monkeypatch
 
 
 def test_schedule_csv_that_does_not_fit_the_layout_is_one_error_line(tmp_path, capsys, monkeypatch):
-    """The CSV schedule is checked against the stages each rank holds and the microbatch count before anything
-    is built: torch would find a mismatch only in the first step, or fail with an assertion."""
+    """The CSV schedule is checked against the stages each rank holds and the microbatch count (of the whole
+    step, with gradient accumulation) before anything is built: torch would find a mismatch only in the first
+    step, or fail with an assertion."""
     monkeypatch.setenv("WORLD_SIZE", "2")
     looped = open(os.path.join(ROOT, "tests", "data", "pp2_looped_bfs.csv")).read()
     cases = {
@@ -98,6 +99,9 @@ def test_schedule_csv_that_does_not_fit_the_layout_is_one_error_line(tmp_path, c
         "microbatches": (looped, ["--parallelism.pp_microbatches", "2"], "stage 0 runs forwards of microbatches "
                          "[0, 1, 2, 3], but the step has 2"),
         "bad_action": (looped.replace("0F1", "0Q1"), [], "row 0: "),
+        # One schedule step runs every gradient-accumulation batch: the CSV must list all their microbatches.
+        "accumulation": (looped, ["--training.local_batch_size", "4", "--training.global_batch_size", "8"],
+                         "but the step has 8 (parallelism.pp_microbatches = 4 x 2 gradient accumulation batches)"),
     }
     for name, (text, extra, message) in cases.items():
         path = tmp_path / f"{name}.csv"

@@ -6,8 +6,9 @@
 
 to-hf reads the model of a Tessera step folder (any layout it was saved on; the model name, flavor and
 vocabulary come from the checkpoint) and writes a folder that transformers' LlamaForCausalLM.from_pretrained
-loads, with the run's tokenizer.json (recorded in the checkpoint) unless told otherwise. from-hf writes a model-only Tessera step folder for checkpoint.initial_load_path (which also takes a
-Hugging Face folder directly). One process, CPU; the whole model is held in memory once.
+loads, with the run's tokenizer.json (recorded in the checkpoint) unless told otherwise. from-hf writes a
+model-only Tessera step folder for checkpoint.initial_load_path (which also takes a Hugging Face folder
+directly). One process, CPU; the whole model is held in memory once.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ def recorded_tokenizer(step_folder: str) -> tuple[str, str]:
     return path, f"tokenizer: the run's {path}"
 
 
-def to_hf(step_folder: str, out: str, dtype: str = "bfloat16", tokenizer: str = "", copy_tokenizer: bool = True) -> None:
+def to_hf(step_folder: str, out: str, dtype: str = "bfloat16", tokenizer: str = "",
+          copy_tokenizer: bool = True) -> None:
     """``tokenizer``: a tokenizer.json to copy in; by default (with ``copy_tokenizer``) the one the run trained
     with, as the checkpoint records it, when it is still there."""
     if tokenizer:
