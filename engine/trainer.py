@@ -40,7 +40,7 @@ from parallelize.data import gradient_divide_factor, set_replica_all_reduce
 from parallelize.float8 import float8_after_optimizer_step
 from parallelize.init import materialize
 from parallelize.mesh import ParallelDims
-from parallelize.tensor import loss_context, to_local_scalar
+from parallelize.tensor import loss_context, reduce_partial_grads, to_local_scalar
 
 
 def host_memory_available() -> int | None:
@@ -375,6 +375,8 @@ class Trainer:
         tensors. ``after_clip`` (if given) is called once the gradients are complete and clipped, before the
         optimizer reads them: a place to read or record them."""
         loss = self.forward_backward(microbatches)
+        if self.dims.tp_enabled and not self.dims.data_parallel:
+            reduce_partial_grads(self.model.parameters())  # once, not in every op that reads them
         fault_point(self.step, "sigterm")  # tests: a preemption signal arriving mid-step
         grad_norm = clip_grad_norm_(self.model.parameters(), self.cfg.training.max_norm, self.dims.group("pp")
                                     if self.dims.pp_enabled else None)

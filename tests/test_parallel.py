@@ -317,3 +317,44 @@ def test_compiled_collectives_reload_from_a_cache_shared_by_other_tp_groups(tmp_
         assert result["loss"] == pytest.approx(6 * float(torch.logsumexp(torch.arange(8.0) - 7, 0)))
     if TORCH_RELEASE >= (2, 13):  # torch 2.11 does not cache graphs over DTensors at all (it cannot pickle them)
         assert result["cache_hits"] > 0
+
+
+def tp_step_all_reduces(world_size: int, rank: int, dump: str) -> dict:
+    """TP 2 without FSDP: the all-reduces of one forward and backward, and of one whole optimizer step, counted by
+    DTensor's CommDebugMode (it sees the functional and the c10d collectives)."""
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    from engine.config import parse_args, validate
+    from engine.distributed import World
+    from engine.trainer import Trainer
+    from tests.parallel_harness import BASE
+
+    cfg = parse_args([*BASE, "--parallelism.tp", "2", "--training.local_batch_size", "4", "--training.steps", "3",
+                      "--job.dump_folder", dump])
+    validate(cfg, world_size)
+    trainer = Trainer(cfg, World(rank=rank, local_rank=rank, world_size=world_size, device=torch.device("cpu")))
+    batches = [{k: v[:4] for k, v in b.items()} for b in global_batches(4, 3)]
+    trainer.train_step([batches[0]])  # the optimizer's state exists from here on
+    with CommDebugMode() as forward_backward:
+        trainer.forward_backward([batches[1]])
+    trainer.optimizer.zero_grad(set_to_none=True)
+    with CommDebugMode() as step:
+        trainer.train_step([batches[2]])
+    trainer.metrics.close()
+
+    def all_reduces(mode) -> int:
+        return sum(n for op, n in mode.get_comm_counts().items() if "all_reduce" in str(op) or "allreduce" in str(op))
+
+    return {"forward_backward": all_reduces(forward_backward), "step": all_reduces(step)}
+
+
+def test_tp_without_fsdp_reduces_the_norm_gradients_once(tmp_path):
+    """TP without FSDP leaves the sequence-parallel norms' gradients Partial (summed over the TP ranks); every op
+    that read them reduced them again: clipping and AdamW made 53 all-reduces per step on the debug model. The
+    trainer reduces them once, in one all-reduce (``reduce_partial_grads``), so a step adds exactly three to its
+    forward and backward: that one, the gradient norm's and the logged loss's. (The tp layouts of
+    test_parallel_layouts_match_single_process check the reduced gradients themselves.)"""
+    from tests.parallel_harness import run_jobs
+
+    counts = run_jobs(2, tp_step_all_reduces, {"tp2": (str(tmp_path / "run"),)}, str(tmp_path / "jobs"))["tp2"]
+    assert counts["step"] - counts["forward_backward"] == 3, counts
