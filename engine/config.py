@@ -756,15 +756,7 @@ def validate(cfg: Config, world_size: int = 1, machine: Optional[Machine] = None
     _positive("training.steps", t.steps)
     _positive("training.seq_len", t.seq_len)
     _positive("training.local_batch_size", t.local_batch_size)
-    dims = validate_parallelism(cfg, world_size, spec, machine)
-    dp = dims.dp
-    if t.global_batch_size != -1:
-        _positive("training.global_batch_size", t.global_batch_size)
-        if t.global_batch_size % (t.local_batch_size * dp):
-            raise ConfigError(
-                f"training.global_batch_size: {t.global_batch_size} is not a multiple of local_batch_size x dp "
-                f"= {t.local_batch_size} x {dp}"
-            )
+    dp = validate_parallelism(cfg, world_size, spec, machine).dp
     _positive("training.max_norm", t.max_norm)
     if t.gc_freq < 0:
         raise ConfigError(f"training.gc_freq: must be >= 0 (0 = Python's automatic collection), got {t.gc_freq}")
@@ -871,9 +863,16 @@ def validate_parallelism(cfg: Config, world_size: int, spec, machine: Optional[M
     """The parallel layout: degrees, their product, and the model shapes they must divide."""
     from parallelize.mesh import ParallelDims
 
-    p = cfg.parallelism
+    p, t = cfg.parallelism, cfg.training
     _validate_values(cfg)
     dims = ParallelDims.from_config(p, world_size)
+    if t.global_batch_size != -1:  # gradient accumulation: whole local batches on every data-parallel rank
+        _positive("training.global_batch_size", t.global_batch_size)
+        if t.global_batch_size % (t.local_batch_size * dims.dp):
+            raise ConfigError(
+                f"training.global_batch_size: {t.global_batch_size} is not a multiple of local_batch_size x dp "
+                f"= {t.local_batch_size} x {dims.dp}"
+            )
     args = spec.flavors[cfg.model.flavor]
     if dims.tp > 1:
         for name, heads in (("n_heads", args.n_heads), ("n_kv_heads", args.n_kv_heads)):
@@ -1050,9 +1049,7 @@ def _validate_pipeline(cfg: Config, dims, args) -> None:
             f"parallelism.pp_microbatches: DualPipeV needs at least as many microbatches as stages ({stages} on "
             f"pp = {dims.pp}), got {micro}"
         )
-    t = cfg.training
-    batch_divides = t.global_batch_size == -1 or t.global_batch_size % (t.local_batch_size * dims.dp) == 0
-    if p.pp_schedule_csv and batch_divides:  # (else validate() names training.global_batch_size next)
+    if p.pp_schedule_csv:
         from parallelize.pipeline import check_schedule_csv
 
         accum = grad_accumulation_steps(cfg, dims.dp)  # one schedule step takes every accumulation batch

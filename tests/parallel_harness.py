@@ -58,17 +58,23 @@ def _strip(name: str) -> str:
     return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
 
 
-def run_layout(args: list[str], world_size: int, rank: int, batches, dump: str) -> dict | None:
-    """Train ``len(batches)`` steps with ``args`` in this process (one rank of ``world_size``)."""
-    from torch.distributed.tensor import DTensor
-
+def build_trainer(args: list[str], world_size: int, rank: int, steps: int, dump: str):
+    """The Trainer of ``BASE + args`` for ``steps`` steps, as this process's rank of ``world_size`` (CPU)."""
     from engine.config import parse_args, validate
     from engine.distributed import World
     from engine.trainer import Trainer
 
-    cfg = parse_args([*BASE, *args, "--training.steps", str(len(batches)), "--job.dump_folder", dump])
+    cfg = parse_args([*BASE, *args, "--training.steps", str(steps), "--job.dump_folder", dump])
     validate(cfg, world_size)
-    trainer = Trainer(cfg, World(rank=rank, local_rank=rank, world_size=world_size, device=torch.device("cpu")))
+    return Trainer(cfg, World(rank=rank, local_rank=rank, world_size=world_size, device=torch.device("cpu")))
+
+
+def run_layout(args: list[str], world_size: int, rank: int, batches, dump: str) -> dict | None:
+    """Train ``len(batches)`` steps with ``args`` in this process (one rank of ``world_size``)."""
+    from torch.distributed.tensor import DTensor
+
+    trainer = build_trainer(args, world_size, rank, len(batches), dump)
+    cfg = trainer.cfg
     dp_rank, dp = trainer.dp_rank, trainer.dp_size
     accum = trainer.grad_accum
     local = cfg.training.local_batch_size
@@ -140,9 +146,8 @@ def built_features(trainer) -> dict:
     checkpoint-wrapped (and the per-op policies' matmul choices), compiled; Float8Linear modules; DTensor
     parameters; the pipeline schedule's class."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
-    from torch.distributed.tensor import DTensor
-
     from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
 
     blocks = [b for part in trainer.model_parts for b in part.layers.values()]
     modules = [m for part in trainer.model_parts for m in part.modules()]

@@ -324,15 +324,9 @@ def tp_step_all_reduces(world_size: int, rank: int, dump: str) -> dict:
     DTensor's CommDebugMode (it sees the functional and the c10d collectives)."""
     from torch.distributed.tensor.debug import CommDebugMode
 
-    from engine.config import parse_args, validate
-    from engine.distributed import World
-    from engine.trainer import Trainer
-    from tests.parallel_harness import BASE
+    from tests.parallel_harness import build_trainer
 
-    cfg = parse_args([*BASE, "--parallelism.tp", "2", "--training.local_batch_size", "4", "--training.steps", "3",
-                      "--job.dump_folder", dump])
-    validate(cfg, world_size)
-    trainer = Trainer(cfg, World(rank=rank, local_rank=rank, world_size=world_size, device=torch.device("cpu")))
+    trainer = build_trainer(["--parallelism.tp", "2", "--training.local_batch_size", "4"], world_size, rank, 3, dump)
     batches = [{k: v[:4] for k, v in b.items()} for b in global_batches(4, 3)]
     trainer.train_step([batches[0]])  # the optimizer's state exists from here on
     with CommDebugMode() as forward_backward:
