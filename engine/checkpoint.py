@@ -646,13 +646,11 @@ class Checkpointer:
         field = "checkpoint.initial_load_path"
         t0 = time.perf_counter()
         if os.path.isfile(os.path.join(path, "config.json")):
-            from engine.hf import load_hf
+            from engine.hf import load_hf_into
 
-            full = load_hf(path, self.trainer.model_args)
-            for part in self._parts():
-                mine = {k: full[k] for k in get_model_state_dict(part)}
-                set_model_state_dict(part, mine, options=StateDictOptions(full_state_dict=True))
-            self._log(f"checkpoint: initial weights from Hugging Face folder {path} in {time.perf_counter() - t0:.2f}s")
+            read, total = load_hf_into(self._parts(), path, self.trainer.model_args)
+            self._log(f"checkpoint: initial weights from Hugging Face folder {path} in {time.perf_counter() - t0:.2f}s "
+                      f"(this rank read {read / 2**20:,.1f} MiB of its {total / 2**20:,.1f} MiB)")
             return
         info = inspect_checkpoint(path, field, self.cfg)
         model = self.model_state()

@@ -330,7 +330,8 @@ class Checkpoint:
     after changing data.path or data.dataset; the data position of another dataset means nothing)."""
     initial_load_path: str = ""
     """When no checkpoint of this run exists yet, start from these weights: a Tessera step folder (e.g. a
-    seed checkpoint) or a Hugging Face folder (config.json + safetensors). The model only."""
+    seed checkpoint) or a Hugging Face folder (config.json + safetensors; each rank reads only the slices it
+    holds). The model only."""
     last_save_hf: bool = False
     """Once the last step's checkpoint is committed, rank 0 also writes it as a Hugging Face folder
     <checkpoint.folder>/step-<N>-hf (config.json, safetensors in checkpoint.export_dtype, the run's tokenizer) that

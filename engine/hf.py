@@ -19,6 +19,7 @@ import json
 import os
 import shutil
 import tempfile
+from contextlib import ExitStack
 from typing import Any, Optional
 
 import torch
@@ -29,7 +30,7 @@ from torch import Tensor
 from engine.config import read_json_object
 from models import get_model_spec, model_names
 
-__all__ = ["export_hf", "export_checkpoint_hf", "load_hf", "model_args_for", "MAX_SHARD_BYTES"]
+__all__ = ["export_hf", "export_checkpoint_hf", "load_hf", "load_hf_into", "model_args_for", "MAX_SHARD_BYTES"]
 
 MAX_SHARD_BYTES = 5 * 10**9
 """Above this many bytes of weights the export is split into shards of at most this size (as transformers does)."""
@@ -330,6 +331,68 @@ def check_hf(
         more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
         raise ValueError(f"{field}: the checkpoint in '{folder}' lacks {', '.join(missing[:3])}{more}")
     return plan
+
+
+def load_hf_into(
+    parts: list[torch.nn.Module],
+    folder: str,
+    args: Any,
+    *,
+    field: str = "checkpoint.initial_load_path",
+) -> tuple[int, int]:
+    """Copy the Hugging Face checkpoint in ``folder`` (after ``check_hf``'s checks) into the parameters of
+    ``parts`` (this rank's model parts: pipeline stages, sharded by FSDP/TP or not) in place.
+
+    Each rank reads only the parts of the tensors it holds (safetensors slices, through the adapter's
+    ``read_from_hf``), one at a time, so neither host memory nor the reads grow with the number of ranks.
+    Returns ``(bytes of tensor data read, bytes of the checkpoint's files)``."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+    from torch.distributed.tensor import DTensor
+
+    adapter = _adapter_for(args)
+    plan = check_hf(folder, args, field=field)
+    read_bytes, total = 0, sum(os.path.getsize(path) for path in plan)
+    with ExitStack() as stack:
+        files = {}
+        for path, names in plan.items():
+            try:
+                handle = stack.enter_context(safe_open(path, framework="pt"))
+            except Exception as e:
+                raise _safetensors_error(path, field, e) from None
+            files.update({name: (path, handle) for name in names})
+
+        def read(hf_name: str, box: tuple[slice, ...]) -> Tensor:
+            nonlocal read_bytes
+            path, handle = files[hf_name]
+            try:
+                block = handle.get_slice(hf_name)[box]
+            except Exception as e:
+                raise _safetensors_error(path, field, e) from None
+            read_bytes += block.numel() * block.element_size()
+            return block
+
+        for part in parts:
+            state = get_model_state_dict(part)
+            with torch.no_grad():
+                for name, tensor in state.items():
+                    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+                    block = adapter.read_from_hf(name, _local_box(tensor), read, args)
+                    assert block.shape == local.shape, (name, tuple(block.shape), tuple(local.shape))
+                    local.copy_(block)
+            set_model_state_dict(part, state)
+    return read_bytes, total
+
+
+def _local_box(tensor: Tensor) -> tuple[slice, ...]:
+    """The part of the whole tensor that this rank's ``tensor`` holds, one slice per dimension: a DTensor's
+    local shard (FSDP and TP shards are boxes of the whole tensor), else all of it."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(tensor, DTensor):
+        return tuple(slice(0, n) for n in tensor.shape)
+    # The chunk protocol torch.distributed.checkpoint reads DTensors with (offsets and sizes of the local shard).
+    (chunk,) = tensor.__create_chunk_list__()
+    return tuple(slice(o, o + n) for o, n in zip(chunk.offsets, chunk.sizes))
 
 
 def load_hf(

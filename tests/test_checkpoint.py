@@ -570,6 +570,67 @@ def test_hf_export_and_import_start_a_run_from_the_same_weights(reference, tmp_p
     assert metrics(tmp_path / "from_hf")[1]["loss"] < metrics(reference)[1]["loss"] - 1  # trained weights
 
 
+def hf_load_probe_job(world_size: int, rank: int, hf: str, argv: list[str]) -> dict:
+    """On every rank: build the Trainer for ``argv`` (initial weights from the Hugging Face folder ``hf``); return
+    the names of the model values this rank holds that differ from the whole ``expected.pt`` beside ``hf``, and
+    how many bytes loading the folder again into this rank's model parts reads; rank 0 returns every rank's."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from engine.config import validate
+    from engine.distributed import init_distributed
+    from engine.hf import load_hf_into
+    from engine.trainer import Trainer
+
+    cfg = parse_args(argv)
+    validate(cfg, world_size)
+    trainer = Trainer(cfg, init_distributed())
+    expected = torch.load(os.path.join(os.path.dirname(hf), "expected.pt"))
+    held = trainer.checkpointer.model_state()
+    mismatched = [key for key, value in held.items()
+                  if not torch.equal((value.full_tensor() if isinstance(value, DTensor) else value).detach(),
+                                     expected[key])]
+    read, _ = load_hf_into(trainer.model_parts, hf, trainer.model_args)
+    trainer.checkpointer.close()
+    trainer.metrics.close()
+    everyone = [None] * world_size
+    dist.all_gather_object(everyone, {"keys": sorted(held), "mismatched": mismatched, "read": read})
+    return everyone
+
+
+def test_hf_initial_weights_are_read_in_shards_on_any_layout(reference, tmp_path):
+    """A Hugging Face folder given as checkpoint.initial_load_path arrives exactly on FSDP 3 (shards that cut
+    through heads, whose wq/wk rows the adapter permutes), FSDP 2 x TP 2 with float8 layers, and PP 2 x FSDP 2;
+    each rank reads only the slices it holds: together the ranks read the checkpoint about once, not once each."""
+    from engine.tools.convert_hf import main as convert
+
+    step = reference / "checkpoint" / "step-000020"
+    hf = tmp_path / "hf"
+    assert convert(["to-hf", str(step), str(hf), "--dtype", "float32"]) == 0
+    expected = read_full(str(step), "model.")
+    torch.save(expected, tmp_path / "expected.pt")
+    argv = [*BASE, "--training.steps", "2", "--checkpoint.enable", "false", "--checkpoint.initial_load_path", str(hf),
+            "--training.global_batch_size", "12", *FOR_LOOP]
+    layouts = {
+        3: {"fsdp3": []},
+        4: {"fsdp2_tp2_float8": ["--parallelism.dp_shard", "2", "--parallelism.tp", "2", "--float8.enable",
+                                 "--float8.emulate", "--training.global_batch_size", "8"],
+            "pp2_fsdp2": ["--parallelism.pp", "2", "--parallelism.dp_shard", "2", "--training.global_batch_size", "8"]},
+    }
+    data_bytes = sum(t.numel() * 4 for t in expected.values())
+    for world, jobs in layouts.items():
+        results = run_jobs(world, hf_load_probe_job, {
+            name: (str(hf), [*argv, "--job.dump_folder", str(tmp_path / name), *args]) for name, args in jobs.items()
+        }, str(tmp_path / f"world{world}"))
+        for name, ranks in results.items():
+            assert sorted({k for r in ranks for k in r["keys"]}) == sorted(expected), name  # every value held
+            assert not [r["mismatched"] for r in ranks if r["mismatched"]], name  # and equal to the checkpoint's
+            # Together about the checkpoint once (TP ranks both read the small replicated norms; FSDP 3 reads the
+            # heads its shard boundaries cut twice); each rank about its share.
+            assert data_bytes <= sum(r["read"] for r in ranks) <= 1.05 * data_bytes, name
+            assert max(r["read"] for r in ranks) <= 1.1 * data_bytes / world, name
+
+
 def test_to_hf_copies_the_runs_tokenizer_unless_told_otherwise(reference, tmp_path, capsys):
     """Each checkpoint records the tokenizer its run trained with (from-hf: the Hugging Face folder's), and
     to-hf copies it, with its BOS/EOS ids in config.json, so that the folder is ready for transformers; a

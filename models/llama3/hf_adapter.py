@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor
@@ -198,6 +198,34 @@ class Llama3HFAdapter:
             heads = _rope_heads(name, args)
             state_dict[name] = _half_to_interleaved(tensor, heads) if heads is not None else tensor
         return state_dict
+
+    @staticmethod
+    def hf_name(name: str) -> str:
+        """The Hugging Face name of the Tessera parameter ``name``."""
+        return _hf_name(name)
+
+    @staticmethod
+    def read_from_hf(
+        name: str, box: tuple[slice, ...], read: Callable[[str, tuple[slice, ...]], Tensor], args: TransformerModelArgs
+    ) -> Tensor:
+        """The part ``box`` (one slice per dimension) of the Tessera tensor ``name``, as ``from_hf`` would give it,
+        read through ``read(hf_name, slices)`` (the slices of one stored Hugging Face tensor), so that a rank reads
+        only the part of the checkpoint it holds.
+
+        For ``wq``/``wk`` the rows of every head the box touches are read (a head's rows are permuted among
+        themselves), reordered, then cut to the box.
+        """
+        heads = _rope_heads(name, args)
+        if heads is None:
+            return read(_hf_name(name), box)
+        rows, rest = box[0], box[1:]
+        head_dim = args.head_dim
+        first, last = rows.start // head_dim, -(-rows.stop // head_dim)  # the heads the rows fall in
+        if first == last:  # an empty part (FSDP gives some ranks no rows of a small tensor)
+            return read(_hf_name(name), box)
+        block = read(_hf_name(name), (slice(first * head_dim, last * head_dim), *rest))
+        start = first * head_dim
+        return _half_to_interleaved(block, last - first)[rows.start - start:rows.stop - start]
 
     @staticmethod
     def hf_shapes(args: TransformerModelArgs) -> dict[str, tuple[int, ...]]:
