@@ -739,7 +739,12 @@ def read_full(folder: str, prefix: str = "", field: str = "checkpoint",
     """Every tensor of a checkpoint whose name starts with ``prefix``, whole, in one process (CPU); ``info``:
     the folder's inspect_checkpoint result when the caller has it already."""
     info = info or inspect_checkpoint(folder, field)
-    state = {k: torch.empty(tuple(md.size), dtype=md.properties.dtype)
-             for k, md in info.tensors.items() if k.startswith(prefix)}
+    return read_tensors(folder, [k for k in info.tensors if k.startswith(prefix)], info)
+
+
+def read_tensors(folder: str, names: list[str], info: CheckpointInfo) -> dict[str, torch.Tensor]:
+    """The tensors ``names`` of the checkpoint ``folder`` (``info``: its inspect_checkpoint result), whole, in
+    their saved dtype, in one process (CPU); DCP reads only their bytes."""
+    state = {k: torch.empty(tuple(info.tensors[k].size), dtype=info.tensors[k].properties.dtype) for k in names}
     dcp.load(state, storage_reader=SafeFileSystemReader(folder), no_dist=True)
     return state

@@ -335,7 +335,7 @@ class Checkpoint:
     last_save_hf: bool = False
     """Once the last step's checkpoint is committed, rank 0 also writes it as a Hugging Face folder
     <checkpoint.folder>/step-<N>-hf (config.json, safetensors in checkpoint.export_dtype, the run's tokenizer) that
-    transformers' from_pretrained loads; it holds the whole model in CPU memory once (as
+    transformers' from_pretrained loads, one shard (at most 5 GB) at a time in CPU memory (as
     `python -m engine.tools.convert_hf to-hf` does). A run resumed after it exists leaves it alone."""
     create_seed_checkpoint: bool = False
     """Write the initialized model as step-0 (model only, for initial_load_path) and exit without training."""

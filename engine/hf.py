@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import shutil
 import tempfile
 from contextlib import ExitStack
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from safetensors import safe_open
@@ -62,14 +63,14 @@ def _adapter_for(args: Any) -> Any:
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def _plan_shards(hf_state_dict: dict[str, Tensor], dtype: torch.dtype, max_shard_bytes: int) -> list[list[str]]:
-    """Tensor names grouped into consecutive shards of at most ``max_shard_bytes`` each (stored in ``dtype``); a
-    tensor larger than that gets a shard of its own."""
+def _plan_shards(numels: dict[str, int], dtype: torch.dtype, max_shard_bytes: int) -> list[list[str]]:
+    """Tensor names (with their element counts) grouped into consecutive shards of at most ``max_shard_bytes``
+    each (stored in ``dtype``); a tensor larger than that gets a shard of its own."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     shards: list[list[str]] = [[]]
     size = 0
-    for name, tensor in hf_state_dict.items():
-        nbytes = tensor.numel() * itemsize
+    for name, numel in numels.items():
+        nbytes = numel * itemsize
         if shards[-1] and size + nbytes > max_shard_bytes:
             shards.append([])
             size = 0
@@ -89,27 +90,31 @@ def _fsync(path: str) -> None:
 
 def _write_folder(
     tmp: str,
-    hf_state_dict: dict[str, Tensor],
+    numels: dict[str, int],
+    fetch: Callable[[list[str]], dict[str, Tensor]],
     config: dict[str, Any],
     dtype: torch.dtype,
     max_shard_bytes: int,
     tokenizer_files: list[str],
 ) -> None:
-    """Write the weights (one shard at a time, so at most one shard is converted in memory at once), config.json
-    and the tokenizer files into the empty folder ``tmp``."""
-    shards = _plan_shards(hf_state_dict, dtype, max_shard_bytes)
+    """Write the weights, config.json and the tokenizer files into the empty folder ``tmp``. The weights are the
+    tensors ``numels`` names (Hugging Face names, in the order to store them), which ``fetch(names)`` returns one
+    shard at a time, so that at most one shard is in memory at once."""
+    shards = _plan_shards(numels, dtype, max_shard_bytes)
     n = len(shards)
     weight_map: dict[str, str] = {}
     total_size = 0
     for i, names in enumerate(shards):
         filename = SINGLE_FILE if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+        fetched = fetch(names)
         # .to() copies when the dtype or device changes; clone() otherwise, so that no two entries share storage
         # (safetensors refuses that) and views of larger tensors are written alone.
         tensors = {}
         for name in names:
-            tensor = hf_state_dict[name].detach()
+            tensor = fetched[name].detach()
             converted = tensor.to(device="cpu", dtype=dtype)
             tensors[name] = converted.contiguous() if converted is not tensor else tensor.clone().contiguous()
+        del fetched
         save_file(tensors, os.path.join(tmp, filename), metadata={"format": "pt"})
         total_size += sum(t.numel() * t.element_size() for t in tensors.values())
         weight_map.update({name: filename for name in names})
@@ -146,11 +151,26 @@ def export_hf(
     ``folder`` either does not exist or is complete. ``folder`` must not exist or be empty: an existing non-empty
     folder is refused with a ``ValueError`` naming ``field`` (nothing is deleted or overwritten).
     """
+    hf_state_dict = _adapter_for(args).to_hf(full_state_dict, args)
+    _export(args, {k: v.numel() for k, v in hf_state_dict.items()}, lambda names: {k: hf_state_dict[k] for k in names},
+            folder, dtype, tokenizer_path, max_shard_bytes, field)
+
+
+def _export(
+    args: Any,
+    numels: dict[str, int],
+    fetch: Callable[[list[str]], dict[str, Tensor]],
+    folder: str,
+    dtype: torch.dtype,
+    tokenizer_path: Optional[str],
+    max_shard_bytes: int,
+    field: str,
+) -> None:
+    """``export_hf``'s folder rules, for weights that ``fetch`` returns a shard at a time (``_write_folder``)."""
     if dtype not in EXPORT_DTYPES.values():
         raise ValueError(f"dtype: cannot export in {dtype}; choose one of {', '.join(EXPORT_DTYPES)}")
     if os.path.exists(folder) and not (os.path.isdir(folder) and not os.listdir(folder)):
         raise ValueError(f"{field}: '{folder}' already exists and is not an empty folder; choose a new folder")
-    adapter = _adapter_for(args)
     bos_id = eos_id = None
     tokenizer_files: list[str] = []
     if tokenizer_path is not None:
@@ -162,15 +182,14 @@ def export_hf(
         beside = os.path.join(os.path.dirname(tokenizer_path), "tokenizer_config.json")
         if os.path.isfile(beside):
             tokenizer_files.append(beside)
-    config = adapter.hf_config(args, dtype=dtype, bos_token_id=bos_id, eos_token_id=eos_id)
-    hf_state_dict = adapter.to_hf(full_state_dict, args)
+    config = _adapter_for(args).hf_config(args, dtype=dtype, bos_token_id=bos_id, eos_token_id=eos_id)
 
     folder = os.path.abspath(folder)
     parent = os.path.dirname(folder)
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(folder)}.tmp-", dir=parent)
     try:
-        _write_folder(tmp, hf_state_dict, config, dtype, max_shard_bytes, tokenizer_files)
+        _write_folder(tmp, numels, fetch, config, dtype, max_shard_bytes, tokenizer_files)
         # rename() replaces an empty folder and fails on a non-empty one (one that appeared meanwhile).
         try:
             os.rename(tmp, folder)
@@ -196,21 +215,32 @@ def export_checkpoint_hf(
     dtype: torch.dtype = torch.bfloat16,
     tokenizer_path: Optional[str] = None,
     *,
+    max_shard_bytes: int = MAX_SHARD_BYTES,
     field: str = "folder",
 ) -> str:
     """Write the model of the Tessera step folder ``step_folder`` (saved on any layout: DCP reassembles the
     whole tensors) as the Hugging Face folder ``folder`` (``export_hf``'s rules); returns what it wrote
     (model/flavor, step).
 
-    One process reads the whole model into CPU memory once (float32 for a full checkpoint, the export dtype
-    for a model-only one) and converts one shard of at most ``MAX_SHARD_BYTES`` at a time."""
-    from engine.checkpoint import inspect_checkpoint, read_full
+    One process reads the model one output shard (at most ``max_shard_bytes`` in ``dtype``) at a time, so its
+    memory holds at most one shard's tensors in their saved dtype (float32 for a full checkpoint) and in ``dtype``,
+    whatever the size of the model."""
+    from engine.checkpoint import inspect_checkpoint, read_tensors
 
     info = inspect_checkpoint(step_folder, "checkpoint")
-    model = {k[len("model."):]: v for k, v in read_full(step_folder, "model.", info=info).items()}
     name, flavor = info.train_state["model"], info.train_state["flavor"]
-    args = model_args_for(name, flavor, model["tok_embeddings.weight"].shape[0])
-    export_hf(model, args, folder, dtype=dtype, tokenizer_path=tokenizer_path, field=field)
+    args = model_args_for(name, flavor, info.tensors["model.tok_embeddings.weight"].size[0])
+    adapter = _adapter_for(args)
+    tessera = {adapter.hf_name(k[len("model."):]): k[len("model."):] for k in info.tensors if k.startswith("model.")}
+    shapes = adapter.hf_shapes(args)  # every tensor, in the model's order
+    assert set(tessera) == set(shapes), f"{step_folder}: not a whole {name}/{flavor} model"
+
+    def fetch(names: list[str]) -> dict[str, Tensor]:
+        state = read_tensors(step_folder, [f"model.{tessera[k]}" for k in names], info)
+        return {k: adapter.tensor_to_hf(tessera[k], state.pop(f"model.{tessera[k]}"), args) for k in names}
+
+    _export(args, {k: math.prod(shape) for k, shape in shapes.items()}, fetch, folder, dtype, tokenizer_path,
+            max_shard_bytes, field)
     return f"{name}/{flavor}, step {info.step}"
 
 

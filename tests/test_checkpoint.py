@@ -631,6 +631,28 @@ def test_hf_initial_weights_are_read_in_shards_on_any_layout(reference, tmp_path
             assert max(r["read"] for r in ranks) <= 1.1 * data_bytes / world, name
 
 
+def test_export_reads_the_checkpoint_one_shard_at_a_time(reference, tmp_path, monkeypatch):
+    """to-hf and last_save_hf read a step folder one output shard at a time (never the whole model), and write
+    the same files as exporting the whole model from memory."""
+    import engine.checkpoint
+    from engine.hf import export_checkpoint_hf, export_hf, model_args_for
+
+    step, shard = reference / "checkpoint" / "step-000020", 3 * 2**20
+    model = {k[len("model."):]: v for k, v in read_full(str(step), "model.").items()}
+    reads, read_tensors = [], engine.checkpoint.read_tensors
+    monkeypatch.setattr(engine.checkpoint, "read_tensors",
+                        lambda folder, names, info: reads.append(names) or read_tensors(folder, names, info))
+    export_checkpoint_hf(str(step), str(tmp_path / "streamed"), torch.float32, max_shard_bytes=shard)
+    args = model_args_for("llama3", "debugmodel", model["tok_embeddings.weight"].shape[0])
+    export_hf(model, args, str(tmp_path / "whole"), torch.float32, max_shard_bytes=shard)
+    assert tree(tmp_path / "streamed") == tree(tmp_path / "whole")
+    files = [f for f in os.listdir(tmp_path / "streamed") if f.endswith(".safetensors")]
+    assert len(files) == len(reads) > 5  # one read per shard
+    largest = max(v.numel() * 4 for v in model.values())  # the 4096 x 256 embedding: a shard of its own
+    assert all(sum(model[k[len("model."):]].numel() * 4 for k in names) <= max(shard, largest) for names in reads)
+    assert sorted(k for names in reads for k in names) == sorted(f"model.{k}" for k in model)
+
+
 def test_to_hf_copies_the_runs_tokenizer_unless_told_otherwise(reference, tmp_path, capsys):
     """Each checkpoint records the tokenizer its run trained with (from-hf: the Hugging Face folder's), and
     to-hf copies it, with its BOS/EOS ids in config.json, so that the folder is ready for transformers; a

@@ -8,7 +8,8 @@ to-hf reads the model of a Tessera step folder (any layout it was saved on; the 
 vocabulary come from the checkpoint) and writes a folder that transformers' LlamaForCausalLM.from_pretrained
 loads, with the run's tokenizer.json (recorded in the checkpoint) unless told otherwise. from-hf writes a
 model-only Tessera step folder for checkpoint.initial_load_path (which also takes a Hugging Face folder
-directly). One process, CPU; the whole model is held in memory once.
+directly, reading only each rank's slices). One process, CPU: to-hf holds one output shard (at most 5 GB in the
+export dtype) and its float32 source at a time; from-hf holds the whole model in float32 once.
 """
 
 from __future__ import annotations

@@ -172,12 +172,14 @@ class Llama3HFAdapter:
             f"not a {args.n_layers}-layer Llama 3 state dict: missing {sorted(set(expected) - set(state_dict))[:5]}, "
             f"unexpected {sorted(set(state_dict) - set(expected))[:5]}"
         )
-        hf: dict[str, Tensor] = {}
-        for name in expected:
-            tensor = state_dict[name]
-            heads = _rope_heads(name, args)
-            hf[_hf_name(name)] = _interleaved_to_half(tensor, heads) if heads is not None else tensor
-        return hf
+        return {_hf_name(name): Llama3HFAdapter.tensor_to_hf(name, state_dict[name], args) for name in expected}
+
+    @staticmethod
+    def tensor_to_hf(name: str, tensor: Tensor, args: TransformerModelArgs) -> Tensor:
+        """The whole Tessera tensor ``name`` in Hugging Face's layout (``wq``/``wk`` rows in rotate-half order; any
+        other tensor passed through, not copied), for exporting one tensor at a time."""
+        heads = _rope_heads(name, args)
+        return _interleaved_to_half(tensor, heads) if heads is not None else tensor
 
     @staticmethod
     def from_hf(hf_state_dict: dict[str, Tensor], args: TransformerModelArgs) -> dict[str, Tensor]:
