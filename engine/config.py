@@ -338,7 +338,9 @@ class Checkpoint:
     transformers' from_pretrained loads, one shard (at most 5 GB) at a time in CPU memory (as
     `python -m engine.tools.convert_hf to-hf` does). A run resumed after it exists leaves it alone."""
     create_seed_checkpoint: bool = False
-    """Write the initialized model as step-0 (model only, for initial_load_path) and exit without training."""
+    """Write the initialized model as step-0 (model only, for initial_load_path) and exit without training. Any
+    layout writes the same weights (initialization does not depend on the layout), sharded: make a large model's
+    seed on as many ranks as it needs."""
 
 
 @dataclass
@@ -822,9 +824,6 @@ def validate(cfg: Config, world_size: int = 1, machine: Optional[Machine] = None
         if getattr(c, key) and not c.enable:
             raise ConfigError(f"checkpoint.{key}: the export is made from the last step's checkpoint; set "
                               "checkpoint.enable = true as well")
-    if c.create_seed_checkpoint and world_size != 1:
-        raise ConfigError("checkpoint.create_seed_checkpoint: run it with one process (NGPU=1); the seed "
-                          "checkpoint loads on any layout")
     if cfg.data.num_shards != -1:
         _positive("data.num_shards", cfg.data.num_shards)
         check_shard_split(cfg.data.num_shards, dp, "the data is split into", f"use a multiple of {dp}")

@@ -717,6 +717,11 @@ def test_seed_checkpoint_starts_any_layout_from_the_same_weights(tmp_path):
     train(seed, "--checkpoint.create_seed_checkpoint", "--debug.seed", "7")
     folder = seed / "checkpoint" / "step-000000"
     assert inspect_checkpoint(str(folder), "checkpoint").model_only
+    # Made on PP 2 x FSDP 2 x TP 2 (each rank writing its shards): the same weights.
+    train(tmp_path / "seed8", "--checkpoint.create_seed_checkpoint", "--debug.seed", "7", "--parallelism.pp", "2",
+          "--parallelism.dp_shard", "2", "--parallelism.tp", "2", "--training.global_batch_size", "8", ngpu=8)
+    one, eight = read_full(str(folder)), read_full(str(tmp_path / "seed8" / "checkpoint" / "step-000000"))
+    assert sorted(one) == sorted(eight) and all(torch.equal(one[k], eight[k]) for k in one)
     one = [*BASE, "--training.steps", "2", "--checkpoint.enable", "false"]
     run_jobs(2, train_job, {  # FSDP 2: both runs in one pair of ranks
         "seeded": ([*one, "--checkpoint.initial_load_path", str(folder), "--job.dump_folder", str(tmp_path / "seeded")],),
