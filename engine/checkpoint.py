@@ -408,6 +408,7 @@ class Checkpointer:
                                                        use_async_staging=False, use_non_blocking_copy=True))
         self.pending: Optional[dict] = None  # an async save being written: step, future, start time, steps
         self.preempted = False
+        self.stop_vote: Optional[tuple] = None  # stop_requested's vote in flight: (its work, its result)
 
     # -- state dicts -------------------------------------------------------------------------------------------
     def _parts(self) -> list[nn.Module]:
@@ -597,12 +598,21 @@ class Checkpointer:
         signal.signal(signal.SIGTERM, handler)
 
     def stop_requested(self) -> bool:
-        """Whether any rank got SIGTERM (all ranks agree, so they stop at the same step boundary)."""
-        if self.ctrl is None:
+        """Whether any rank got SIGTERM; called by every rank at every step boundary. All ranks agree, so they
+        stop at the same step boundary: with several ranks, the one after the vote that saw the signal. Each
+        call collects the previous call's vote and starts its own in the background, so the vote's latency (a
+        CPU all-reduce over every rank, long at thousands of ranks) overlaps a training step instead of
+        blocking one; the stop comes one step later."""
+        if self.ctrl is None or dist.get_world_size(self.ctrl) == 1:
             return self.preempted
+        stop = False
+        if self.stop_vote is not None:
+            work, flag = self.stop_vote
+            work.wait()
+            stop = bool(flag.item())
         flag = torch.tensor([int(self.preempted)])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.ctrl)
-        return bool(flag.item())
+        self.stop_vote = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.ctrl, async_op=True), flag)
+        return stop
 
     # -- load ------------------------------------------------------------------------------------------------
     def load(self, info: CheckpointInfo) -> int:
@@ -711,6 +721,9 @@ class Checkpointer:
 
     def close(self) -> None:
         self.wait()
+        if self.stop_vote is not None:  # every rank started it: let it finish before the group goes away
+            self.stop_vote[0].wait()
+            self.stop_vote = None
         if self.stager is not None:
             self.stager.close()
 

@@ -140,6 +140,15 @@ def test_sigterm_saves_exits_zero_and_the_resumed_run_continues_the_curve(refere
     assert curve(tmp_path, range(1, 21)) == curve(reference, range(1, 21))
 
 
+def test_sigterm_vote_of_several_ranks_overlaps_a_step(tmp_path):
+    """With several ranks the stop vote runs in the background during the next step (a CPU all-reduce over
+    every rank is slow at scale): both ranks, signalled in step 6, save step 7 together and exit 0."""
+    stopped = train(tmp_path, *FOR_LOOP, fault="6:sigterm", ngpu=2)
+    assert "SIGTERM: checkpoint of step 7 saved; exiting" in stdout_of(stopped)
+    assert sorted(metrics(tmp_path)) == list(range(1, 8))
+    assert [s for s, _, ok in list_steps(str(tmp_path / "checkpoint")) if ok] == [7]
+
+
 def test_sigterm_to_run_train_sh_with_two_ranks(tmp_path):
     env = {**os.environ, "NGPU": "2", "PYTHON": sys.executable}
     env.pop("TESSERA_FAULT_AT", None)
