@@ -27,7 +27,8 @@ run() {  # LABEL ARGS...
   [ $rc = 0 ] && python3 bench/summarize.py "$RUNS/$label" --skip 5 || echo "$label: exit $rc"
 }
 
-pack() {  # NAME: every run folder and log of this script (plots and traces left out) as $RET/NAME.tar.gz
-  tar czf "$RET/$1.tar.gz" --exclude "*.png" --exclude "*trace*.json*" --exclude "*.pickle" -C "$RUNS" . \
+pack() {  # NAME: every run folder and log of this script (plots, traces, checkpoint data left out) as $RET/NAME.tar.gz
+  tar czf "$RET/$1.tar.gz" --exclude "*.png" --exclude "*trace*.json*" --exclude "*.pickle" --exclude "*.distcp" \
+    -C "$RUNS" . \
     && echo "packed $(find "$RUNS" -type f | wc -l) files of $RUNS into $RET/$1.tar.gz ($(du -h "$RET/$1.tar.gz" | cut -f1))"
 }

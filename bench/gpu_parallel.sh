@@ -7,8 +7,9 @@
 #     debug model in fp32, FSDP 2 and TP 2, loss curves printed beside the single-rank CUDA run's (TP 2 reads
 #     the same batches and must match it; FSDP 2's ranks read their own shards of the data), TP 2 with the
 #     vocabulary-parallel fused loss (must match too), and CP 2 with cp_rotate = allgather (same batches as
-#     one rank: its curve must match too). Then FSDP on one rank with CPU offload (parameters, gradients and
-#     AdamW in host memory, the process group cuda:nccl,cpu:gloo): its curve must match the single-rank one.
+#     one rank: its curve must match too); FSDP 2 also saves asynchronously (the checkpoint votes on CUDA).
+#     Then FSDP on one rank with CPU offload (parameters, gradients and AdamW in host memory, the process group
+#     cuda:nccl,cpu:gloo): its curve must match the single-rank one.
 #  3. bench/cuda_cp_check.py: ring attention's CUDA kernels (bf16 flash, fp32 matmul, bf16 document-masked) against full SDPA.
 #
 #   device run (carry .whl):  bash bench/gpu_parallel.sh
@@ -33,7 +34,9 @@ print(sys.argv[2].split("/")[-1], "losses", [round(x, 5) for x in b], "one rank"
 print("  max relative difference", max(abs(x - y) / abs(x) for x, y in zip(a, b)))
 PY
 }
-for layout in "--parallelism.dp_shard 2" "--parallelism.tp 2 --training.global_batch_size 8" \
+# FSDP 2 also saves asynchronously at steps 3 and 6 (the commit votes' CUDA path: pinned copies behind events).
+for layout in "--parallelism.dp_shard 2 --checkpoint.enable --checkpoint.interval 3 --checkpoint.async_mode async" \
+              "--parallelism.tp 2 --training.global_batch_size 8" \
               "--parallelism.tp 2 --training.global_batch_size 8 --training.loss_chunk_tokens 300" \
               "--parallelism.cp 2 --training.global_batch_size 8"; do
   name=$(echo "$layout" | tr -d ' -' | tr '.' '_')
@@ -41,6 +44,7 @@ for layout in "--parallelism.dp_shard 2" "--parallelism.tp 2 --training.global_b
     --config train_configs/debug_model.toml --job.dump_folder "$RUNS/$name" "${SMALL[@]}" $layout \
     > "$RUNS/$name.log" 2>&1 || tail -n 30 "$RUNS/$name.log"
   compare_to_one "$name"
+  [ -d "$RUNS/$name/checkpoint" ] && { grep -h "committed" "$RUNS/$name.log"; ls "$RUNS/$name/checkpoint"; }
 done
 python3 -m engine.train --config train_configs/debug_model.toml --job.dump_folder "$RUNS/fsdp_cpu_offload" \
   "${SMALL[@]}" --training.global_batch_size 8 --parallelism.fsdp_single_rank --parallelism.fsdp_cpu_offload \

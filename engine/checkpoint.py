@@ -19,7 +19,8 @@ refused, and tensors are read with ``torch.load(weights_only=True)`` by DCP itse
 
 Async save (checkpoint.async_mode): the state is staged (copied; through pinned memory on CUDA with
 async_with_pinned_mem) and written by a background thread over a separate gloo process group while
-training goes on; the commit follows once every rank's write has finished (checked at each step boundary).
+training goes on; the commit follows once every rank's write has finished (voted on at each step boundary).
+Everything else (sync saves, loads, votes, barriers) runs on the default process group.
 """
 
 from __future__ import annotations
@@ -395,11 +396,14 @@ class Checkpointer:
         self.is_main = self.rank == 0
         c = cfg.checkpoint
         self.async_mode = c.async_mode if c.enable else "disabled"
-        # A gloo group of its own for the background writer's collectives and the commit/stop votes, so that
-        # they never interleave with the training's collectives (and never sync a GPU stream).
-        needed = dist.is_initialized() and (c.enable or c.initial_load_path or c.create_seed_checkpoint)
-        self.pg = dist.new_group(backend="gloo") if needed else None
-        self.ctrl = dist.new_group(backend="gloo") if needed else None  # votes and barriers
+        # Saves, loads, votes and barriers run on the default process group, from the training thread, at the
+        # same points on every rank. Only an async save's background writer needs a group of its own (gloo:
+        # its collectives run beside the training's), as torchtitan's: a gloo group connects every pair of
+        # ranks at creation, which takes long at thousands of ranks.
+        self.distributed = dist.is_initialized() and self.world_size > 1
+        self.pg = dist.new_group(backend="gloo") if self.distributed and self.async_mode != "disabled" else None
+        self.stop_vote = _Vote(trainer.world.device) if self.distributed else None
+        self.commit_vote = _Vote(trainer.world.device) if self.distributed else None
         self.stager = None
         if self.async_mode == "async_with_pinned_mem" and torch.cuda.is_available():
             from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
@@ -408,7 +412,6 @@ class Checkpointer:
                                                        use_async_staging=False, use_non_blocking_copy=True))
         self.pending: Optional[dict] = None  # an async save being written: step, future, start time, steps
         self.preempted = False
-        self.stop_vote: Optional[tuple] = None  # stop_requested's vote in flight: (its work, its result)
 
     # -- state dicts -------------------------------------------------------------------------------------------
     def _parts(self) -> list[nn.Module]:
@@ -481,7 +484,7 @@ class Checkpointer:
                             "steps": 0}
             self._log(f"checkpoint: step {step} staged in {self.pending['staged']:.2f}s; writing in the background")
             return
-        dcp.save(state, storage_writer=writer, process_group=self.pg, no_dist=not dist.is_initialized())
+        dcp.save(state, storage_writer=writer, no_dist=not dist.is_initialized())
         _fault(step, "dcp_done")
         self._commit(step, folder, time.perf_counter() - t0, model_only)
 
@@ -550,15 +553,20 @@ class Checkpointer:
             shutil.rmtree(folder, ignore_errors=True)
 
     def poll(self) -> None:
-        """At a step boundary: commit a finished async save (every rank must have finished writing)."""
+        """At a step boundary: commit a finished async save once every rank has finished writing it (with
+        several ranks, as the vote of the previous boundary says: the vote runs during a step)."""
         if self.pending is None:
             return
         self.pending["steps"] += 1
-        done = torch.tensor([int(self.pending["future"].done())])
-        if self.ctrl is not None:
-            dist.all_reduce(done, op=dist.ReduceOp.MIN, group=self.ctrl)
-        if done.item():
+        writing = int(not self.pending["future"].done())
+        if self.commit_vote is None:
+            if not writing:
+                self._finish_pending()
+            return
+        if self.commit_vote.collect() == 0:  # the previous boundary's vote (none at the first after the save)
             self._finish_pending()
+        else:
+            self.commit_vote.start(writing)
 
     def wait(self) -> None:
         """Block until an async save has been written and committed."""
@@ -567,6 +575,8 @@ class Checkpointer:
             self._finish_pending()
 
     def _finish_pending(self) -> None:
+        if self.commit_vote is not None:
+            self.commit_vote.collect()  # a vote on this save still in flight (wait() came first): spent
         p, self.pending = self.pending, None
         p["future"].result()  # raises the writer's error, if any
         _fault(p["step"], "dcp_done")
@@ -599,20 +609,13 @@ class Checkpointer:
 
     def stop_requested(self) -> bool:
         """Whether any rank got SIGTERM; called by every rank at every step boundary. All ranks agree, so they
-        stop at the same step boundary: with several ranks, the one after the vote that saw the signal. Each
-        call collects the previous call's vote and starts its own in the background, so the vote's latency (a
-        CPU all-reduce over every rank, long at thousands of ranks) overlaps a training step instead of
-        blocking one; the stop comes one step later."""
-        if self.ctrl is None or dist.get_world_size(self.ctrl) == 1:
+        stop at the same step boundary: with several ranks, the one after the vote that saw the signal (the
+        vote runs during a step, see ``_Vote``)."""
+        if self.stop_vote is None:
             return self.preempted
-        stop = False
-        if self.stop_vote is not None:
-            work, flag = self.stop_vote
-            work.wait()
-            stop = bool(flag.item())
-        flag = torch.tensor([int(self.preempted)])
-        self.stop_vote = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.ctrl, async_op=True), flag)
-        return stop
+        stop = self.stop_vote.collect()  # the previous boundary's vote (none at the first)
+        self.stop_vote.start(int(self.preempted))
+        return bool(stop)
 
     # -- load ------------------------------------------------------------------------------------------------
     def load(self, info: CheckpointInfo) -> int:
@@ -622,8 +625,7 @@ class Checkpointer:
         optim, flat = self.optimizer_state()
         self._check_entries(info, {**model, **optim}, "checkpoint.folder")
         state = {**model, **optim}
-        dcp.load(state, storage_reader=SafeFileSystemReader(info.folder), process_group=self.pg,
-                 no_dist=not dist.is_initialized())
+        dcp.load(state, storage_reader=SafeFileSystemReader(info.folder), no_dist=not dist.is_initialized())
         self._set_model(state)
         pp = isinstance(self.trainer.model, nn.ModuleList)
         for key in flat:
@@ -668,14 +670,12 @@ class Checkpointer:
         dtype = EXPORT_DTYPES.get(info.train_state.get("dtype", "float32"), torch.float32)
         if dtype != torch.float32:  # a model-only export in another dtype: load, then cast into place
             state = {k: v.detach().to(dtype) for k, v in model.items()}
-            dcp.load(state, storage_reader=SafeFileSystemReader(path), process_group=self.pg,
-                     no_dist=not dist.is_initialized())
+            dcp.load(state, storage_reader=SafeFileSystemReader(path), no_dist=not dist.is_initialized())
             with torch.no_grad():
                 for k, v in model.items():
                     v.copy_(state[k])
         else:
-            dcp.load(model, storage_reader=SafeFileSystemReader(path), process_group=self.pg,
-                     no_dist=not dist.is_initialized())
+            dcp.load(model, storage_reader=SafeFileSystemReader(path), no_dist=not dist.is_initialized())
         self._set_model(model)
         self._log(f"checkpoint: initial weights from {path} (step {info.step}) in {time.perf_counter() - t0:.2f}s")
 
@@ -712,8 +712,8 @@ class Checkpointer:
 
     # -- helpers -----------------------------------------------------------------------------------------------
     def _barrier(self) -> None:
-        if self.ctrl is not None:
-            dist.barrier(group=self.ctrl)
+        if self.distributed:
+            dist.barrier()
 
     def _log(self, message: str) -> None:
         if self.is_main:
@@ -721,11 +721,48 @@ class Checkpointer:
 
     def close(self) -> None:
         self.wait()
-        if self.stop_vote is not None:  # every rank started it: let it finish before the group goes away
-            self.stop_vote[0].wait()
-            self.stop_vote = None
+        for vote in (self.stop_vote, self.commit_vote):  # every rank started it: let it finish
+            if vote is not None:
+                vote.collect()
         if self.stager is not None:
             self.stager.close()
+
+
+class _Vote:
+    """A vote of every rank at a step boundary that never stalls training: ``start(value)`` begins an
+    all-reduce (MAX) of one integer per rank over the default process group, and ``collect()`` at the next
+    boundary returns its result, so the collective runs while a training step does. On CUDA the result is
+    copied to pinned host memory behind an event, so collecting waits for the vote alone, never for the step
+    queued after it (no host sync of the step)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.in_flight: Optional[tuple] = None  # (work, result tensor on the host, CUDA event or None)
+
+    def start(self, value: int) -> None:
+        assert self.in_flight is None, "collect the vote in flight first"
+        flag = torch.full((1,), value, dtype=torch.int32, device=self.device)  # a fill: no host-to-device copy
+        work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True)
+        event = None
+        if flag.is_cuda:
+            work.wait()  # orders the copy after the collective on the GPU; the host does not wait
+            host = torch.empty(1, dtype=torch.int32, pin_memory=True)
+            host.copy_(flag, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            work, flag = None, host
+        self.in_flight = (work, flag, event)
+
+    def collect(self) -> Optional[int]:
+        """The result of the vote in flight (waiting for it to finish), or None when none is."""
+        if self.in_flight is None:
+            return None
+        (work, flag, event), self.in_flight = self.in_flight, None
+        if work is not None:
+            work.wait()
+        if event is not None:
+            event.synchronize()
+        return int(flag.item())
 
 
 class _FaultyWriter(FileSystemWriter):

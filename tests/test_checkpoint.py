@@ -378,6 +378,24 @@ def test_async_save_writes_the_same_contents_while_training_goes_on(reference, t
     assert curve(tmp_path, range(1, 21)) == curve(reference, range(1, 21))
 
 
+def test_async_save_on_two_ranks_commits_once_every_rank_has_written(tmp_path):
+    """Two ranks vote at each step boundary (during the next step) on whether both have finished writing; the
+    commit follows, with the same contents as a synchronous save, and a SIGTERM stop commits the pending save
+    before its own."""
+    train(tmp_path / "sync", *FOR_LOOP, ngpu=2)
+    out = train(tmp_path / "async", *FOR_LOOP, "--checkpoint.async_mode", "async", ngpu=2).stdout
+    staged, committed = out.index("checkpoint: step 10 staged"), out.index("checkpoint: step 10 committed")
+    assert "step: 11" in out[staged:committed] and "in the background over" in out[committed:].splitlines()[0]
+    for step in (10, 20):
+        a = read_full(str(tmp_path / "sync" / "checkpoint" / f"step-{step:06d}"))
+        b = read_full(str(tmp_path / "async" / "checkpoint" / f"step-{step:06d}"))
+        assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a), step
+    assert curve(tmp_path / "async", range(1, 21)) == curve(tmp_path / "sync", range(1, 21))
+    stopped = train(tmp_path / "stopped", *FOR_LOOP, "--checkpoint.async_mode", "async", fault="10:sigterm", ngpu=2)
+    assert "SIGTERM: checkpoint of step 11 saved; exiting" in stopped.stdout
+    assert [s for s, _, ok in list_steps(str(tmp_path / "stopped" / "checkpoint")) if ok] == [10, 11]
+
+
 # ------------------------------------------------------------------------------------------------------------
 # Bad checkpoints
 # ------------------------------------------------------------------------------------------------------------

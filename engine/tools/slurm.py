@@ -166,9 +166,10 @@ trap forward_term TERM
 NODE_LAUNCH="$LOG_DIR/launch_node.sh"
 cat > "$NODE_LAUNCH" <<'NODE'
 #!/bin/bash
+launcher=""  # the trap comes first: a signal right after the launch must not end this shell (USR2's default)
+trap '[ -n "$launcher" ] && pkill -TERM -P "$launcher" || true' TERM USR2
 "$PYTHON" -m engine.launch "$@" &
 launcher=$!
-trap 'pkill -TERM -P "$launcher" || true' TERM USR2
 status=0
 wait "$launcher" || status=$?
 while kill -0 "$launcher" 2>/dev/null; do status=0; wait "$launcher" || status=$?; done
