@@ -93,6 +93,23 @@ def tree(folder: Path) -> dict[str, str]:
             for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
+def committed(checkpoint_folder: Path) -> list[int]:
+    """The steps of ``checkpoint_folder`` that have a commit marker."""
+    return [s for s, _, ok in list_steps(str(checkpoint_folder)) if ok]
+
+
+def same_tensors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def mismatched(held: dict[str, torch.Tensor], whole: dict[str, torch.Tensor]) -> list[str]:
+    """The names of the values this rank holds (DTensors or plain) that differ from ``whole``'s whole tensors."""
+    from torch.distributed.tensor import DTensor
+
+    return [key for key, value in held.items()
+            if not torch.equal((value.full_tensor() if isinstance(value, DTensor) else value).detach().cpu(), whole[key])]
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> Path:
     """20 uninterrupted steps, one process, checkpoints at 10 and 20."""
@@ -109,7 +126,7 @@ def reference(tmp_path_factory) -> Path:
 def test_kill_after_step_10_and_resume_is_bit_identical(reference, tmp_path):
     killed = train(tmp_path, fault="10:committed", check=False)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
-    assert [s for s, _, ok in list_steps(str(tmp_path / "checkpoint")) if ok] == [10]
+    assert committed(tmp_path / "checkpoint") == [10]
     resumed = train(tmp_path)
     assert "resumed from step 10" in resumed.stdout
     # The resumed run appends to the killed run's metrics.jsonl: one curve, the uninterrupted one.
@@ -135,7 +152,7 @@ def test_sigterm_saves_exits_zero_and_the_resumed_run_continues_the_curve(refere
     stopped = train(tmp_path, fault="6:sigterm")  # SIGTERM to itself in the middle of step 6
     assert "SIGTERM: checkpoint of step 6 saved; exiting" in stdout_of(stopped)
     assert sorted(metrics(tmp_path)) == list(range(1, 7))
-    assert [s for s, _, ok in list_steps(str(tmp_path / "checkpoint")) if ok] == [6]
+    assert committed(tmp_path / "checkpoint") == [6]
     train(tmp_path)
     assert curve(tmp_path, range(1, 21)) == curve(reference, range(1, 21))
 
@@ -146,7 +163,7 @@ def test_sigterm_vote_of_several_ranks_overlaps_a_step(tmp_path):
     stopped = train(tmp_path, *FOR_LOOP, fault="6:sigterm", ngpu=2)
     assert "SIGTERM: checkpoint of step 7 saved; exiting" in stdout_of(stopped)
     assert sorted(metrics(tmp_path)) == list(range(1, 8))
-    assert [s for s, _, ok in list_steps(str(tmp_path / "checkpoint")) if ok] == [7]
+    assert committed(tmp_path / "checkpoint") == [7]
 
 
 def test_sigterm_to_run_train_sh_with_two_ranks(tmp_path):
@@ -162,7 +179,7 @@ def test_sigterm_to_run_train_sh_with_two_ranks(tmp_path):
     proc.send_signal(signal.SIGTERM)  # what SLURM sends to the batch script
     out, _ = proc.communicate(timeout=240)
     assert proc.returncode == 0, out[-3000:]
-    done = [s for s, _, ok in list_steps(str(tmp_path / "checkpoint")) if ok]
+    done = committed(tmp_path / "checkpoint")
     assert len(done) == 1 and f"SIGTERM: checkpoint of step {done[0]} saved" in out
     again = train(tmp_path, "--training.steps", str(done[0] + 2), ngpu=2)
     assert f"resumed from step {done[0]}" in again.stdout
@@ -265,33 +282,32 @@ RESHARD = ["--training.steps", "8", "--checkpoint.interval", "4", "--training.gl
            "--data.num_shards", "4", *FOR_LOOP]
 
 
-def resume_probe_job(world_size: int, rank: int, steps: int, argv: list[str]) -> list[dict]:
-    """On every rank: build the Trainer for ``argv``, which resumes from the run's newest checkpoint on this
-    layout; check that every model and optimizer value this rank holds equals the checkpoint's (read whole),
-    and draw the next ``steps`` steps' batches (without training) to record their sample ids. Returns what
-    every rank found."""
-    import torch.distributed as dist
-    from torch.distributed.tensor import DTensor
-
+def probe_trainer(argv: list[str], world_size: int):
+    """The Trainer of ``argv`` on this rank of a harness job (which has initialized the process group)."""
     from engine.config import validate
     from engine.distributed import init_distributed
     from engine.trainer import Trainer
 
     cfg = parse_args(argv)
     validate(cfg, world_size)
-    trainer = Trainer(cfg, init_distributed())
+    return Trainer(cfg, init_distributed())
+
+
+def resume_probe_job(world_size: int, rank: int, steps: int, argv: list[str]) -> list[dict]:
+    """On every rank: build the Trainer for ``argv``, which resumes from the run's newest checkpoint on this
+    layout; check that every model and optimizer value this rank holds equals the checkpoint's (read whole),
+    and draw the next ``steps`` steps' batches (without training) to record their sample ids. Returns what
+    every rank found."""
+    import torch.distributed as dist
+
+    trainer = probe_trainer(argv, world_size)
     assert trainer.resume_from is not None, "the probe expects a checkpoint to resume from"
     saved = read_full(trainer.resume_from.folder)
     held = {**trainer.checkpointer.model_state(), **trainer.checkpointer.optimizer_state()[0]}
-    mismatched = []
-    for key, value in held.items():
-        whole = value.full_tensor() if isinstance(value, DTensor) else value
-        if not torch.equal(whole.detach().cpu(), saved[key]):
-            mismatched.append(key)
     batches = iter(trainer.dataloader)
     ids = [[int(i) for _ in range(trainer.grad_accum) for i in next(batches)["sample_ids"]] for _ in range(steps)]
     mine = {"rank": rank, "dp_leader": trainer.dims.is_dp_leader(), "step": trainer.step, "keys": sorted(held),
-            "mismatched": mismatched, "ids": ids}
+            "mismatched": mismatched(held, saved), "ids": ids}
     trainer.checkpointer.close()
     trainer.metrics.close()
     everyone = [mine]
@@ -364,13 +380,13 @@ def test_async_save_writes_the_same_contents_while_training_goes_on(reference, t
     run = train(tmp_path, "--checkpoint.async_mode", "async")
     out = run.stdout
     staged = out.index("checkpoint: step 10 staged")
-    committed = out.index("checkpoint: step 10 committed")
-    assert "step: 11" in out[staged:committed]  # training went on while the checkpoint was written
-    assert "in the background over" in out[committed:].splitlines()[0]
+    commit_at = out.index("checkpoint: step 10 committed")
+    assert "step: 11" in out[staged:commit_at]  # training went on while the checkpoint was written
+    assert "in the background over" in out[commit_at:].splitlines()[0]
     for step in (10, 20):
         a = read_full(str(reference / "checkpoint" / f"step-{step:06d}"))
         b = read_full(str(tmp_path / "checkpoint" / f"step-{step:06d}"))
-        assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a), step
+        assert same_tensors(a, b), step
         for extra in ("train_state.json", "dataloader/dp-00000.json", "rng/rank-00000.json"):
             ja = json.loads((reference / "checkpoint" / f"step-{step:06d}" / extra).read_text())
             jb = json.loads((tmp_path / "checkpoint" / f"step-{step:06d}" / extra).read_text())
@@ -384,16 +400,16 @@ def test_async_save_on_two_ranks_commits_once_every_rank_has_written(tmp_path):
     before its own."""
     train(tmp_path / "sync", *FOR_LOOP, ngpu=2)
     out = train(tmp_path / "async", *FOR_LOOP, "--checkpoint.async_mode", "async", ngpu=2).stdout
-    staged, committed = out.index("checkpoint: step 10 staged"), out.index("checkpoint: step 10 committed")
-    assert "step: 11" in out[staged:committed] and "in the background over" in out[committed:].splitlines()[0]
+    staged, commit_at = out.index("checkpoint: step 10 staged"), out.index("checkpoint: step 10 committed")
+    assert "step: 11" in out[staged:commit_at] and "in the background over" in out[commit_at:].splitlines()[0]
     for step in (10, 20):
         a = read_full(str(tmp_path / "sync" / "checkpoint" / f"step-{step:06d}"))
         b = read_full(str(tmp_path / "async" / "checkpoint" / f"step-{step:06d}"))
-        assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a), step
+        assert same_tensors(a, b), step
     assert curve(tmp_path / "async", range(1, 21)) == curve(tmp_path / "sync", range(1, 21))
     stopped = train(tmp_path / "stopped", *FOR_LOOP, "--checkpoint.async_mode", "async", fault="10:sigterm", ngpu=2)
     assert "SIGTERM: checkpoint of step 11 saved; exiting" in stopped.stdout
-    assert [s for s, _, ok in list_steps(str(tmp_path / "stopped" / "checkpoint")) if ok] == [10, 11]
+    assert committed(tmp_path / "stopped" / "checkpoint") == [10, 11]
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -586,7 +602,7 @@ def test_hf_export_and_import_start_a_run_from_the_same_weights(reference, tmp_p
     from_hf(str(tmp_path / "hf"), str(tmp_path / "back"), "debugmodel")
     model = read_full(str(step), "model.")
     back = read_full(str(tmp_path / "back"), "model.")
-    assert sorted(model) == sorted(back) and all(torch.equal(model[k], back[k]) for k in model)
+    assert same_tensors(model, back)
     # Training from the HF folder starts from exactly the weights of training from the Tessera step.
     one = [*BASE, "--training.steps", "2", "--checkpoint.enable", "false"]
     run_jobs(1, train_job, {
@@ -597,31 +613,23 @@ def test_hf_export_and_import_start_a_run_from_the_same_weights(reference, tmp_p
     assert metrics(tmp_path / "from_hf")[1]["loss"] < metrics(reference)[1]["loss"] - 1  # trained weights
 
 
-def hf_load_probe_job(world_size: int, rank: int, hf: str, argv: list[str]) -> dict:
+def hf_load_probe_job(world_size: int, rank: int, hf: str, argv: list[str]) -> list[dict]:
     """On every rank: build the Trainer for ``argv`` (initial weights from the Hugging Face folder ``hf``); return
     the names of the model values this rank holds that differ from the whole ``expected.pt`` beside ``hf``, and
     how many bytes loading the folder again into this rank's model parts reads; rank 0 returns every rank's."""
     import torch.distributed as dist
-    from torch.distributed.tensor import DTensor
 
-    from engine.config import validate
-    from engine.distributed import init_distributed
     from engine.hf import load_hf_into
-    from engine.trainer import Trainer
 
-    cfg = parse_args(argv)
-    validate(cfg, world_size)
-    trainer = Trainer(cfg, init_distributed())
+    trainer = probe_trainer(argv, world_size)
     expected = torch.load(os.path.join(os.path.dirname(hf), "expected.pt"))
     held = trainer.checkpointer.model_state()
-    mismatched = [key for key, value in held.items()
-                  if not torch.equal((value.full_tensor() if isinstance(value, DTensor) else value).detach(),
-                                     expected[key])]
+    wrong = mismatched(held, expected)
     read, _ = load_hf_into(trainer.model_parts, hf, trainer.model_args)
     trainer.checkpointer.close()
     trainer.metrics.close()
     everyone = [None] * world_size
-    dist.all_gather_object(everyone, {"keys": sorted(held), "mismatched": mismatched, "read": read})
+    dist.all_gather_object(everyone, {"keys": sorted(held), "mismatched": wrong, "read": read})
     return everyone
 
 
@@ -729,7 +737,7 @@ def test_last_save_hf_writes_the_final_model_for_transformers(tmp_path):
     assert all(torch.equal(loaded[k], model[k].bfloat16().float()) for k in model)
     hf_model = load_in_transformers(str(hf))
     assert torch.equal(hf_model.lm_head.weight, model["output.weight"].bfloat16().float())
-    assert [s for s, _, ok in list_steps(str(dump / "checkpoint")) if ok] == [3]  # not a step folder itself
+    assert committed(dump / "checkpoint") == [3]  # not a step folder itself
     # Run again (one rank now), it resumes at the last step and leaves the export as it is.
     before = tree(hf)
     again = train(dump, *args, ngpu=1).stdout
@@ -748,7 +756,7 @@ def test_seed_checkpoint_starts_any_layout_from_the_same_weights(tmp_path):
     train(tmp_path / "seed8", "--checkpoint.create_seed_checkpoint", "--debug.seed", "7", "--parallelism.pp", "2",
           "--parallelism.dp_shard", "2", "--parallelism.tp", "2", "--training.global_batch_size", "8", ngpu=8)
     one, eight = read_full(str(folder)), read_full(str(tmp_path / "seed8" / "checkpoint" / "step-000000"))
-    assert sorted(one) == sorted(eight) and all(torch.equal(one[k], eight[k]) for k in one)
+    assert same_tensors(one, eight)
     one = [*BASE, "--training.steps", "2", "--checkpoint.enable", "false"]
     run_jobs(2, train_job, {  # FSDP 2: both runs in one pair of ranks
         "seeded": ([*one, "--checkpoint.initial_load_path", str(folder), "--job.dump_folder", str(tmp_path / "seeded")],),
