@@ -36,14 +36,14 @@ import signal
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -798,3 +798,31 @@ def read_tensors(folder: str, names: list[str], info: CheckpointInfo) -> dict[st
     state = {k: torch.empty(tuple(info.tensors[k].size), dtype=info.tensors[k].properties.dtype) for k in names}
     dcp.load(state, storage_reader=SafeFileSystemReader(folder), no_dist=True)
     return state
+
+
+class _FetchingPlanner(DefaultSavePlanner):
+    """A save plan made from shapes alone (meta tensors), whose data ``fetch(name)`` returns when DCP writes it."""
+
+    def __init__(self, fetch: Callable[[str], torch.Tensor]):
+        super().__init__()
+        self._fetch = fetch
+
+    def lookup_object(self, index):  # DefaultSavePlanner's extension point: the data of one write item
+        return self._fetch(index.fqn)
+
+
+def write_tensors(folder: str, shapes: dict[str, tuple[tuple[int, ...], torch.dtype]],
+                  fetch: Callable[[str], torch.Tensor]) -> None:
+    """Save the tensors ``shapes`` names (``{name: (shape, dtype)}``) to the new checkpoint folder ``folder``, in
+    one process (CPU), asking ``fetch(name)`` for each one's data only as DCP writes it, so that memory holds one
+    tensor at a time whatever the size of the whole (read_tensors' counterpart). One file per tensor: DCP keeps
+    every tensor of a file until the file is written."""
+    state = {name: torch.empty(shape, dtype=dtype, device="meta") for name, (shape, dtype) in shapes.items()}
+
+    def checked(name: str) -> torch.Tensor:
+        tensor = fetch(name)
+        assert (tuple(tensor.shape), tensor.dtype) == shapes[name], (name, tensor.shape, tensor.dtype)
+        return tensor
+
+    writer = FileSystemWriter(folder, single_file_per_rank=False, thread_count=1)
+    dcp.save(state, storage_writer=writer, planner=_FetchingPlanner(checked), no_dist=True)

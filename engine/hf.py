@@ -5,8 +5,9 @@ A Hugging Face folder holds ``config.json`` and the weights in safetensors: ``mo
 transformers' ``LlamaForCausalLM.from_pretrained(folder)`` loads what ``export_hf`` writes.
 
 The model-specific part (names, the RoPE permutation, config.json) is the model family's state-dict adapter
-(``ModelSpec.state_dict_adapter``, found from the class of ``args``), which provides ``to_hf``, ``from_hf``,
-``hf_shapes``, ``hf_config`` and ``check_hf_config`` (see ``models.llama3.hf_adapter``).
+(``ModelSpec.state_dict_adapter``, found from the class of ``args``), which provides ``names``, ``hf_name``,
+``hf_shapes``, ``to_hf``/``tensor_to_hf``, ``from_hf``/``read_from_hf``, ``hf_config`` and ``check_hf_config``
+(see ``models.llama3.hf_adapter``).
 
 Loading reads JSON and safetensors only (never pickle): a folder with ``pytorch_model.bin`` alone is refused.
 Every problem with a folder is a ``ValueError`` starting with the config field that named it.
@@ -20,8 +21,8 @@ import math
 import os
 import shutil
 import tempfile
-from contextlib import ExitStack
-from typing import Any, Callable, Optional
+from contextlib import ExitStack, contextmanager
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from safetensors import safe_open
@@ -31,7 +32,8 @@ from torch import Tensor
 from engine.config import read_json_object
 from models import get_model_spec, model_names
 
-__all__ = ["export_hf", "export_checkpoint_hf", "load_hf", "load_hf_into", "model_args_for", "MAX_SHARD_BYTES"]
+__all__ = ["export_hf", "export_checkpoint_hf", "load_hf", "load_hf_into", "open_hf", "model_args_for",
+           "MAX_SHARD_BYTES"]
 
 MAX_SHARD_BYTES = 5 * 10**9
 """Above this many bytes of weights the export is split into shards of at most this size (as transformers does)."""
@@ -292,15 +294,6 @@ def _read_header(path: str, field: str) -> dict[str, tuple[tuple[int, ...], str]
         raise _safetensors_error(path, field, e) from None
 
 
-def _read_tensors(path: str, names: list[str], field: str) -> dict[str, Tensor]:
-    """The tensors ``names`` of the safetensors file ``path``, as float32."""
-    try:
-        with safe_open(path, framework="pt") as f:
-            return {name: f.get_tensor(name).to(torch.float32) for name in names}
-    except Exception as e:
-        raise _safetensors_error(path, field, e) from None
-
-
 def check_hf(
     folder: str,
     args: Any,
@@ -363,6 +356,60 @@ def check_hf(
     return plan
 
 
+class HFReader:
+    """Reads the Tessera tensors of a checked Hugging Face folder, or parts of them, from its safetensors files
+    (``open_hf`` makes one). ``bytes_read`` counts the tensor data read so far; ``total_bytes`` is the size of the
+    folder's weight files."""
+
+    def __init__(self, adapter: Any, args: Any, files: dict[str, tuple[str, Any]], total_bytes: int, field: str):
+        self._adapter, self._args, self._files, self._field = adapter, args, files, field
+        self.bytes_read, self.total_bytes = 0, total_bytes
+
+    def _read_stored(self, hf_name: str, box: tuple[slice, ...]) -> Tensor:
+        path, handle = self._files[hf_name]
+        try:
+            block = handle.get_slice(hf_name)[box]
+        except Exception as e:
+            raise _safetensors_error(path, self._field, e) from None
+        self.bytes_read += block.numel() * block.element_size()
+        return block
+
+    def read(self, name: str, box: Optional[tuple[slice, ...]] = None) -> Tensor:
+        """The part ``box`` (one slice per dimension; all of it by default) of the Tessera tensor ``name``, in the
+        dtype it is stored in; only that part's rows (whole RoPE heads for wq/wk) are read."""
+        if box is None:
+            box = tuple(slice(0, n) for n in self.shapes[name])
+        return self._adapter.read_from_hf(name, box, self._read_stored, self._args)
+
+    @property
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every tensor's shape, by Tessera name, in the model's order."""
+        hf_shapes = self._adapter.hf_shapes(self._args)
+        return {name: hf_shapes[self._adapter.hf_name(name)] for name in self._adapter.names(self._args)}
+
+
+@contextmanager
+def open_hf(
+    folder: str,
+    args: Any,
+    *,
+    flavor: Optional[str] = None,
+    field: str = "checkpoint.initial_load_path",
+) -> Iterator[HFReader]:
+    """Check the Hugging Face checkpoint in ``folder`` (``check_hf``: same arguments, same errors), then open its
+    files for an ``HFReader``, which reads tensors one at a time, or the parts of them a rank holds."""
+    plan = check_hf(folder, args, flavor=flavor, field=field)
+    with ExitStack() as stack:
+        files = {}
+        for path, names in plan.items():
+            try:
+                handle = stack.enter_context(safe_open(path, framework="pt"))
+            except Exception as e:
+                raise _safetensors_error(path, field, e) from None
+            files.update({name: (path, handle) for name in names})
+        yield HFReader(_adapter_for(args), args, files, sum(os.path.getsize(path) for path in plan), field)
+
+
 def load_hf_into(
     parts: list[torch.nn.Module],
     folder: str,
@@ -379,38 +426,17 @@ def load_hf_into(
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
     from torch.distributed.tensor import DTensor
 
-    adapter = _adapter_for(args)
-    plan = check_hf(folder, args, field=field)
-    read_bytes, total = 0, sum(os.path.getsize(path) for path in plan)
-    with ExitStack() as stack:
-        files = {}
-        for path, names in plan.items():
-            try:
-                handle = stack.enter_context(safe_open(path, framework="pt"))
-            except Exception as e:
-                raise _safetensors_error(path, field, e) from None
-            files.update({name: (path, handle) for name in names})
-
-        def read(hf_name: str, box: tuple[slice, ...]) -> Tensor:
-            nonlocal read_bytes
-            path, handle = files[hf_name]
-            try:
-                block = handle.get_slice(hf_name)[box]
-            except Exception as e:
-                raise _safetensors_error(path, field, e) from None
-            read_bytes += block.numel() * block.element_size()
-            return block
-
+    with open_hf(folder, args, field=field) as reader:
         for part in parts:
             state = get_model_state_dict(part)
             with torch.no_grad():
                 for name, tensor in state.items():
                     local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-                    block = adapter.read_from_hf(name, _local_box(tensor), read, args)
+                    block = reader.read(name, _local_box(tensor))
                     assert block.shape == local.shape, (name, tuple(block.shape), tuple(local.shape))
                     local.copy_(block)
             set_model_state_dict(part, state)
-    return read_bytes, total
+        return reader.bytes_read, reader.total_bytes
 
 
 def _local_box(tensor: Tensor) -> tuple[slice, ...]:
@@ -433,8 +459,7 @@ def load_hf(
     field: str = "checkpoint.initial_load_path",
 ) -> dict[str, Tensor]:
     """The weights of the Hugging Face checkpoint in ``folder`` as a Tessera state dict of full float32 tensors,
-    after ``check_hf``'s checks (same arguments, same errors)."""
-    hf_state_dict: dict[str, Tensor] = {}
-    for path, names in check_hf(folder, args, flavor=flavor, field=field).items():
-        hf_state_dict.update(_read_tensors(path, names, field))
-    return _adapter_for(args).from_hf(hf_state_dict, args)
+    after ``check_hf``'s checks (same arguments, same errors): the whole model in memory, for small models and
+    tests (``open_hf`` reads one tensor at a time)."""
+    with open_hf(folder, args, flavor=flavor, field=field) as reader:
+        return {name: reader.read(name).to(torch.float32) for name in reader.shapes}

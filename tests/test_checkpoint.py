@@ -593,13 +593,33 @@ def test_a_model_only_checkpoint_is_not_resumed_from(reference, tmp_path):
 # ------------------------------------------------------------------------------------------------------------
 
 
-def test_hf_export_and_import_start_a_run_from_the_same_weights(reference, tmp_path):
+def test_hf_export_and_import_start_a_run_from_the_same_weights(reference, tmp_path, monkeypatch):
+    """to-hf then from-hf gives back the same weights; from-hf holds one tensor at a time (each fetched tensor is
+    handed to DCP in memory whose release is observed), and training from either starts from the same weights."""
+    import weakref
+
+    import numpy as np
+
+    import engine.checkpoint
     from engine.tools.convert_hf import from_hf, main as convert
 
     step = reference / "checkpoint" / "step-000020"
     assert convert(["to-hf", str(step), str(tmp_path / "hf"), "--dtype", "float32"]) == 0
     assert (tmp_path / "hf" / "config.json").is_file()
+    held, peak, write_tensors = [0], [0], engine.checkpoint.write_tensors
+
+    def observed(folder, shapes, fetch):
+        def fetch_observed(name):
+            memory = fetch(name).numpy().copy()  # DCP keeps what it is given alive as long as it needs it
+            held[0] += 1
+            peak[0] = max(peak[0], held[0])
+            weakref.finalize(memory, lambda: held.__setitem__(0, held[0] - 1))
+            return torch.from_numpy(memory)
+        return write_tensors(folder, shapes, fetch_observed)
+
+    monkeypatch.setattr(engine.checkpoint, "write_tensors", observed)
     from_hf(str(tmp_path / "hf"), str(tmp_path / "back"), "debugmodel")
+    assert peak[0] <= 2 and held == [0], peak  # the tensor being written and the next one
     model = read_full(str(step), "model.")
     back = read_full(str(tmp_path / "back"), "model.")
     assert same_tensors(model, back)

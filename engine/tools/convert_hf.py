@@ -9,7 +9,8 @@ vocabulary come from the checkpoint) and writes a folder that transformers' Llam
 loads, with the run's tokenizer.json (recorded in the checkpoint) unless told otherwise. from-hf writes a
 model-only Tessera step folder for checkpoint.initial_load_path (which also takes a Hugging Face folder
 directly, reading only each rank's slices). One process, CPU: to-hf holds one output shard (at most 5 GB in the
-export dtype) and its float32 source at a time; from-hf holds the whole model in float32 once.
+export dtype) and its float32 source at a time; from-hf holds one tensor at a time (the largest: the embedding or
+the output, vocabulary x dim in float32, 8.4 GB for 405B) and writes one file per tensor.
 """
 
 from __future__ import annotations
@@ -48,11 +49,13 @@ def to_hf(step_folder: str, out: str, dtype: str = "bfloat16", tokenizer: str = 
 
 
 def from_hf(hf_folder: str, out: str, flavor: str, model_name: str = "llama3") -> None:
-    import torch.distributed.checkpoint as dcp
+    """Write the Hugging Face folder ``hf_folder`` (checked first) as a model-only float32 step folder ``out``,
+    reading and writing one tensor at a time."""
+    import torch
 
-    from engine.checkpoint import FORMAT_VERSION, TRAIN_STATE_FILE, write_commit_marker, write_json
+    from engine.checkpoint import FORMAT_VERSION, TRAIN_STATE_FILE, write_commit_marker, write_json, write_tensors
     from engine.config import read_json_object
-    from engine.hf import load_hf, model_args_for
+    from engine.hf import model_args_for, open_hf
 
     if os.path.exists(out) and os.listdir(out):
         raise ValueError(f"out: {out} exists and is not empty; give a new folder")
@@ -60,9 +63,10 @@ def from_hf(hf_folder: str, out: str, flavor: str, model_name: str = "llama3") -
     if not isinstance(vocab, int) or vocab <= 0:
         raise ValueError(f"hf_folder: {hf_folder}/config.json has no positive integer vocab_size")
     args = model_args_for(model_name, flavor, vocab, field="--flavor")
-    state = {f"model.{k}": v for k, v in load_hf(hf_folder, args, flavor=flavor, field="hf_folder").items()}
+    with open_hf(hf_folder, args, flavor=flavor, field="hf_folder") as reader:
+        shapes = {f"model.{name}": (shape, torch.float32) for name, shape in reader.shapes.items()}
+        write_tensors(out, shapes, lambda key: reader.read(key[len("model."):]).to(torch.float32))
     tokenizer = os.path.join(hf_folder, "tokenizer.json")
-    dcp.save(state, checkpoint_id=out, no_dist=True)
     write_json(os.path.join(out, TRAIN_STATE_FILE), {
         "format": FORMAT_VERSION, "step": 0, "model_only": True, "model": model_name, "flavor": flavor,
         "dtype": "float32", "world_size": 1, "layout": "converted from Hugging Face", "source": hf_folder,

@@ -202,6 +202,11 @@ class Llama3HFAdapter:
         return state_dict
 
     @staticmethod
+    def names(args: TransformerModelArgs) -> list[str]:
+        """The Tessera name of every tensor of ``Transformer(args)``, in the model's order."""
+        return _tessera_names(args)
+
+    @staticmethod
     def hf_name(name: str) -> str:
         """The Hugging Face name of the Tessera parameter ``name``."""
         return _hf_name(name)
