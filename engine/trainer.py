@@ -262,7 +262,7 @@ class Trainer:
             ignored = (f"; {len(source.ignored)} file(s) of another format not read: "
                        f"{', '.join(os.path.basename(p) for p in source.ignored[:3])}"
                        f"{', ...' if len(source.ignored) > 3 else ''}") if source.ignored else ""
-            print(f"data: {source.describe()}{ignored}; tokenizer {self.tokenizer.path} "
+            print(f"data: {source.describe()}{ignored}{self.dataloader.split_note}; tokenizer {self.tokenizer.path} "
                   f"({self.tokenizer.vocab_size:,} tokens)", flush=True)
 
     # ----------------------------------------------------------------------------------------------------

@@ -411,6 +411,23 @@ def test_two_ranks_see_disjoint_documents_covering_all(tmp_path, streaming, layo
     assert sorted(seen[0] + seen[1]) == sorted(docs)
 
 
+def test_the_log_says_how_a_stream_splits_over_the_data_shards(tmp_path, tok):
+    """Four files split over 2 or 4 shards as whole files; over 3 every shard reads all four (datasets' fallback),
+    which the start-up line says with the fix; a map-style dataset is split by rows and says nothing."""
+    path = tmp_path / "parts"
+    path.mkdir()
+    for i in range(4):
+        write_jsonl(path / f"{i}.jsonl", docs_of(30)[6 * i: 6 * i + 6])
+    cfg = make_cfg(path, seq_len=16, batch=1, streaming=True)
+    assert build_dataloader(cfg, tok, 0, 1).split_note == ""
+    assert build_dataloader(cfg, tok, 1, 2).split_note == "; 2 data shards of 2 whole file(s) each"
+    assert build_dataloader(cfg, tok, 0, 1, num_shards=4).split_note == "; 4 data shards of 1 whole file(s) each"
+    note = build_dataloader(cfg, tok, 2, 3).split_note
+    assert note.startswith("; its 4 file(s) do not split evenly over 3 data shards: every shard reads all of them "
+                           "and keeps 1 document in 3") and "data.num_shards" in note, note
+    assert build_dataloader(make_cfg(path, seq_len=16, batch=1, streaming=False), tok, 1, 3).split_note == ""
+
+
 def test_two_rank_loaders_differ(tmp_path, tok):
     path = write_jsonl(tmp_path / "d.jsonl", docs_of(20))
     cfg = make_cfg(path, seq_len=16, batch=2, streaming=True)

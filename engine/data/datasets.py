@@ -42,6 +42,7 @@ import logging
 import lzma
 import os
 from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 from engine.config import Config, ConfigError, _did_you_mean
 
@@ -366,12 +367,35 @@ def load_full_dataset(cfg: Config, source: DataSource | None = None):
         raise ConfigError(f"{source.field}: cannot load {what}: {one_line(e)}{advice}") from None
 
 
-def build_dataset(cfg: Config, dp_rank: int = 0, dp_world_size: int = 1, fields: DataFields = TRAINING_FIELDS):
-    """This rank's share of the dataset, with the text column and non-emptiness checked; its errors name
-    ``fields``.
+class DatasetShard(NamedTuple):
+    """One data shard's documents, and how many files the whole stream has (0 when not streaming): a stream
+    whose files do not split evenly over the shards is read whole by every shard (``split_note``)."""
 
-    Returns a ``datasets.Dataset`` (data.streaming = false) or ``datasets.IterableDataset``.
-    """
+    dataset: Any  # a datasets.Dataset (data.streaming = false) or datasets.IterableDataset
+    stream_files: int
+
+
+def split_note(stream_files: int, num_shards: int) -> str:
+    """How a stream of ``stream_files`` files is split over ``num_shards`` data shards, for the start-up log."""
+    if not stream_files or num_shards == 1:
+        return ""
+    if stream_files % num_shards == 0:
+        return f"; {num_shards} data shards of {stream_files // num_shards} whole file(s) each"
+    return (f"; its {stream_files} file(s) do not split evenly over {num_shards} data shards: every shard reads all "
+            f"of them and keeps 1 document in {num_shards} ({num_shards}x the reading; set data.num_shards to a "
+            f"multiple of the dp degree that divides {stream_files}, or split the data into a multiple of "
+            f"{num_shards} files)")
+
+
+def build_dataset(cfg: Config, dp_rank: int = 0, dp_world_size: int = 1, fields: DataFields = TRAINING_FIELDS):
+    """This rank's share of the dataset (``build_dataset_shard``'s dataset)."""
+    return build_dataset_shard(cfg, dp_rank, dp_world_size, fields).dataset
+
+
+def build_dataset_shard(cfg: Config, dp_rank: int = 0, dp_world_size: int = 1,
+                        fields: DataFields = TRAINING_FIELDS) -> DatasetShard:
+    """Share ``dp_rank`` of ``dp_world_size`` of the dataset, with the text column and non-emptiness checked;
+    its errors name ``fields``."""
     import datasets
     from datasets.distributed import split_dataset_by_node
 
@@ -392,7 +416,7 @@ def build_dataset(cfg: Config, dp_rank: int = 0, dp_world_size: int = 1, fields:
         )
     ds = split_dataset_by_node(full, rank=dp_rank, world_size=dp_world_size) if dp_world_size > 1 else full
     if isinstance(ds, datasets.Dataset):
-        return ds
+        return DatasetShard(ds, 0)
     # Streaming: look at this rank's first document (a fresh iteration; it does not move the dataset).
     try:
         with _datasets_quiet():
@@ -406,7 +430,7 @@ def build_dataset(cfg: Config, dp_rank: int = 0, dp_world_size: int = 1, fields:
         raise ConfigError(f"{source.field}: {source.describe()} has no documents{extra}")
     if text_field not in first:
         raise _missing_field_error(text_field, list(first), source)
-    return ds
+    return DatasetShard(ds, full.n_shards)
 
 
 def document_text(example: dict, text_field: str, source_field: str = "data.text_field") -> str | None:

@@ -30,8 +30,8 @@ import numpy as np
 import torch
 
 from engine.config import Config, ConfigError, check_shard_split
-from engine.data.datasets import (TRAINING_FIELDS, DataError, DataFields, build_dataset, capture_reader_errors,
-                                  document_text, one_line, one_line_text, resolve_source)
+from engine.data.datasets import (TRAINING_FIELDS, DataError, DataFields, build_dataset_shard, capture_reader_errors,
+                                  document_text, one_line, one_line_text, resolve_source, split_note)
 
 STATE_VERSION = 1
 READ_AHEAD = 64  # records read and tokenized together
@@ -70,7 +70,7 @@ class DataLoader:
         self.seed = cfg.debug.seed
         self.text_field = cfg.data.text_field
         self.source = resolve_source(cfg, fields)
-        self.dataset = build_dataset(cfg, self.dp_rank, self.dp_world_size, fields)
+        self.dataset, self.stream_files = build_dataset_shard(cfg, self.dp_rank, self.dp_world_size, fields)
         self.streaming = not isinstance(self.dataset, datasets.Dataset)
         if not self.streaming:
             self.dataset = self.dataset.select_columns([self.text_field])
@@ -351,6 +351,11 @@ class ShardedDataLoader:
     def source(self):
         """The data every shard reads (an engine.data.datasets.DataSource)."""
         return self.shards[self.shard_ids[0]].source
+
+    @property
+    def split_note(self) -> str:
+        """How a stream's files are split over the shards, for the start-up log ("" when not streaming)."""
+        return split_note(self.shards[self.shard_ids[0]].stream_files, self.num_shards)
 
     def __iter__(self) -> "ShardedDataLoader":
         return self
