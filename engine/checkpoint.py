@@ -584,10 +584,10 @@ class Checkpointer:
                      overlapped=max(p["steps"], 1) if p["steps"] else 0)
 
     def export_hf(self, step: int, tokenizer_path: str) -> None:
-        """checkpoint.last_save_hf: rank 0 writes the committed checkpoint of ``step`` as a Hugging Face folder.
-        The other ranks do not wait for it (the export may take longer than a collective's timeout)."""
-        if not self.is_main:
-            return
+        """checkpoint.last_save_hf: every rank calls it, and the ranks write the committed checkpoint of ``step``
+        as a Hugging Face folder together, each output shard by one rank, one rank per node first
+        (``engine.hf.export_checkpoint_hf``). Rank 0 finishes the folder once every shard is there; the ranks
+        coordinate through the files alone (the export may take longer than a collective's timeout)."""
         from engine.hf import export_checkpoint_hf
 
         out = hf_export_folder(self.root, step)
@@ -595,10 +595,16 @@ class Checkpointer:
             self._log(f"checkpoint: {out} already exists; left as it is")
             return
         t0 = time.perf_counter()
+        rank, world_size = (dist.get_rank(), self.world_size) if self.distributed else (0, 1)
+        node_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
         what = export_checkpoint_hf(step_folder(self.root, step), out, EXPORT_DTYPES[self.cfg.checkpoint.export_dtype],
-                                    tokenizer_path, field="checkpoint.last_save_hf")
-        self._log(f"checkpoint: Hugging Face folder of {what} ({self.cfg.checkpoint.export_dtype}) written in "
-                  f"{time.perf_counter() - t0:.1f}s -> {out}")
+                                    tokenizer_path, field="checkpoint.last_save_hf", rank=rank, world_size=world_size,
+                                    node_size=node_size)
+        if self.is_main:
+            shards = sum(name.endswith(".safetensors") for name in os.listdir(out))
+            print(f"checkpoint: Hugging Face folder of {what} ({self.cfg.checkpoint.export_dtype}) written in "
+                  f"{time.perf_counter() - t0:.1f}s, {shards} shard(s) by {min(world_size, shards)} rank(s) -> {out}",
+                  flush=True)
 
     # -- preemption -------------------------------------------------------------------------------------------
     def install_sigterm_handler(self) -> None:

@@ -21,6 +21,7 @@ import math
 import os
 import shutil
 import tempfile
+import time
 from contextlib import ExitStack, contextmanager
 from typing import Any, Callable, Iterator, Optional
 
@@ -90,39 +91,44 @@ def _fsync(path: str) -> None:
         os.close(fd)
 
 
-def _write_folder(
+def _shard_filename(i: int, n: int) -> str:
+    return SINGLE_FILE if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+
+
+def _write_shard(path: str, names: list[str], fetch: Callable[[list[str]], dict[str, Tensor]],
+                 dtype: torch.dtype) -> None:
+    """Write the tensors ``names`` (``fetch(names)`` returns them) in ``dtype`` as the safetensors file ``path``:
+    written beside it, flushed, then renamed, so that ``path`` exists only complete."""
+    fetched = fetch(names)
+    # .to() copies when the dtype or device changes; clone() otherwise, so that no two entries share storage
+    # (safetensors refuses that) and views of larger tensors are written alone.
+    tensors = {}
+    for name in names:
+        tensor = fetched[name].detach()
+        converted = tensor.to(device="cpu", dtype=dtype)
+        tensors[name] = converted.contiguous() if converted is not tensor else tensor.clone().contiguous()
+    del fetched
+    partial = f"{path}.partial"
+    save_file(tensors, partial, metadata={"format": "pt"})
+    _fsync(partial)
+    os.replace(partial, path)
+
+
+def _finish_folder(
     tmp: str,
+    shards: list[list[str]],
     numels: dict[str, int],
-    fetch: Callable[[list[str]], dict[str, Tensor]],
     config: dict[str, Any],
     dtype: torch.dtype,
-    max_shard_bytes: int,
     tokenizer_files: list[str],
 ) -> None:
-    """Write the weights, config.json and the tokenizer files into the empty folder ``tmp``. The weights are the
-    tensors ``numels`` names (Hugging Face names, in the order to store them), which ``fetch(names)`` returns one
-    shard at a time, so that at most one shard is in memory at once."""
-    shards = _plan_shards(numels, dtype, max_shard_bytes)
+    """Write the index (several shards), config.json and the tokenizer files beside the shards in ``tmp``, and
+    flush them all."""
     n = len(shards)
-    weight_map: dict[str, str] = {}
-    total_size = 0
-    for i, names in enumerate(shards):
-        filename = SINGLE_FILE if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
-        fetched = fetch(names)
-        # .to() copies when the dtype or device changes; clone() otherwise, so that no two entries share storage
-        # (safetensors refuses that) and views of larger tensors are written alone.
-        tensors = {}
-        for name in names:
-            tensor = fetched[name].detach()
-            converted = tensor.to(device="cpu", dtype=dtype)
-            tensors[name] = converted.contiguous() if converted is not tensor else tensor.clone().contiguous()
-        del fetched
-        save_file(tensors, os.path.join(tmp, filename), metadata={"format": "pt"})
-        total_size += sum(t.numel() * t.element_size() for t in tensors.values())
-        weight_map.update({name: filename for name in names})
-        del tensors
     if n > 1:
-        index = {"metadata": {"total_size": total_size}, "weight_map": weight_map}
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        weight_map = {name: _shard_filename(i, n) for i, names in enumerate(shards) for name in names}
+        index = {"metadata": {"total_size": sum(numels.values()) * itemsize}, "weight_map": weight_map}
         with open(os.path.join(tmp, INDEX_FILE), "w") as f:
             json.dump(index, f, indent=2)
     with open(os.path.join(tmp, CONFIG_FILE), "w") as f:
@@ -131,6 +137,16 @@ def _write_folder(
         shutil.copyfile(path, os.path.join(tmp, os.path.basename(path)))
     for name in os.listdir(tmp):
         _fsync(os.path.join(tmp, name))
+
+
+def shard_writer(i: int, world_size: int, node_size: int) -> int:
+    """The rank that writes output shard ``i`` when ``world_size`` ranks (``node_size`` per node, ranks numbered
+    node by node as torchrun does) export together: one per node first, so that the nodes share the reading,
+    converting and writing before any node runs two."""
+    if node_size <= 0 or world_size % node_size:
+        node_size = 1
+    nodes = world_size // node_size
+    return (i % nodes) * node_size + (i // nodes) % node_size
 
 
 def export_hf(
@@ -167,10 +183,33 @@ def _export(
     tokenizer_path: Optional[str],
     max_shard_bytes: int,
     field: str,
+    rank: int = 0,
+    world_size: int = 1,
+    node_size: int = 1,
 ) -> None:
-    """``export_hf``'s folder rules, for weights that ``fetch`` returns a shard at a time (``_write_folder``)."""
+    """``export_hf``'s folder rules, for weights that ``fetch`` returns a shard at a time.
+
+    With ``world_size`` > 1 every rank calls it: each writes the shards ``shard_writer`` gives it into a temporary
+    folder whose name the ranks agree on, and rank 0, once every shard is there, writes the rest and renames the
+    folder. No collective is involved (the export may outlast a collective's timeout): rank 0 waits for the files,
+    and a shard left complete by an interrupted export of the same step is used as it is."""
     if dtype not in EXPORT_DTYPES.values():
         raise ValueError(f"dtype: cannot export in {dtype}; choose one of {', '.join(EXPORT_DTYPES)}")
+    folder = os.path.abspath(folder)
+    parent = os.path.dirname(folder)
+    shards = _plan_shards(numels, dtype, max_shard_bytes)
+    files = [_shard_filename(i, len(shards)) for i in range(len(shards))]
+    if world_size > 1:
+        dtype_name = next(k for k, v in EXPORT_DTYPES.items() if v == dtype)
+        tmp = os.path.join(parent, f".{os.path.basename(folder)}.tmp-{dtype_name}-{len(shards)}")
+        if rank != 0:  # a writer: its shards that are not there yet (while any is missing, rank 0 waits)
+            mine = [i for i in range(len(shards)) if shard_writer(i, world_size, node_size) == rank]
+            pending = [i for i in mine if not os.path.exists(os.path.join(tmp, files[i]))]
+            if pending and not (os.path.isdir(folder) and os.listdir(folder)):  # not done (rank 0 checks the rest)
+                os.makedirs(tmp, exist_ok=True)
+                for i in pending:
+                    _write_shard(os.path.join(tmp, files[i]), shards[i], fetch, dtype)
+            return
     if os.path.exists(folder) and not (os.path.isdir(folder) and not os.listdir(folder)):
         raise ValueError(f"{field}: '{folder}' already exists and is not an empty folder; choose a new folder")
     bos_id = eos_id = None
@@ -186,21 +225,37 @@ def _export(
             tokenizer_files.append(beside)
     config = _adapter_for(args).hf_config(args, dtype=dtype, bos_token_id=bos_id, eos_token_id=eos_id)
 
-    folder = os.path.abspath(folder)
-    parent = os.path.dirname(folder)
     os.makedirs(parent, exist_ok=True)
+    if world_size > 1:  # rank 0: its own shards, then the rest of the folder once every shard is there
+        os.makedirs(tmp, exist_ok=True)
+        for i, names in enumerate(shards):
+            path = os.path.join(tmp, files[i])
+            if shard_writer(i, world_size, node_size) == 0 and not os.path.exists(path):
+                _write_shard(path, names, fetch, dtype)
+        while missing := [f for f in files if not os.path.exists(os.path.join(tmp, f))]:
+            time.sleep(min(5.0, 0.05 * len(missing)))
+        _finish_folder(tmp, shards, numels, config, dtype, tokenizer_files)
+        _rename_folder(tmp, folder, field)
+        return
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(folder)}.tmp-", dir=parent)
     try:
-        _write_folder(tmp, numels, fetch, config, dtype, max_shard_bytes, tokenizer_files)
-        # rename() replaces an empty folder and fails on a non-empty one (one that appeared meanwhile).
-        try:
-            os.rename(tmp, folder)
-        except OSError as e:
-            raise ValueError(f"{field}: cannot create '{folder}' ({e.strerror}); choose a new folder") from None
-        _fsync(parent)
+        for path, names in zip(files, shards):
+            _write_shard(os.path.join(tmp, path), names, fetch, dtype)
+        _finish_folder(tmp, shards, numels, config, dtype, tokenizer_files)
+        _rename_folder(tmp, folder, field)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _rename_folder(tmp: str, folder: str, field: str) -> None:
+    """Rename the finished ``tmp`` to ``folder`` (rename() replaces an empty folder and fails on a non-empty one,
+    one that appeared meanwhile), and flush the parent folder."""
+    try:
+        os.rename(tmp, folder)
+    except OSError as e:
+        raise ValueError(f"{field}: cannot create '{folder}' ({e.strerror}); choose a new folder") from None
+    _fsync(os.path.dirname(folder))
 
 
 def model_args_for(name: str, flavor: str, vocab_size: int, field: str = "flavor") -> Any:
@@ -219,14 +274,19 @@ def export_checkpoint_hf(
     *,
     max_shard_bytes: int = MAX_SHARD_BYTES,
     field: str = "folder",
+    rank: int = 0,
+    world_size: int = 1,
+    node_size: int = 1,
 ) -> str:
     """Write the model of the Tessera step folder ``step_folder`` (saved on any layout: DCP reassembles the
     whole tensors) as the Hugging Face folder ``folder`` (``export_hf``'s rules); returns what it wrote
     (model/flavor, step).
 
-    One process reads the model one output shard (at most ``max_shard_bytes`` in ``dtype``) at a time, so its
+    A process reads the model one output shard (at most ``max_shard_bytes`` in ``dtype``) at a time, so its
     memory holds at most one shard's tensors in their saved dtype (float32 for a full checkpoint) and in ``dtype``,
-    whatever the size of the model."""
+    whatever the size of the model. With ``world_size`` > 1, every rank of a job calls it (``node_size`` ranks per
+    node) and the shards are shared out, one rank per node first (``_export``); rank 0 returns last, once the
+    folder is complete."""
     from engine.checkpoint import inspect_checkpoint, read_tensors
 
     info = inspect_checkpoint(step_folder, "checkpoint")
@@ -242,7 +302,7 @@ def export_checkpoint_hf(
         return {k: adapter.tensor_to_hf(tessera[k], state.pop(f"model.{tessera[k]}"), args) for k in names}
 
     _export(args, {k: math.prod(shape) for k, shape in shapes.items()}, fetch, folder, dtype, tokenizer_path,
-            max_shard_bytes, field)
+            max_shard_bytes, field, rank, world_size, node_size)
     return f"{name}/{flavor}, step {info.step}"
 
 

@@ -708,6 +708,53 @@ def test_export_reads_the_checkpoint_one_shard_at_a_time(reference, tmp_path, mo
     assert sorted(k for names in reads for k in names) == sorted(f"model.{k}" for k in model)
 
 
+def test_ranks_export_together_through_the_files_alone(reference, tmp_path, monkeypatch):
+    """last_save_hf on several ranks: each output shard is written by one rank, one rank per node first, and rank
+    0 finishes the folder once every shard is there (no collective: the ranks run here as threads that share
+    nothing but the files); the folder equals one process's export. An export interrupted after some ranks wrote
+    their shards is finished by the next attempt, which writes only the shards still missing."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    import engine.hf
+    from engine.hf import export_checkpoint_hf, shard_writer
+
+    # 8 ranks on 2 nodes: the shards go to node 0 and node 1 in turn, then to the next rank of each node.
+    assert [shard_writer(i, 8, 4) for i in range(10)] == [0, 4, 1, 5, 2, 6, 3, 7, 0, 4]
+    assert [shard_writer(i, 4, 1) for i in range(6)] == [0, 1, 2, 3, 0, 1]
+    step, shard = str(reference / "checkpoint" / "step-000020"), 3 * 2**20
+    export_checkpoint_hf(step, str(tmp_path / "one"), torch.float32, max_shard_bytes=shard)
+    n_shards = sum(f.endswith(".safetensors") for f in os.listdir(tmp_path / "one"))
+    assert n_shards > 5
+    writers, rank_of = [], threading.local()
+    write_shard = engine.hf._write_shard
+    monkeypatch.setattr(engine.hf, "_write_shard", lambda path, *a: writers.append(
+        (rank_of.rank, os.path.basename(path))) or write_shard(path, *a))
+
+    def export(out: str, ranks: list[int]) -> None:
+        def rank_job(rank: int) -> None:
+            rank_of.rank = rank
+            export_checkpoint_hf(step, out, torch.float32, max_shard_bytes=shard, rank=rank, world_size=4,
+                                 node_size=2)
+        with ThreadPoolExecutor(len(ranks)) as pool:  # rank 0 first: it waits for the others' shards
+            for job in [pool.submit(rank_job, rank) for rank in ranks]:
+                job.result()
+
+    export(str(tmp_path / "four"), [0, 1, 2, 3])
+    assert tree(tmp_path / "four") == tree(tmp_path / "one")
+    names = sorted(f for f in os.listdir(tmp_path / "one") if f.endswith(".safetensors"))
+    assert sorted(writers) == sorted((shard_writer(i, 4, 2), name) for i, name in enumerate(names))
+    assert not [f for f in os.listdir(tmp_path) if f.startswith(".")]  # nothing left aside
+
+    writers.clear()  # ranks 1-3 wrote their shards, then the job ended before rank 0 finished the folder
+    export(str(tmp_path / "again"), [1, 2, 3])
+    assert not (tmp_path / "again").exists() and len(writers) == n_shards - len(names[::4])
+    writers.clear()
+    export(str(tmp_path / "again"), [0, 1, 2, 3])
+    assert sorted(writers) == [(0, name) for name in names[::4]]  # only rank 0's, the ones still missing
+    assert tree(tmp_path / "again") == tree(tmp_path / "one")
+
+
 def test_to_hf_copies_the_runs_tokenizer_unless_told_otherwise(reference, tmp_path, capsys):
     """Each checkpoint records the tokenizer its run trained with (from-hf: the Hugging Face folder's), and
     to-hf copies it, with its BOS/EOS ids in config.json, so that the folder is ready for transformers; a
