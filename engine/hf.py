@@ -16,6 +16,7 @@ Every problem with a folder is a ``ValueError`` starting with the config field t
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 import os
@@ -186,13 +187,15 @@ def _export(
     rank: int = 0,
     world_size: int = 1,
     node_size: int = 1,
+    source_tag: str = "",
 ) -> None:
     """``export_hf``'s folder rules, for weights that ``fetch`` returns a shard at a time.
 
     With ``world_size`` > 1 every rank calls it: each writes the shards ``shard_writer`` gives it into a temporary
     folder whose name the ranks agree on, and rank 0, once every shard is there, writes the rest and renames the
     folder. No collective is involved (the export may outlast a collective's timeout): rank 0 waits for the files,
-    and a shard left complete by an interrupted export of the same step is used as it is."""
+    and a shard left complete by an interrupted export of the same source (``source_tag`` names it: the same
+    save of the step) is used as it is."""
     if dtype not in EXPORT_DTYPES.values():
         raise ValueError(f"dtype: cannot export in {dtype}; choose one of {', '.join(EXPORT_DTYPES)}")
     folder = os.path.abspath(folder)
@@ -201,7 +204,7 @@ def _export(
     files = [_shard_filename(i, len(shards)) for i in range(len(shards))]
     if world_size > 1:
         dtype_name = next(k for k, v in EXPORT_DTYPES.items() if v == dtype)
-        tmp = os.path.join(parent, f".{os.path.basename(folder)}.tmp-{dtype_name}-{len(shards)}")
+        tmp = os.path.join(parent, f".{os.path.basename(folder)}.tmp-{source_tag}-{dtype_name}-{len(shards)}")
         if rank != 0:  # a writer: its shards that are not there yet (while any is missing, rank 0 waits)
             mine = [i for i in range(len(shards)) if shard_writer(i, world_size, node_size) == rank]
             pending = [i for i in mine if not os.path.exists(os.path.join(tmp, files[i]))]
@@ -287,7 +290,7 @@ def export_checkpoint_hf(
     whatever the size of the model. With ``world_size`` > 1, every rank of a job calls it (``node_size`` ranks per
     node) and the shards are shared out, one rank per node first (``_export``); rank 0 returns last, once the
     folder is complete."""
-    from engine.checkpoint import inspect_checkpoint, read_tensors
+    from engine.checkpoint import COMMIT_FILE, inspect_checkpoint, read_tensors
 
     info = inspect_checkpoint(step_folder, "checkpoint")
     name, flavor = info.train_state["model"], info.train_state["flavor"]
@@ -301,8 +304,10 @@ def export_checkpoint_hf(
         state = read_tensors(step_folder, [f"model.{tessera[k]}" for k in names], info)
         return {k: adapter.tensor_to_hf(tessera[k], state.pop(f"model.{tessera[k]}"), args) for k in names}
 
+    with open(os.path.join(step_folder, COMMIT_FILE), "rb") as f:  # this save of the step (its time, its files)
+        source_tag = hashlib.sha1(f.read()).hexdigest()[:12]
     _export(args, {k: math.prod(shape) for k, shape in shapes.items()}, fetch, folder, dtype, tokenizer_path,
-            max_shard_bytes, field, rank, world_size, node_size)
+            max_shard_bytes, field, rank, world_size, node_size, source_tag)
     return f"{name}/{flavor}, step {info.step}"
 
 

@@ -722,7 +722,8 @@ def test_ranks_export_together_through_the_files_alone(reference, tmp_path, monk
     # 8 ranks on 2 nodes: the shards go to node 0 and node 1 in turn, then to the next rank of each node.
     assert [shard_writer(i, 8, 4) for i in range(10)] == [0, 4, 1, 5, 2, 6, 3, 7, 0, 4]
     assert [shard_writer(i, 4, 1) for i in range(6)] == [0, 1, 2, 3, 0, 1]
-    step, shard = str(reference / "checkpoint" / "step-000020"), 3 * 2**20
+    step, shard = str(tmp_path / "step-000020"), 3 * 2**20
+    shutil.copytree(reference / "checkpoint" / "step-000020", step)  # a copy: its commit marker changes below
     export_checkpoint_hf(step, str(tmp_path / "one"), torch.float32, max_shard_bytes=shard)
     n_shards = sum(f.endswith(".safetensors") for f in os.listdir(tmp_path / "one"))
     assert n_shards > 5
@@ -753,6 +754,13 @@ def test_ranks_export_together_through_the_files_alone(reference, tmp_path, monk
     export(str(tmp_path / "again"), [0, 1, 2, 3])
     assert sorted(writers) == [(0, name) for name in names[::4]]  # only rank 0's, the ones still missing
     assert tree(tmp_path / "again") == tree(tmp_path / "one")
+    # Shards of an interrupted export of another save of the step (trained again after a rollback) are not used.
+    writers.clear()
+    export(str(tmp_path / "other"), [1, 2, 3])
+    commit = Path(step) / COMMIT_FILE
+    commit.write_text(commit.read_text().replace('"time": ', '"time": 1'))
+    export(str(tmp_path / "other"), [0, 1, 2, 3])
+    assert len(writers) == 2 * n_shards - len(names[::4])
 
 
 def test_to_hf_copies_the_runs_tokenizer_unless_told_otherwise(reference, tmp_path, capsys):
