@@ -111,8 +111,16 @@ def _write_shard(path: str, names: list[str], fetch: Callable[[list[str]], dict[
     del fetched
     partial = f"{path}.partial"
     save_file(tensors, partial, metadata={"format": "pt"})
+    os.chmod(partial, 0o666 & ~_umask())  # safetensors creates its files readable by their owner alone
     _fsync(partial)
     os.replace(partial, path)
+
+
+def _umask() -> int:
+    """This process's umask (reading it means setting it: set it back at once)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def _finish_folder(
@@ -241,6 +249,7 @@ def _export(
         _rename_folder(tmp, folder, field)
         return
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(folder)}.tmp-", dir=parent)
+    os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it private; the folder is for everyone the umask allows
     try:
         for path, names in zip(files, shards):
             _write_shard(os.path.join(tmp, path), names, fetch, dtype)

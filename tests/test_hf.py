@@ -5,6 +5,7 @@ import dataclasses
 import json
 import os
 import shutil
+import stat
 
 import pytest
 import torch
@@ -243,6 +244,11 @@ def test_export_then_load_is_exact(debug_export, tmp_path):
     )
     expected = {name: t.to(torch.bfloat16).float() for name, t in sd.items()}
     assert_equal_state_dicts(load_hf(sharded, DEBUG), expected)
+    # Readable by everyone the umask allows (safetensors and mkdtemp make owner-only files and folders).
+    mask = os.umask(0o022)
+    os.umask(mask)
+    for path in [sharded, *(os.path.join(sharded, f) for f in os.listdir(sharded))]:
+        assert stat.S_IMODE(os.stat(path).st_mode) == (0o777 if os.path.isdir(path) else 0o666) & ~mask, path
 
 
 def test_export_never_overwrites(debug_export, tmp_path):
