@@ -122,7 +122,23 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 class SafeFileSystemReader(FileSystemReader):
-    """DCP's file reader with a restricted unpickler for the metadata."""
+    """DCP's file reader with a restricted unpickler for the metadata, whose data errors (a file damaged after its
+    commit marker was written: the sizes match, the bytes do not) are ConfigErrors naming ``field``."""
+
+    def __init__(self, path: str, field: str = "checkpoint.folder"):
+        super().__init__(path)
+        self.field = field
+
+    def read_data(self, *args: Any, **kwargs: Any):
+        try:
+            return super().read_data(*args, **kwargs)
+        except Exception as e:
+            reason = f"{type(e).__name__}: {str(e).split(chr(10))[0].split('. ')[0]}"[:200]
+            raise ConfigError(
+                f"{self.field}: a data file of '{self.path}' is damaged (its size is as saved, its bytes are not: "
+                f"{reason}); " + ("pick another step with checkpoint.load_step" if self.field == "checkpoint.folder"
+                                  else f"use another step folder for {self.field}")
+            ) from None
 
     def read_metadata(self, *args: Any, **kwargs: Any):
         path = os.path.join(str(self.path), ".metadata")
@@ -134,6 +150,22 @@ class SafeFileSystemReader(FileSystemReader):
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+
+def dcp_load(state: dict, folder: str, field: str, no_dist: bool) -> None:
+    """``dcp.load`` of ``state`` from the step folder ``folder``; a damaged data file (on any rank) is the
+    ConfigError naming ``field`` on every rank, not DCP's exception with each rank's traceback."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        dcp.load(state, storage_reader=SafeFileSystemReader(folder, field), no_dist=no_dist)
+    except CheckpointException as e:
+        errors = [exc for exc, _ in e.failures.values() if isinstance(exc, ConfigError)]
+        if errors:
+            raise errors[0] from None
+        raise
+    except ConfigError as e:  # raised directly, without DCP's wrapper
+        raise e from None
 
 
 def write_json(path: str, data: dict) -> None:
@@ -631,7 +663,7 @@ class Checkpointer:
         optim, flat = self.optimizer_state()
         self._check_entries(info, {**model, **optim}, "checkpoint.folder")
         state = {**model, **optim}
-        dcp.load(state, storage_reader=SafeFileSystemReader(info.folder), no_dist=not dist.is_initialized())
+        dcp_load(state, info.folder, "checkpoint.folder", no_dist=not dist.is_initialized())
         self._set_model(state)
         pp = isinstance(self.trainer.model, nn.ModuleList)
         for key in flat:
@@ -676,12 +708,12 @@ class Checkpointer:
         dtype = EXPORT_DTYPES.get(info.train_state.get("dtype", "float32"), torch.float32)
         if dtype != torch.float32:  # a model-only export in another dtype: load, then cast into place
             state = {k: v.detach().to(dtype) for k, v in model.items()}
-            dcp.load(state, storage_reader=SafeFileSystemReader(path), no_dist=not dist.is_initialized())
+            dcp_load(state, path, field, no_dist=not dist.is_initialized())
             with torch.no_grad():
                 for k, v in model.items():
                     v.copy_(state[k])
         else:
-            dcp.load(model, storage_reader=SafeFileSystemReader(path), no_dist=not dist.is_initialized())
+            dcp_load(model, path, field, no_dist=not dist.is_initialized())
         self._set_model(model)
         self._log(f"checkpoint: initial weights from {path} (step {info.step}) in {time.perf_counter() - t0:.2f}s")
 
@@ -802,7 +834,7 @@ def read_tensors(folder: str, names: list[str], info: CheckpointInfo) -> dict[st
     """The tensors ``names`` of the checkpoint ``folder`` (``info``: its inspect_checkpoint result), whole, in
     their saved dtype, in one process (CPU); DCP reads only their bytes."""
     state = {k: torch.empty(tuple(info.tensors[k].size), dtype=info.tensors[k].properties.dtype) for k in names}
-    dcp.load(state, storage_reader=SafeFileSystemReader(folder), no_dist=True)
+    dcp_load(state, folder, "checkpoint", no_dist=True)
     return state
 
 

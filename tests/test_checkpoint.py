@@ -526,6 +526,39 @@ def test_checkpoint_that_does_not_fit_the_model_is_refused_before_anything_is_wr
         assert tree(tmp_path) == before, args
 
 
+def test_a_shard_damaged_after_its_commit_is_one_error_line(reference, tmp_path, capsys):
+    """A data file whose bytes changed after the save (its size, which the commit marker checks, unchanged):
+    resuming, starting from it and converting it each give one error line naming the field (never DCP's
+    per-rank tracebacks, nor torch.load's advice to load with weights_only=False), and no file is changed (the
+    damage shows only when the data is read, after the run has dumped its config)."""
+    from engine import train as train_main
+    from engine.tools.convert_hf import main as convert
+
+    run = tmp_path / "run"
+    step = run / "checkpoint" / "step-000010"
+    shutil.copytree(reference / "checkpoint" / "step-000010", step)
+    with open(step / "__0_0.distcp", "r+b") as f:
+        f.write(b"A" * 300)
+    damaged = f"a data file of '{step}' is damaged (its size is as saved, its bytes are not: "
+    cases = [
+        (lambda: train_main.main([*BASE, "--job.dump_folder", str(run)]),
+         f"error: checkpoint.folder: {damaged}", "; pick another step with checkpoint.load_step"),
+        (lambda: train_main.main([*BASE, "--job.dump_folder", str(tmp_path / "new"), "--checkpoint.initial_load_path",
+                                  str(step)]),
+         f"error: checkpoint.initial_load_path: {damaged}", "; use another step folder for checkpoint.initial_load_path"),
+        (lambda: convert(["to-hf", str(step), str(tmp_path / "hf")]), f"error: checkpoint: {damaged}",
+         "; use another step folder for checkpoint"),
+    ]
+    for run_it, start, end in cases:
+        before = tree(tmp_path)
+        rc = run_it()
+        err = capsys.readouterr().err.strip().splitlines()
+        assert rc == 2 and len(err) == 1 and err[0].startswith(start) and err[0].endswith(end), err
+        assert "weights_only" not in err[0]
+        after = tree(tmp_path)
+        assert {k: after.get(k) for k in before} == before
+
+
 def test_resuming_on_other_data_needs_the_dataloader_excluded(reference, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(reference / "checkpoint" / "step-000010", run / "checkpoint" / "step-000010")
