@@ -324,6 +324,12 @@ def check_data_source(info: CheckpointInfo, source, cfg: Config) -> None:
                 f"{here}; resume with the same data, or set checkpoint.exclude_from_loading = [\"dataloader\"] to "
                 "read the new data from its beginning"
             )
+        if "streaming" in shard and bool(shard["streaming"]) != cfg.data.streaming:
+            raise ConfigError(
+                f"data.streaming: the checkpoint of step {info.step} holds a position in the data read with "
+                f"data.streaming = {str(bool(shard['streaming'])).lower()} (another order); resume with that, or set "
+                "checkpoint.exclude_from_loading = [\"dataloader\"] to read the data from its beginning"
+            )
 
 
 def find_resume_point(cfg: Config) -> Optional[CheckpointInfo]:

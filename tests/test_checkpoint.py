@@ -586,6 +586,23 @@ def test_resuming_on_other_data_needs_the_dataloader_excluded(reference, tmp_pat
     assert sorted(metrics(run)) == [11, 12, 13, 14]
 
 
+def test_resuming_with_the_other_data_streaming_setting_names_it(reference):
+    """A map-style dataset (data.streaming = false) is read in a seeded order of its own, a stream in the files'
+    order: a position in one means nothing in the other, so resuming across them is refused up front, naming
+    data.streaming (unless the data position is excluded)."""
+    from engine.checkpoint import check_data_source
+    from engine.data.datasets import resolve_source
+
+    info = inspect_checkpoint(str(reference / "checkpoint" / "step-000010"), "checkpoint.folder")
+    cfg = parse_args([*BASE, "--data.streaming", "false"])
+    with pytest.raises(ConfigError, match=r"^data\.streaming: the checkpoint of step 10 holds a position in the data "
+                                          r"read with data\.streaming = true .*exclude_from_loading"):
+        check_data_source(info, resolve_source(cfg), cfg)
+    check_data_source(info, resolve_source(cfg), parse_args([*BASE, "--data.streaming", "false",
+                                                             "--checkpoint.exclude_from_loading", "dataloader"]))
+    check_data_source(info, resolve_source(cfg), parse_args(BASE))
+
+
 def test_bad_checkpoints_through_run_train_sh(reference, tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
