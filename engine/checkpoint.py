@@ -256,6 +256,10 @@ def inspect_checkpoint(folder: str, field: str, cfg: Optional[Config] = None) ->
     if not os.listdir(folder):
         raise ConfigError(f"{field}: checkpoint folder {folder} is empty")
     if not is_complete(folder):
+        complete = [path for _, path, ok in list_steps(folder) if ok]
+        if complete:  # the folder of a run's checkpoints, not one of them
+            raise ConfigError(f"{field}: {folder} holds step folders, not a checkpoint; give one of them, e.g. the "
+                              f"newest complete one, {complete[-1]}")
         raise ConfigError(f"{field}: {folder} is an incomplete checkpoint (no {COMMIT_FILE}: the save did not "
                           f"finish); {another}")
     commit = read_json_object(os.path.join(folder, COMMIT_FILE), field)

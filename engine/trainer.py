@@ -20,7 +20,8 @@ from torch import nn
 
 import torch.distributed as dist
 
-from engine.checkpoint import Checkpointer, check_data_source, check_fits_model, fault_point, find_resume_point
+from engine.checkpoint import (Checkpointer, check_data_source, check_fits_model, checkpoint_root, fault_point,
+                               find_resume_point, list_steps)
 from engine.config import Config, dump, grad_accumulation_steps, pp_microbatches, to_toml
 from engine.data.datasets import DataError, validation_data
 from engine.data.loader import build_dataloader
@@ -264,6 +265,11 @@ class Trainer:
                        f"{', ...' if len(source.ignored) > 3 else ''}") if source.ignored else ""
             print(f"data: {source.describe()}{ignored}{self.dataloader.split_note}; tokenizer {self.tokenizer.path} "
                   f"({self.tokenizer.vocab_size:,} tokens)", flush=True)
+            saved = [step for step, _, ok in list_steps(checkpoint_root(cfg)) if ok]
+            if saved and not cfg.checkpoint.enable:
+                print(f"checkpoint: checkpoint.enable is off, so the {len(saved)} checkpoint(s) in "
+                      f"{checkpoint_root(cfg)} (newest: step {saved[-1]}) are not resumed from and this run starts "
+                      "at step 0 (add --checkpoint.enable to resume)", flush=True)
 
     # ----------------------------------------------------------------------------------------------------
     def rebuild_dataloader(self, num_shards: int) -> None:

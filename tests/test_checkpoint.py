@@ -615,6 +615,9 @@ def test_bad_checkpoints_through_run_train_sh(reference, tmp_path):
          "checkpoint.initial_load_path: ", "is empty"),
         (["--job.dump_folder", str(tmp_path / "run"), "--checkpoint.load_step", "7"],
          "checkpoint.load_step: ", "no checkpoint of step 7"),
+        (["--job.dump_folder", str(tmp_path / "fresh"), "--checkpoint.initial_load_path", str(reference / "checkpoint")],
+         "checkpoint.initial_load_path: ", f"holds step folders, not a checkpoint; give one of them, e.g. the newest "
+                                           f"complete one, {reference / 'checkpoint' / 'step-000020'}"),
     ]
     for args, field, message in cases:
         before = tree(tmp_path)
@@ -624,6 +627,15 @@ def test_bad_checkpoints_through_run_train_sh(reference, tmp_path):
         assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-2000:]
         assert lines[0].startswith("error: " + field) and message in lines[0], lines[0]
         assert tree(tmp_path) == before
+
+
+def test_a_run_without_checkpoint_enable_says_it_ignores_the_folders_checkpoints(reference, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(reference / "checkpoint", run / "checkpoint")
+    out = train(run, "--checkpoint.enable", "false", "--training.steps", "2").stdout
+    assert (f"checkpoint: checkpoint.enable is off, so the 2 checkpoint(s) in {run / 'checkpoint'} (newest: step 20) "
+            "are not resumed from and this run starts at step 0 (add --checkpoint.enable to resume)") in out, out
+    assert sorted(metrics(run)) == [1, 2]
 
 
 def test_a_model_only_checkpoint_is_not_resumed_from(reference, tmp_path):
@@ -840,6 +852,11 @@ def test_to_hf_copies_the_runs_tokenizer_unless_told_otherwise(reference, tmp_pa
     (tmp_path / "hf" / "tokenizer.json").unlink()
     files, said = to_hf(tmp_path / "back", "gone")
     assert "tokenizer.json" not in files and said.endswith("is gone (give --tokenizer FILE)"), said
+    # A --tokenizer that is not there is refused naming the option, before anything is written.
+    assert convert(["to-hf", str(step), str(tmp_path / "none2"), "--tokenizer", str(tmp_path / "no.json")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: --tokenizer: tokenizer file '{tmp_path / 'no.json'}' not found"), err
+    assert not (tmp_path / "none2").exists()
 
 
 def test_last_save_hf_writes_the_final_model_for_transformers(tmp_path):

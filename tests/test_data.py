@@ -181,6 +181,11 @@ def test_build_tokenizer_sources_and_errors(tmp_path):
     assert build_tokenizer(cfg).path == os.path.join(cfg.model.hf_assets_path, "tokenizer.json")
     cfg.data.tokenizer = BUILTIN_TOKENIZER  # data.tokenizer wins over model.hf_assets_path
     assert build_tokenizer(cfg).path == BUILTIN_TOKENIZER
+    cfg.data.tokenizer = os.path.dirname(BUILTIN_TOKENIZER)  # or a folder holding tokenizer.json
+    assert build_tokenizer(cfg).path == os.path.join(os.path.dirname(BUILTIN_TOKENIZER), "tokenizer.json")
+    cfg.data.tokenizer = str(tmp_path)  # a folder without one
+    with pytest.raises(ConfigError, match=rf"^data\.tokenizer: tokenizer file '{tmp_path}/tokenizer\.json' not"):
+        build_tokenizer(cfg)
 
     cfg = Config()
     cfg.data.tokenizer = str(tmp_path / "nope" / "tokenizer.json")
@@ -423,8 +428,11 @@ def test_the_log_says_how_a_stream_splits_over_the_data_shards(tmp_path, tok):
     assert build_dataloader(cfg, tok, 1, 2).split_note == "; 2 data shards of 2 whole file(s) each"
     assert build_dataloader(cfg, tok, 0, 1, num_shards=4).split_note == "; 4 data shards of 1 whole file(s) each"
     note = build_dataloader(cfg, tok, 2, 3).split_note
-    assert note.startswith("; its 4 file(s) do not split evenly over 3 data shards: every shard reads all of them "
-                           "and keeps 1 document in 3") and "data.num_shards" in note, note
+    assert note == ("; its 4 file(s) do not split evenly over 3 data shards: every shard reads all of them and keeps "
+                    "1 document in 3 (3x the reading; for large data, split it into a multiple of 3 files, or set "
+                    "data.streaming = false)"), note
+    note = build_dataloader(cfg, tok, 1, 2, num_shards=8).split_note  # 2 ranks: 2 or 4 shards would split by file
+    assert note.endswith("(8x the reading; set data.num_shards to a multiple of 2 (the dp degree) that divides 4)")
     assert build_dataloader(make_cfg(path, seq_len=16, batch=1, streaming=False), tok, 1, 3).split_note == ""
 
 

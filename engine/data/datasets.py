@@ -375,16 +375,19 @@ class DatasetShard(NamedTuple):
     stream_files: int
 
 
-def split_note(stream_files: int, num_shards: int) -> str:
-    """How a stream of ``stream_files`` files is split over ``num_shards`` data shards, for the start-up log."""
+def split_note(stream_files: int, num_shards: int, dp: int) -> str:
+    """How a stream of ``stream_files`` files is split over ``num_shards`` data shards (read by ``dp``
+    data-parallel ranks), for the start-up log."""
     if not stream_files or num_shards == 1:
         return ""
     if stream_files % num_shards == 0:
         return f"; {num_shards} data shards of {stream_files // num_shards} whole file(s) each"
+    if stream_files % dp == 0:  # some multiple of dp divides the file count: dp itself
+        fix = f"set data.num_shards to a multiple of {dp} (the dp degree) that divides {stream_files}"
+    else:
+        fix = f"for large data, split it into a multiple of {num_shards} files, or set data.streaming = false"
     return (f"; its {stream_files} file(s) do not split evenly over {num_shards} data shards: every shard reads all "
-            f"of them and keeps 1 document in {num_shards} ({num_shards}x the reading; set data.num_shards to a "
-            f"multiple of the dp degree that divides {stream_files}, or split the data into a multiple of "
-            f"{num_shards} files)")
+            f"of them and keeps 1 document in {num_shards} ({num_shards}x the reading; {fix})")
 
 
 def build_dataset(cfg: Config, dp_rank: int = 0, dp_world_size: int = 1, fields: DataFields = TRAINING_FIELDS):

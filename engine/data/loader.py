@@ -355,7 +355,7 @@ class ShardedDataLoader:
     @property
     def split_note(self) -> str:
         """How a stream's files are split over the shards, for the start-up log ("" when not streaming)."""
-        return split_note(self.shards[self.shard_ids[0]].stream_files, self.num_shards)
+        return split_note(self.shards[self.shard_ids[0]].stream_files, self.num_shards, self.dp_world_size)
 
     def __iter__(self) -> "ShardedDataLoader":
         return self

@@ -135,7 +135,9 @@ class Tokenizer:
 
 def tokenizer_path(cfg: Config) -> tuple[str, str]:
     """(path of the tokenizer.json to use, the config field that chose it)."""
-    if cfg.data.tokenizer:
+    if cfg.data.tokenizer:  # the file, or a folder holding it (as model.hf_assets_path)
+        if os.path.isdir(cfg.data.tokenizer):
+            return os.path.join(cfg.data.tokenizer, "tokenizer.json"), "data.tokenizer"
         return cfg.data.tokenizer, "data.tokenizer"
     if cfg.model.hf_assets_path:
         return os.path.join(cfg.model.hf_assets_path, "tokenizer.json"), "model.hf_assets_path"

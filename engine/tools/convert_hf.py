@@ -34,11 +34,25 @@ def recorded_tokenizer(step_folder: str) -> tuple[str, str]:
     return path, f"tokenizer: the run's {path}"
 
 
+def check_tokenizer_fits(path: str, step_folder: str) -> None:
+    """--tokenizer: a tokenizer.json whose token ids the checkpoint's model has (no more tokens than its
+    vocabulary; a vocabulary may be padded past the tokenizer's size)."""
+    from engine.checkpoint import inspect_checkpoint
+    from engine.data.tokenizer import Tokenizer
+
+    vocab = inspect_checkpoint(step_folder, "checkpoint").tensors["model.tok_embeddings.weight"].size[0]
+    size = Tokenizer(path, "--tokenizer").vocab_size
+    if size > vocab:
+        raise ValueError(f"--tokenizer: '{path}' has {size:,} tokens, more than the checkpoint's vocabulary of "
+                         f"{vocab:,}; give the tokenizer the run trained with")
+
+
 def to_hf(step_folder: str, out: str, dtype: str = "bfloat16", tokenizer: str = "",
           copy_tokenizer: bool = True) -> None:
     """``tokenizer``: a tokenizer.json to copy in; by default (with ``copy_tokenizer``) the one the run trained
     with, as the checkpoint records it, when it is still there."""
     if tokenizer:
+        check_tokenizer_fits(tokenizer, step_folder)
         told = f"tokenizer: {tokenizer}"
     elif copy_tokenizer:
         tokenizer, told = recorded_tokenizer(step_folder)
