@@ -77,6 +77,31 @@ def hf_export_folder(root: str, step: int) -> str:
     return step_folder(root, step) + "-hf"
 
 
+def export_last_hf(cfg: Config, step: int, tokenizer_path: str, rank: int, world_size: int) -> None:
+    """checkpoint.last_save_hf: the ranks write the committed checkpoint of ``step`` as a Hugging Face folder
+    together, each output shard by one rank, one rank per node first (``engine.hf.export_checkpoint_hf``), unless
+    the folder exists (the export is atomic: it is complete). Rank 0 finishes the folder once every shard is there;
+    the ranks coordinate through the files alone (the export may take longer than a collective's timeout)."""
+    from engine.hf import export_checkpoint_hf
+
+    root = checkpoint_root(cfg)
+    out = hf_export_folder(root, step)
+    if os.path.exists(out):
+        if rank == 0:
+            print(f"checkpoint: {out} already exists; left as it is", flush=True)
+        return
+    t0 = time.perf_counter()
+    node_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    what = export_checkpoint_hf(step_folder(root, step), out, EXPORT_DTYPES[cfg.checkpoint.export_dtype],
+                                tokenizer_path, field="checkpoint.last_save_hf", rank=rank, world_size=world_size,
+                                node_size=node_size)
+    if rank == 0:
+        shards = sum(name.endswith(".safetensors") for name in os.listdir(out))
+        print(f"checkpoint: Hugging Face folder of {what} ({cfg.checkpoint.export_dtype}) written in "
+              f"{time.perf_counter() - t0:.1f}s, {shards} shard(s) by {min(world_size, shards)} rank(s) -> {out}",
+              flush=True)
+
+
 def checkpoint_root(cfg: Config) -> str:
     folder = cfg.checkpoint.folder
     return folder if os.path.isabs(folder) else os.path.join(cfg.job.dump_folder, folder)
@@ -626,27 +651,9 @@ class Checkpointer:
                      overlapped=max(p["steps"], 1) if p["steps"] else 0)
 
     def export_hf(self, step: int, tokenizer_path: str) -> None:
-        """checkpoint.last_save_hf: every rank calls it, and the ranks write the committed checkpoint of ``step``
-        as a Hugging Face folder together, each output shard by one rank, one rank per node first
-        (``engine.hf.export_checkpoint_hf``). Rank 0 finishes the folder once every shard is there; the ranks
-        coordinate through the files alone (the export may take longer than a collective's timeout)."""
-        from engine.hf import export_checkpoint_hf
-
-        out = hf_export_folder(self.root, step)
-        if os.path.exists(out):  # the export is atomic (written aside, then renamed): it is complete
-            self._log(f"checkpoint: {out} already exists; left as it is")
-            return
-        t0 = time.perf_counter()
-        rank, world_size = (dist.get_rank(), self.world_size) if self.distributed else (0, 1)
-        node_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-        what = export_checkpoint_hf(step_folder(self.root, step), out, EXPORT_DTYPES[self.cfg.checkpoint.export_dtype],
-                                    tokenizer_path, field="checkpoint.last_save_hf", rank=rank, world_size=world_size,
-                                    node_size=node_size)
-        if self.is_main:
-            shards = sum(name.endswith(".safetensors") for name in os.listdir(out))
-            print(f"checkpoint: Hugging Face folder of {what} ({self.cfg.checkpoint.export_dtype}) written in "
-                  f"{time.perf_counter() - t0:.1f}s, {shards} shard(s) by {min(world_size, shards)} rank(s) -> {out}",
-                  flush=True)
+        """checkpoint.last_save_hf (``export_last_hf``): every rank calls it."""
+        rank = dist.get_rank() if self.distributed else 0
+        export_last_hf(self.cfg, step, tokenizer_path, rank, self.world_size if self.distributed else 1)
 
     # -- preemption -------------------------------------------------------------------------------------------
     def install_sigterm_handler(self) -> None:

@@ -67,6 +67,26 @@ def check_writable_folder(folder: str, field: str) -> None:
                           "write to") from None
 
 
+def finished_already(cfg, world) -> bool:
+    """Whether the run to resume has reached training.steps already: then say so, write the last_save_hf folder
+    if it is missing, and build nothing (no model, no checkpoint load; the run's config.toml and metrics stay as
+    they are)."""
+    from engine.checkpoint import export_last_hf, find_resume_point
+    from engine.data.tokenizer import tokenizer_path
+
+    if cfg.checkpoint.create_seed_checkpoint:
+        return False
+    info = find_resume_point(cfg)
+    if info is None or info.step < cfg.training.steps:
+        return False
+    if world.is_main:
+        print(f"resumed at step {info.step}: training.steps = {cfg.training.steps} is reached, nothing to train "
+              "(raise training.steps to train on)", flush=True)
+    if cfg.checkpoint.last_save_hf and info.step == cfg.training.steps:
+        export_last_hf(cfg, info.step, tokenizer_path(cfg)[0], world.rank, world.world_size)
+    return True
+
+
 def user_error(e: BaseException, status: int, show: bool) -> int:
     """Report a user error: its ``error:`` line on stderr when ``show``, and, under torchrun, the line in this
     process's error file (torchrun's format, with Tessera's entry in extraInfo). Under Tessera's launcher
@@ -103,6 +123,9 @@ def main(argv: list[str] | None = None) -> int:
 
         world = init_distributed(cfg)
         try:
+            if finished_already(cfg, world):
+                destroy_distributed()
+                return 0
             trainer = Trainer(cfg, world)  # raises ValueError for user errors, before writing anything
         except BaseException:
             destroy_distributed()

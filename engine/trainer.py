@@ -446,9 +446,6 @@ class Trainer:
             return []
         if cfg.checkpoint.enable:
             ckpt.install_sigterm_handler()
-        if self.step >= cfg.training.steps and self.world.is_main:
-            print(f"resumed at step {self.step}: training.steps = {cfg.training.steps} is reached, nothing to train "
-                  "(raise training.steps to train on)", flush=True)
         tokens_per_step = cfg.training.local_batch_size * cfg.training.seq_len * self.grad_accum * self.dp_size
         data_iter = iter(self.dataloader)
         logged = []

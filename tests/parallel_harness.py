@@ -225,6 +225,7 @@ def train_job(world_size: int, rank: int, argv: list[str], env: Optional[dict[st
     forkserver's environment, not the test's. Returns what the run printed."""
     from engine.config import parse_args, validate
     from engine.distributed import init_distributed
+    from engine.train import finished_already
     from engine.trainer import Trainer
 
     for key, value in (env or {}).items():
@@ -238,7 +239,9 @@ def train_job(world_size: int, rank: int, argv: list[str], env: Optional[dict[st
     validate(cfg, world_size)
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-        Trainer(cfg, init_distributed()).train()
+        world = init_distributed()
+        if not finished_already(cfg, world):
+            Trainer(cfg, world).train()
     return printed.getvalue()
 
 

@@ -887,6 +887,17 @@ def test_last_save_hf_writes_the_final_model_for_transformers(tmp_path):
     assert "already exists; left as it is" in again
     assert tree(hf) == before
     assert sorted(metrics(dump)) == [1, 2, 3]  # the finished run's metrics stay in metrics.jsonl
+    # A finished run builds nothing (no model, no checkpoint load) and leaves the run's config.toml as it is; it
+    # still writes a missing export.
+    config = (dump / "config.toml").read_bytes()
+    shutil.rmtree(hf)
+    again = train(dump, *args, "--training.seq_len", "64", ngpu=2).stdout
+    assert "model llama3/debugmodel" not in again and "resumed from step" not in again, again
+    assert "Hugging Face folder of llama3/debugmodel, step 3 (bfloat16) written in" in again
+    assert tree(hf) == before and (dump / "config.toml").read_bytes() == config
+    again = train(dump, *args, "--training.steps", "2").stdout
+    assert "resumed at step 3: training.steps = 2 is reached, nothing to train" in again, again
+    assert (dump / "config.toml").read_bytes() == config and sorted(metrics(dump)) == [1, 2, 3]
 
 
 def test_seed_checkpoint_starts_any_layout_from_the_same_weights(tmp_path):
