@@ -13,6 +13,7 @@ import ast
 import dataclasses
 import difflib
 import inspect
+import json
 import math
 import os
 import sys
@@ -200,7 +201,8 @@ class ActivationCheckpoint:
     """none, full (recompute every block in backward) or selective (see selective_option)."""
     selective_option: str = "op"
     """For mode = selective: "op" keeps the outputs of matmuls and attention and recomputes the rest;
-    an integer N checkpoints every N-th block fully."""
+    an integer N (at most the model's number of layers) checkpoints every N-th block fully, from the first one
+    (blocks 0, N, 2N, ...)."""
     op_matmuls: str = "all"
     """For selective_option = op: the matmul outputs kept, all (the least recompute) or alternate (every other
     matmul of a block, as torchtitan's per-op policy: wk, wo and w3 are recomputed in backward, about 9% more
@@ -256,7 +258,8 @@ class Optimizer:
 @dataclass
 class LRScheduler:
     warmup_steps: int = 20
-    """Steps of linear warmup from near 0 to the peak lr."""
+    """Steps of linear warmup from near 0 to the peak lr. It may exceed training.steps (a short test of a long
+    run's config): the lr then ramps up to the last step, each step at the lr it has in the long run."""
     decay_ratio: float = -1.0
     """Fraction of the steps spent decaying at the end (warmup-stable-decay); -1 decays over every step
     after warmup."""
@@ -291,7 +294,8 @@ class Validation:
     """Every validation.freq steps, compute the loss of validation.steps batches without gradients (through
     the whole pipeline with PP), on the same batches each time; logged as validation_loss."""
     freq: int = 100
-    """Validate every this many optimizer steps."""
+    """Validate every this many optimizer steps (at its multiples; with validation.enable, at most
+    training.steps)."""
     steps: int = 4
     """Batches (of training.local_batch_size samples per data-parallel rank) per validation."""
     dataset: str = ""
@@ -484,6 +488,27 @@ _TRUE = {"true", "1", "yes", "on"}
 _FALSE = {"false", "0", "no", "off"}
 
 
+def _toml_text(value) -> str:
+    """A TOML value as a TOML file writes it."""
+    if isinstance(value, str):
+        return json.dumps(value, ensure_ascii=False)
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_text(v) for v in value) + "]"
+    return str(value)
+
+
+def _shown(value, from_cli: bool) -> str:
+    """A value in an error message: a command-line string quoted; a TOML value as the file writes it, a string
+    as the string "..." (its quotes are what make it one)."""
+    if from_cli:
+        return repr(value)
+    if isinstance(value, dict):
+        return "a table"
+    return f"the string {_toml_text(value)}" if isinstance(value, str) else _toml_text(value)
+
+
 def _convert(key: str, tp, value, from_cli: bool):
     """Convert a TOML value (typed) or a CLI string to the field's type, or raise ConfigError."""
     origin = typing.get_origin(tp)
@@ -492,7 +517,7 @@ def _convert(key: str, tp, value, from_cli: bool):
         if from_cli:
             value = [v.strip() for v in value.split(",") if v.strip()] if value.strip() else []
         if not isinstance(value, list):
-            raise ConfigError(f"{key}: expected a list, got {value!r}")
+            raise ConfigError(f"{key}: expected a list, got {_shown(value, from_cli)}")
         return [_convert(key, item_tp, v, from_cli) for v in value]
     if tp is bool:
         if from_cli:
@@ -503,7 +528,7 @@ def _convert(key: str, tp, value, from_cli: bool):
                 return False
         elif isinstance(value, bool):
             return value
-        raise ConfigError(f"{key}: expected true or false, got {value!r}")
+        raise ConfigError(f"{key}: expected true or false, got {_shown(value, from_cli)}")
     if tp is int:
         if from_cli:
             for base in (0, 10):  # 0x1f, 0o17, 1_000; base 10 for leading zeros (042), which base 0 refuses
@@ -513,7 +538,7 @@ def _convert(key: str, tp, value, from_cli: bool):
                     pass
         elif isinstance(value, int) and not isinstance(value, bool):
             return value
-        raise ConfigError(f"{key}: expected an integer, got {value!r}")
+        raise ConfigError(f"{key}: expected an integer, got {_shown(value, from_cli)}")
     if tp is float:
         number = None
         if from_cli:
@@ -524,14 +549,14 @@ def _convert(key: str, tp, value, from_cli: bool):
         elif isinstance(value, (int, float)) and not isinstance(value, bool):
             number = float(value)
         if number is None:
-            raise ConfigError(f"{key}: expected a number, got {value!r}")
+            raise ConfigError(f"{key}: expected a number, got {_shown(value, from_cli)}")
         if not math.isfinite(number):  # TOML and float() both take nan and inf
-            raise ConfigError(f"{key}: expected a finite number, got {value!r}")
+            raise ConfigError(f"{key}: expected a finite number, got {_shown(value, from_cli)}")
         return number
     if tp is str:
         if from_cli or isinstance(value, str):
             return value
-        raise ConfigError(f"{key}: expected a string, got {value!r}")
+        raise ConfigError(f"{key}: expected a string, got {_shown(value, from_cli)}")
     raise AssertionError(f"unsupported config type {tp} for {key}")
 
 
@@ -542,6 +567,95 @@ def _did_you_mean(word: str, choices) -> str:
 
 def _all_keys() -> list[str]:
     return [f"{s}.{f.name}" for s, cls in SECTIONS.items() for f in dataclasses.fields(cls)]
+
+
+def _names(section: str) -> list[str]:
+    return [f.name for f in dataclasses.fields(SECTIONS[section])]
+
+
+def _sections_with(name: str) -> list[str]:
+    """The sections that have a key ``name``."""
+    return [section for section in SECTIONS if name in _names(section)]
+
+
+def _or_list(items: list[str]) -> str:
+    return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} or {items[-1]}"
+
+
+# torchtitan's (0.2 and nearby) names of the options that Tessera names otherwise, with Tessera's name; the
+# torchtitan options without a Tessera counterpart are left out (they get the ordinary suggestion, if any).
+TORCHTITAN_NAMES: dict[str, str] = {
+    "job.config_file": "--config",
+    "job.print_args": "job.print_config",
+    "model.tokenizer_path": "model.hf_assets_path",
+    "model.converters": "float8.enable",
+    "training.dataset": "data.dataset",
+    "training.dataset_path": "data.path",
+    "training.batch_size": "training.local_batch_size",
+    "training.warmup_steps": "lr_scheduler.warmup_steps",
+    "training.enable_cpu_offload": "parallelism.fsdp_cpu_offload",
+    "training.compile": "compile.enable",
+    "training.seed": "debug.seed",
+    "training.deterministic": "debug.deterministic",
+    "lr_scheduler.lr_min": "lr_scheduler.min_lr_factor",
+    "parallelism.data_parallel_replicate_degree": "parallelism.dp_replicate",
+    "parallelism.data_parallel_shard_degree": "parallelism.dp_shard",
+    "parallelism.tensor_parallel_degree": "parallelism.tp",
+    "parallelism.enable_async_tensor_parallel": "parallelism.enable_async_tp",
+    "parallelism.context_parallel_degree": "parallelism.cp",
+    "parallelism.context_parallel_rotate_method": "parallelism.cp_rotate",
+    "parallelism.pipeline_parallel_degree": "parallelism.pp",
+    "parallelism.pipeline_parallel_schedule": "parallelism.pp_schedule",
+    "parallelism.pipeline_parallel_schedule_csv": "parallelism.pp_schedule_csv",
+    "parallelism.pipeline_parallel_microbatch_size": "parallelism.pp_microbatches",
+    "parallelism.pipeline_parallel_layers_per_stage": "parallelism.pp_layers_per_stage",
+    "checkpoint.enable_checkpoint": "checkpoint.enable",
+    "checkpoint.last_save_in_hf": "checkpoint.last_save_hf",
+    "activation_checkpoint.selective_ac_option": "activation_checkpoint.selective_option",
+    "float8.recipe_name": "float8.recipe",
+    "float8.enable_fsdp_float8_all_gather": "float8.fsdp_float8_all_gather",
+    "float8.precompute_float8_dynamic_scale_for_fsdp": "float8.precompute_scale",
+    "validation.enabled": "validation.enable",
+    "validation.dataset_path": "validation.path",
+}
+# Where Tessera's option takes another kind of value than torchtitan's.
+_TORCHTITAN_NOTES = {
+    "job.config_file": "a command-line option, not a config key",
+    "model.tokenizer_path": "the folder with tokenizer.json; data.tokenizer takes the file",
+    "model.converters": "converters = [\"float8\"] is float8.enable = true",
+    "parallelism.pipeline_parallel_microbatch_size": "the number of microbatches: training.local_batch_size / "
+                                                     "the microbatch size",
+    "parallelism.pipeline_parallel_layers_per_stage": "a list: the layers of each stage",
+}
+
+
+def _unknown_key(key: str) -> ConfigError:
+    """The error for a key that no section has: Tessera's name when it is torchtitan's name of a Tessera option,
+    else the nearest keys, if any are near."""
+    if key in TORCHTITAN_NAMES:
+        note = _TORCHTITAN_NOTES.get(key)
+        return ConfigError(f"unknown config key '{key}' (torchtitan's name); Tessera's is '{TORCHTITAN_NAMES[key]}'"
+                           + (f" ({note})" if note else ""))
+    return ConfigError(f"unknown config key '{key}'{_suggest_keys(key)}")
+
+
+def _suggest_keys(key: str) -> str:
+    """' (did you mean ...?)' for a mistyped key, '' when nothing is close: a close name of its section (the names
+    compared without the section, whose shared prefix makes any two keys of a section look alike), a close key
+    when the section is mistyped, else the sections that have the name (or, given no section, a close one)."""
+    section, _, name = key.partition(".")
+    if not name:  # no section
+        section, name = "", section
+    if section in SECTIONS:
+        close = [f"{section}.{n}" for n in difflib.get_close_matches(name, _names(section), n=1, cutoff=0.75)]
+    elif section:
+        close = difflib.get_close_matches(key, _all_keys(), n=1, cutoff=0.75)
+    else:  # the name in whichever sections have it
+        names = sorted({n for s in SECTIONS for n in _names(s)})
+        name = (difflib.get_close_matches(name, names, n=1, cutoff=0.75) or [name])[0]
+        close = []
+    close = close or [f"{s}.{name}" for s in _sections_with(name)]
+    return f" (did you mean {_or_list([repr(k) for k in close])}?)" if close else ""
 
 
 # Fields that hold a file or folder path: a leading ~ is expanded when the value is read (from the TOML file or
@@ -557,12 +671,9 @@ def set_value(cfg: Config, key: str, value, from_cli: bool) -> None:
     """Set ``section.name`` on cfg from a TOML value or a CLI string, checking the key and the type (and
     expanding ~ in PATH_FIELDS)."""
     section, _, name = key.partition(".")
-    if section not in SECTIONS or not name:
-        raise ConfigError(f"unknown config key '{key}'{_did_you_mean(key, _all_keys())}")
+    if section not in SECTIONS or name not in _names(section):
+        raise _unknown_key(key)
     cls = SECTIONS[section]
-    names = [f.name for f in dataclasses.fields(cls)]
-    if name not in names:
-        raise ConfigError(f"unknown config key '{key}'{_did_you_mean(key, _all_keys())}")
     value = _convert(key, _field_type(cls, name), value, from_cli)
     setattr(getattr(cfg, section), name, os.path.expanduser(value) if key in PATH_FIELDS else value)
 
@@ -587,6 +698,11 @@ def load_toml(cfg: Config, path: str) -> None:
     except OSError as e:
         raise ConfigError(f"--config: cannot read '{path}': {e.strerror}") from None
     for section, values in data.items():
+        if section not in SECTIONS and not isinstance(values, dict):  # a key above every [section] header
+            where = _sections_with(section)
+            fix = (f"put it under {_or_list([f'[{s}]' for s in where])}" if where else
+                   f"no section has such a key{_suggest_keys(section)}")
+            raise ConfigError(f"{section}: the key '{section}' in {path} must sit in a section; {fix}")
         if section not in SECTIONS:
             raise ConfigError(f"unknown config section '[{section}]' in {path}{_did_you_mean(section, SECTIONS)}")
         if not isinstance(values, dict):
@@ -601,6 +717,14 @@ def _is_bool_key(key: str) -> bool:
     if cls is None or name not in {f.name for f in dataclasses.fields(cls)}:
         return False
     return _field_type(cls, name) is bool
+
+
+def _negated_bool(key: str) -> str:
+    """For ``section.no-name`` where ``section.name`` is a boolean: ``section.name``; else ''."""
+    section, _, name = key.partition(".")
+    if name.startswith("no-") and _is_bool_key(f"{section}.{name[3:]}"):
+        return f"{section}.{name[3:]}"
+    return ""
 
 
 def parse_args(argv: list[str] | None = None) -> Config:
@@ -627,21 +751,23 @@ def parse_args(argv: list[str] | None = None) -> Config:
                 raise ConfigError(f"--config: given twice ('{config_file}', then '{value}'); pass one file and "
                                   "override its values with --section.key value")
             config_file = os.path.expanduser(value)
+        elif _negated_bool(key) and (eq or (i + 1 < len(argv) and not argv[i + 1].startswith("--"))):
+            value = inline if eq else argv[i + 1]
+            raise ConfigError(f"--{key}: takes no value (got '{value}'); use --{_negated_bool(key)} false or "
+                              f"--{key}")
         elif eq:
             overrides.append((key, inline))
+        elif _negated_bool(key):
+            overrides.append((_negated_bool(key), "false"))
+        elif _is_bool_key(key) and (i + 1 >= len(argv) or argv[i + 1].startswith("--")):
+            overrides.append((key, "true"))
+        elif i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+            overrides.append((key, argv[i + 1]))
+            i += 1
+        elif key not in _all_keys():
+            raise _unknown_key(key)
         else:
-            section, _, name = key.partition(".")
-            if name.startswith("no-") and _is_bool_key(f"{section}.{name[3:]}"):
-                overrides.append((f"{section}.{name[3:]}", "false"))
-            elif _is_bool_key(key) and (i + 1 >= len(argv) or argv[i + 1].startswith("--")):
-                overrides.append((key, "true"))
-            elif i + 1 < len(argv) and not argv[i + 1].startswith("--"):
-                overrides.append((key, argv[i + 1]))
-                i += 1
-            elif key not in _all_keys():
-                raise ConfigError(f"unknown config key '{key}'{_did_you_mean(key, _all_keys())}")
-            else:
-                raise ConfigError(f"--{key}: expects a value")
+            raise ConfigError(f"--{key}: expects a value")
         i += 1
     cfg = Config()
     if config_file is not None:
@@ -761,6 +887,14 @@ def validate(cfg: Config, world_size: int = 1, machine: Optional[Machine] = None
     _positive("training.seq_len", t.seq_len)
     _positive("training.local_batch_size", t.local_batch_size)
     dp = validate_parallelism(cfg, world_size, spec, machine).dp
+    ac, n_layers = cfg.activation_checkpoint, spec.flavors[cfg.model.flavor].n_layers
+    if ac.mode == "selective" and ac.selective_option != "op" and int(ac.selective_option) > n_layers:
+        raise ConfigError(
+            f"activation_checkpoint.selective_option: {ac.selective_option} exceeds the {n_layers} layers of "
+            f"{cfg.model.flavor}, and checkpointing every {ac.selective_option}-th block checkpoints the first one "
+            f"only; give an N from 1 to {n_layers} (2 checkpoints every other block), or set "
+            f"activation_checkpoint.mode to none"
+        )
     _positive("training.max_norm", t.max_norm)
     if t.gc_freq < 0:
         raise ConfigError(f"training.gc_freq: must be >= 0 (0 = Python's automatic collection), got {t.gc_freq}")
@@ -787,9 +921,6 @@ def validate(cfg: Config, world_size: int = 1, machine: Optional[Machine] = None
     s = cfg.lr_scheduler
     if s.warmup_steps < 0:
         raise ConfigError(f"lr_scheduler.warmup_steps: must be >= 0, got {s.warmup_steps}")
-    if s.warmup_steps > t.steps:
-        raise ConfigError(f"lr_scheduler.warmup_steps: {s.warmup_steps} exceeds training.steps = {t.steps}; lower "
-                          "lr_scheduler.warmup_steps or raise training.steps")
     if s.decay_ratio != -1.0 and not 0.0 <= s.decay_ratio <= 1.0:
         raise ConfigError(f"lr_scheduler.decay_ratio: must be in [0, 1] or -1, got {s.decay_ratio}")
     _choice("lr_scheduler.decay_type", s.decay_type, ["linear", "cosine", "sqrt"])
@@ -800,6 +931,9 @@ def validate(cfg: Config, world_size: int = 1, machine: Optional[Machine] = None
     v = cfg.validation
     _positive("validation.freq", v.freq)
     _positive("validation.steps", v.steps)
+    if v.enable and v.freq > t.steps:  # it validates at the multiples of freq
+        raise ConfigError(f"validation.freq: {v.freq} exceeds training.steps = {t.steps}, so validation would never "
+                          f"run; set validation.freq to at most {t.steps}, or turn validation.enable off")
     if v.path and not os.path.exists(v.path):
         raise ConfigError(f"validation.path: '{v.path}' not found; give a json, jsonl, parquet or txt file or folder")
 

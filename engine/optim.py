@@ -53,12 +53,14 @@ def lr_factor(step: int, total_steps: int, cfg: LRSchedulerConfig) -> float:
 
     Warmup: step / warmup_steps, rising linearly to 1 at the end of warmup. Stable: 1. Decay: the last
     ``decay_ratio`` of the steps (every step after warmup when decay_ratio is -1) fall from 1 to
-    min_lr_factor along the chosen curve.
+    min_lr_factor along the chosen curve, never into the warmup. A warmup as long as the run or longer (a short
+    test of a long run's config) ramps up to the last step, every step at the lr it has in the long run: the
+    peak comes only if the run reaches the end of the warmup, and nothing decays.
     """
     warmup = cfg.warmup_steps
     if warmup and step <= warmup:
         return step / warmup
-    after_warmup = total_steps - warmup
+    after_warmup = max(total_steps - warmup, 0)  # a warmup longer than the run leaves no steps, not fewer
     decay = after_warmup if cfg.decay_ratio == -1.0 else round(cfg.decay_ratio * total_steps)
     decay = min(decay, after_warmup)
     decay_start = total_steps - decay

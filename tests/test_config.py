@@ -67,6 +67,99 @@ def test_parse_errors(argv, fragment):
     assert fragment in str(e.value)
 
 
+@pytest.mark.parametrize(
+    "key, value, message",
+    [
+        ("checkpoint.enable_checkpoint", "true", "Tessera's is 'checkpoint.enable'"),
+        ("job.config_file", "x.toml", "Tessera's is '--config' (a command-line option, not a config key)"),
+        ("training.dataset", "c4", "Tessera's is 'data.dataset'"),
+        ("parallelism.tensor_parallel_degree", "2", "Tessera's is 'parallelism.tp'"),
+        ("activation_checkpoint.selective_ac_option", "2", "Tessera's is 'activation_checkpoint.selective_option'"),
+    ],
+)
+def test_torchtitan_names_get_tesseras(tmp_path, key, value, message):
+    """torchtitan's name of an option gets Tessera's name, on the command line and in a TOML file alike (not the
+    nearest-looking key: checkpoint.enable_checkpoint looked like create_seed_checkpoint, which trains nothing)."""
+    expected = f"unknown config key '{key}' (torchtitan's name); {message}"
+    for argv in (["--" + key, value], [f"--{key}={value}"]):
+        with pytest.raises(ConfigError) as e:
+            parse_args(argv)
+        assert str(e.value) == expected
+    section, _, name = key.partition(".")
+    path = tmp_path / "t.toml"
+    path.write_text(f'[{section}]\n{name} = "{value}"\n')
+    with pytest.raises(ConfigError) as e:
+        parse_args(["--config", str(path)])
+    assert str(e.value) == expected
+
+
+def test_torchtitan_table_names_tessera_keys():
+    """Every torchtitan name in the table is not a Tessera key (it would never be looked up), and every Tessera
+    name it gives is one (or --config)."""
+    from engine.config import TORCHTITAN_NAMES
+
+    keys = {f"{section}.{f.name}" for section, cls in SECTIONS.items() for f in dataclasses.fields(cls)}
+    assert len(TORCHTITAN_NAMES) >= 25
+    assert not set(TORCHTITAN_NAMES) & keys
+    assert set(TORCHTITAN_NAMES.values()) - keys == {"--config"}
+
+
+@pytest.mark.parametrize(
+    "key, suggestion",
+    [
+        ("checkpoint.enable_checkpointing", ""),  # shares only the word checkpoint with create_seed_checkpoint
+        ("parallelism.pipeline_parallel_split_points", ""),  # torchtitan's, but no Tessera counterpart
+        ("job.config", ""),  # not print_config
+        ("metrics.log_frequency", " (did you mean 'metrics.log_freq'?)"),
+        ("training.local_batchsize", " (did you mean 'training.local_batch_size'?)"),
+        ("trainig.seq_len", " (did you mean 'training.seq_len'?)"),
+        ("optimizer.warmup_steps", " (did you mean 'lr_scheduler.warmup_steps'?)"),  # another section's
+        ("steps", " (did you mean 'training.steps' or 'validation.steps'?)"),
+        ("stepz", " (did you mean 'training.steps' or 'validation.steps'?)"),
+    ],
+)
+def test_unknown_keys_suggest_only_close_keys(key, suggestion):
+    with pytest.raises(ConfigError) as e:
+        parse_args(["--" + key, "1"])
+    assert str(e.value) == f"unknown config key '{key}'{suggestion}"
+
+
+def test_negated_booleans_take_no_value():
+    for argv in (["--checkpoint.no-enable=true"], ["--checkpoint.no-enable", "false"]):
+        with pytest.raises(ConfigError) as e:
+            parse_args(argv)
+        value = argv[0].partition("=")[2] or argv[1]
+        assert str(e.value) == (f"--checkpoint.no-enable: takes no value (got '{value}'); use --checkpoint.enable "
+                                "false or --checkpoint.no-enable")
+    assert parse_args(["--checkpoint.enable", "--checkpoint.no-enable"]).checkpoint.enable is False
+
+
+def test_toml_keys_outside_sections_and_string_values(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text("steps = 5\n[training]\nseq_len = 64\n")
+    with pytest.raises(ConfigError) as e:
+        parse_args(["--config", str(path)])
+    assert str(e.value) == f"steps: the key 'steps' in {path} must sit in a section; put it under [training] or [validation]"
+    path.write_text("seq_len = 64\n")
+    with pytest.raises(ConfigError) as e:
+        parse_args(["--config", str(path)])
+    assert str(e.value) == f"seq_len: the key 'seq_len' in {path} must sit in a section; put it under [training]"
+    for text, message in [
+        ('[training]\nsteps = "5"\n', 'training.steps: expected an integer, got the string "5"'),
+        ('[training]\nmax_norm = "1.0"\n', 'training.max_norm: expected a number, got the string "1.0"'),
+        ('[debug]\ndeterministic = "true"\n', 'debug.deterministic: expected true or false, got the string "true"'),
+        ("[job]\ndescription = false\n", "job.description: expected a string, got false"),
+        ('[float8]\nfilter_fqns = "output"\n', 'float8.filter_fqns: expected a list, got the string "output"'),
+    ]:
+        path.write_text(text)
+        with pytest.raises(ConfigError) as e:
+            parse_args(["--config", str(path)])
+        assert str(e.value) == message
+    with pytest.raises(ConfigError) as e:  # the command line's values are all strings: shown as given
+        parse_args(["--training.steps", "5x"])
+    assert str(e.value) == "training.steps: expected an integer, got '5x'"
+
+
 def test_toml_errors(tmp_path):
     bad_section = tmp_path / "a.toml"
     bad_section.write_text("[trainig]\nsteps = 3\n")
@@ -119,8 +212,12 @@ def test_home_is_expanded_in_path_fields(tmp_path, monkeypatch):
         (["--model.flavor", "9B"], "model.flavor"),
         (["--model.attn", "xformers"], "model.attn"),
         (["--model.attn_mask", "block_causal"], "model.attn_mask"),
-        (["--lr_scheduler.warmup_steps", "500", "--training.steps", "10"],
-         "lr_scheduler.warmup_steps: 500 exceeds training.steps = 10; lower lr_scheduler.warmup_steps or raise"),
+        (["--validation.enable", "--training.steps", "10"],
+         "validation.freq: 100 exceeds training.steps = 10, so validation would never run; set validation.freq to "
+         "at most 10, or turn validation.enable off"),
+        (["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_option", "99"],
+         "activation_checkpoint.selective_option: 99 exceeds the 6 layers of debugmodel, and checkpointing every "
+         "99-th block checkpoints the first one only; give an N from 1 to 6"),
         (["--lr_scheduler.decay_type", "exp"], "lr_scheduler.decay_type"),
         (["--metrics.log_freq", "0"], "metrics.log_freq"),
         (["--data.path", "/nonexistent/data.jsonl"], "data.path"),
@@ -144,6 +241,15 @@ def test_validate_names_the_field(argv, field):
     with pytest.raises(ConfigError) as e:
         validate(cfg)
     assert str(e.value).startswith(field), str(e.value)
+
+
+def test_what_a_short_run_may_keep():
+    """A warmup longer than the run keeps ramping (torchtitan accepts it too); validation every training.steps
+    steps and a selective_option of every n_layers-th block (the first block only) still do something."""
+    validate(parse_args(["--lr_scheduler.warmup_steps", "500", "--training.steps", "10"]))
+    validate(parse_args(["--validation.enable", "--validation.freq", "10", "--training.steps", "10"]))
+    validate(parse_args(["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_option", "6"]))
+    validate(parse_args(["--validation.freq", "500", "--training.steps", "10"]))  # validation off
 
 
 def test_global_batch_gives_accumulation():

@@ -45,6 +45,30 @@ def test_scheduler_drives_the_optimizer():
     assert seen[4:] == pytest.approx([0.75, 0.5, 0.25, 0.0])
 
 
+@pytest.mark.parametrize("decay_type", ["linear", "cosine", "sqrt"])
+@pytest.mark.parametrize("decay_ratio", [-1.0, 0.0, 0.5, 1.0])
+def test_warmup_as_long_as_the_run_or_longer(decay_type, decay_ratio):
+    """A short run of a long run's config (warmup_steps >= training.steps) ramps up to its last step: every step
+    at its lr of the warmup, the peak at most, with every decay shape; past the warmup (the scheduler's own
+    look-ahead, or a step beyond a warmup longer than the run) the lr stays at the peak."""
+    for total, warmup in ((2, 10), (5, 5), (1, 1), (3, 4)):
+        cfg = LRScheduler(warmup_steps=warmup, decay_ratio=decay_ratio, decay_type=decay_type, min_lr_factor=0.1)
+        factors = [lr_factor(s, total, cfg) for s in range(1, total + 1)]
+        assert factors == pytest.approx([s / warmup for s in range(1, total + 1)]), (total, warmup)
+        for step in (warmup + 1, warmup + 7):
+            assert lr_factor(step, total, cfg) == 1.0, (total, warmup, step)
+    p = torch.nn.Parameter(torch.zeros(2))
+    opt = torch.optim.AdamW([p], lr=1.0)
+    sched = build_lr_scheduler(opt, LRScheduler(warmup_steps=10, decay_ratio=decay_ratio, decay_type=decay_type),
+                               total_steps=2)
+    seen = []
+    for _ in range(2):
+        seen.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert seen == pytest.approx([0.1, 0.2])
+
+
 @pytest.mark.parametrize("max_norm", [0.5, 1e6])
 def test_clip_grad_norm_matches_torch(max_norm):
     """engine.optim.clip_grad_norm_ against torch's own on plain tensors: the same total norm and, clipping
