@@ -177,6 +177,43 @@ def set_aside_old_metrics(folder: str) -> None:
     os.replace(path, os.path.join(folder, f"metrics.{n}.jsonl"))
 
 
+def end_torn_record(path: str) -> int:
+    """Make a metrics file that a run is about to append to end with a whole line. A last line without its
+    newline is a record whose write was cut short (a crash, a full disk): the next record would glue onto it and
+    make both unreadable. A tail that is still a whole JSON object only lacks the newline, which is added;
+    anything else is cut off. Returns the number of bytes cut off (0: nothing lost; also for a missing file)."""
+    try:
+        size = os.path.getsize(path)
+    except FileNotFoundError:
+        return 0
+    if size == 0:
+        return 0
+    with open(path, "rb+") as f:
+        f.seek(size - 1)
+        if f.read(1) == b"\n":
+            return 0
+        start = size
+        while start > 0:  # back to the last newline, a block at a time
+            block_start = max(0, start - 65536)
+            f.seek(block_start)
+            newline = f.read(start - block_start).rfind(b"\n")
+            if newline >= 0:
+                start = block_start + newline + 1
+                break
+            start = block_start
+        f.seek(start)
+        tail = f.read()
+        try:
+            whole = isinstance(json.loads(tail), dict)
+        except ValueError:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+            whole = False
+        if whole:
+            f.write(b"\n")
+            return 0
+        f.truncate(start)
+    return size - start
+
+
 class MetricsLogger:
     """Console + JSONL + tensorboard + wandb metrics for one rank.
 
@@ -185,8 +222,8 @@ class MetricsLogger:
     ``metrics_rank<N>.jsonl`` (rank 0 included, next to metrics.jsonl) and ranks > 0 write tensorboard events
     to ``<dump_folder>/tb/rank_<N>``; wandb stays on rank 0 (one run per job). Other ranks create no files.
     ``fresh``: a new run (not resumed), whose metrics.jsonl starts empty; an earlier run's is kept as
-    metrics.<n>.jsonl. A sink that cannot start (wandb without a login) is a ConfigError raised before any
-    file is written.
+    metrics.<n>.jsonl; a resumed run's goes on after its last whole record (end_torn_record). A sink that cannot
+    start (wandb without a login) is a ConfigError raised before any file is written.
     """
 
     def __init__(
@@ -246,6 +283,11 @@ class MetricsLogger:
         if m.save_for_all_ranks:
             names.append(f"metrics_rank{rank}.jsonl")
         self.jsonl_paths = [os.path.join(self.dump_folder, n) for n in names]
+        for path in self.jsonl_paths:
+            cut = end_torn_record(path)
+            if cut:
+                print(f"metrics: {path} ended in an unfinished record (a write cut short by a crash or a full disk); "
+                      f"cut off its {cut} bytes, appending after the last whole record", flush=True)
         # Append mode: a resumed run continues the same file (engine.plot reads its segments).
         self._files = [open(p, "a", encoding="utf-8") for p in self.jsonl_paths]
         if m.enable_tensorboard:

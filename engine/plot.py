@@ -29,8 +29,9 @@ def read_metrics(jsonl_path: str) -> list[dict]:
     """Read a metrics JSONL file: one record per step, sorted by step. A resumed run appends to the file from
     its checkpoint's step on: a record whose step is not after the one before it starts a new segment, which
     replaces every earlier record from that step on (those of a run that went on past its last checkpoint, or
-    of a continuation abandoned for an earlier checkpoint). Raises MetricsFileError for a missing, empty or
-    corrupt file."""
+    of a continuation abandoned for an earlier checkpoint). A last line without its newline that is not valid
+    JSON is a record whose write was cut short (the run crashed, or the disk was full) and is left out. Raises
+    MetricsFileError for a missing, empty or corrupt file."""
     if not os.path.isfile(jsonl_path):
         raise MetricsFileError(f"{jsonl_path}: file not found")
     by_step: dict[int, dict] = {}
@@ -46,6 +47,8 @@ def read_metrics(jsonl_path: str) -> list[dict]:
         try:
             rec = json.loads(line)
         except json.JSONDecodeError as e:
+            if lineno == len(lines) and not line.endswith("\n"):  # torn: the writer stopped mid-record
+                break
             raise MetricsFileError(f"{jsonl_path}:{lineno}: not valid JSON ({e.msg})") from None
         if not isinstance(rec, dict):
             raise MetricsFileError(f"{jsonl_path}:{lineno}: expected a JSON object, got {type(rec).__name__}")
@@ -128,6 +131,23 @@ def plot_metrics(jsonl_path: str, out_dir: str) -> list[str]:
     axes[-1].set_xlabel("step")
     fig.suptitle(f"{title}: throughput")
     paths.append(_save(fig, os.path.join(out_dir, "throughput.png")))
+    return paths
+
+
+def plot_run(folder: str) -> list[str]:
+    """The end of a training run: draw ``<folder>/metrics.jsonl`` into ``folder`` and print the paths; returns
+    them. A file with no records (nothing was left to train) draws nothing. The run's work is done and saved by
+    then, so a failure here is one ``warning:`` line, never an error of the run."""
+    jsonl = os.path.join(folder, "metrics.jsonl")
+    if not os.path.exists(jsonl) or os.path.getsize(jsonl) == 0:
+        return []
+    try:
+        paths = plot_metrics(jsonl, folder)
+    except Exception as e:  # plots are a by-product: whatever stops them must not fail a finished run
+        reason = " ".join(str(e).split()) or type(e).__name__
+        print(f"warning: plots not drawn ({reason}); the run itself is complete", flush=True)
+        return []
+    print(f"plots: {', '.join(paths)}", flush=True)
     return paths
 
 

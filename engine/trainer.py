@@ -538,9 +538,6 @@ class Trainer:
         return logged
 
     def _plot(self) -> None:
-        from engine.plot import plot_metrics
+        from engine.plot import plot_run
 
-        jsonl = os.path.join(self.cfg.job.dump_folder, "metrics.jsonl")
-        if os.path.exists(jsonl) and os.path.getsize(jsonl) > 0:  # empty when nothing was left to train
-            paths = plot_metrics(jsonl, self.cfg.job.dump_folder)
-            print(f"plots: {', '.join(paths)}", flush=True)
+        plot_run(self.cfg.job.dump_folder)  # a failure is a warning line: the run's work is done

@@ -292,3 +292,82 @@ def test_plot_module_entry_point(tmp_path):
                           text=True, timeout=60)
     assert proc.returncode == 2
     assert proc.stderr.strip() == f"error: {bad}:1: not valid JSON (Expecting value)"
+
+
+# ------------------------------------------------------------------------------------------------ torn records
+
+
+def test_a_resumed_run_cuts_off_a_torn_last_record(tmp_path, capsys):
+    """A crash (or a full disk) mid-write leaves a last line without its newline: a resumed run cuts it off and
+    says so, so its first record starts a line of its own and the file stays readable."""
+    from engine.plot import read_metrics
+
+    cfg = make_cfg(tmp_path, save_for_all_ranks=True)
+    run = tmp_path / "run"
+    run.mkdir()
+    whole = "".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in (1, 2))
+    torn = json.dumps({"step": 3, "loss": 1.0})[:-7]
+    for name in ("metrics.jsonl", "metrics_rank0.jsonl"):
+        (run / name).write_text(whole + torn)
+    with MetricsLogger(cfg, rank=0, world_size=1, num_flops_per_token=10, device=CPU) as logger:
+        logger.log(step=3, loss=0.5, grad_norm=1.0, lr=1e-3, tokens=100, elapsed=1.0, data_wait=0.0)
+    out = capsys.readouterr().out.splitlines()
+    for name in ("metrics.jsonl", "metrics_rank0.jsonl"):
+        assert f"metrics: {run / name} ended in an unfinished record (a write cut short by a crash or a full disk); " \
+               f"cut off its {len(torn)} bytes, appending after the last whole record" in out
+        lines = (run / name).read_text().splitlines()
+        assert [json.loads(line)["step"] for line in lines] == [1, 2, 3]
+        assert lines[:2] == whole.splitlines()
+    assert [(r["step"], r["loss"]) for r in read_metrics(str(run / "metrics.jsonl"))] == [(1, 1.0), (2, 1.0), (3, 0.5)]
+
+
+def test_a_whole_last_record_without_its_newline_is_kept(tmp_path, capsys):
+    cfg = make_cfg(tmp_path)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 1.0}))
+    with MetricsLogger(cfg, rank=0, world_size=1, num_flops_per_token=10, device=CPU) as logger:
+        logger.log(step=2, loss=0.5, grad_norm=1.0, lr=1e-3, tokens=100, elapsed=1.0, data_wait=0.0)
+    assert "unfinished record" not in capsys.readouterr().out
+    assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+
+
+def test_a_fresh_run_keeps_the_earlier_torn_file_as_it_was(tmp_path, capsys):
+    cfg = make_cfg(tmp_path)
+    run = tmp_path / "run"
+    run.mkdir()
+    old = json.dumps({"step": 1}) + '\n{"step": 2, "lo'
+    (run / "metrics.jsonl").write_text(old)
+    with MetricsLogger(cfg, rank=0, world_size=1, num_flops_per_token=10, device=CPU, fresh=True) as logger:
+        logger.log(step=1, loss=0.5, grad_norm=1.0, lr=1e-3, tokens=100, elapsed=1.0, data_wait=0.0)
+    assert (run / "metrics.1.jsonl").read_text() == old
+    assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [1]
+
+
+def test_read_metrics_leaves_out_a_torn_last_line_only(tmp_path):
+    from engine.plot import MetricsFileError, read_metrics
+
+    jsonl = tmp_path / "metrics.jsonl"
+    jsonl.write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.0}\n{"step": 3, "lo')
+    assert [r["step"] for r in read_metrics(str(jsonl))] == [1, 2]
+    jsonl.write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "lo\n{"step": 3, "loss": 1.0}\n')
+    with pytest.raises(MetricsFileError, match=r"metrics.jsonl:2: not valid JSON"):
+        read_metrics(str(jsonl))
+
+
+def test_plot_run_failure_is_one_warning_line(tmp_path, capsys):
+    """The plots at the end of a run: drawn and listed; none for an empty file; a corrupt file is one warning
+    line, not an exception that would fail the finished run."""
+    from engine.plot import plot_run
+
+    write_synthetic(tmp_path / "metrics.jsonl")
+    assert plot_run(str(tmp_path)) == [str(tmp_path / "loss.png"), str(tmp_path / "throughput.png")]
+    assert capsys.readouterr().out == f"plots: {tmp_path / 'loss.png'}, {tmp_path / 'throughput.png'}\n"
+
+    (tmp_path / "metrics.jsonl").write_text("")
+    assert plot_run(str(tmp_path)) == [] and capsys.readouterr().out == ""
+
+    (tmp_path / "metrics.jsonl").write_text('not json\n{"step": 2}\n')
+    assert plot_run(str(tmp_path)) == []
+    assert capsys.readouterr().out == (f"warning: plots not drawn ({tmp_path / 'metrics.jsonl'}:1: not valid JSON "
+                                       "(Expecting value)); the run itself is complete\n")

@@ -56,6 +56,64 @@ def test_committed_templates_are_the_renderer_output():
         assert subprocess.run(["bash", "-n", path]).returncode == 0
 
 
+def debug_config(tmp_path, name, extra="", section="[training]"):
+    """train_configs/debug_model.toml with ``extra`` appended and its [training] header spelled ``section``; the
+    run folder in tmp_path."""
+    with open(os.path.join(ROOT, "train_configs", "debug_model.toml")) as f:
+        text = f.read().replace("[training]", section)
+    path = tmp_path / name
+    path.write_text(f"{text}\n{extra}\n".replace('"./outputs/debug_model"', f'"{tmp_path / "run"}"'))
+    return path
+
+
+LAYOUT_256 = "[parallelism]\npp = 8\ndp_shard = 4\ncp = 4\ntp = 2\n"
+
+
+def test_the_renderer_checks_the_config_for_its_world(tmp_path):
+    """A 256-GPU layout rendered for 1 node x 8 GPUs: the error line the job's own check would print, hours later
+    on the batch node, now, and no script; for 32 nodes x 8 GPUs the same config renders."""
+    config = debug_config(tmp_path, "big.toml", LAYOUT_256)
+    job = subprocess.run(["bash", "-c", f'WORLD_SIZE=8 TESSERA_CHECK_ONLY=1 "{sys.executable}" -m engine.train '
+                          f"--config {config} --job.dump_folder {tmp_path / 'run'}"],
+                         cwd=ROOT, capture_output=True, text=True)
+    assert job.returncode == 2 and job.stderr.startswith("error: parallelism: the degrees multiply to 256"), job.stderr
+    render = subprocess.run([sys.executable, "-m", "engine.tools.slurm", "--nodes", "1", "--gpus-per-node", "8",
+                             "--config", str(config)], cwd=ROOT, capture_output=True, text=True)
+    assert (render.returncode, render.stdout, render.stderr) == (2, "", job.stderr)
+    render = subprocess.run([sys.executable, "-m", "engine.tools.slurm", "--nodes", "32", "--gpus-per-node", "8",
+                             "--config", str(config)], cwd=ROOT, capture_output=True, text=True)
+    assert render.returncode == 0 and "#SBATCH --nodes=32" in render.stdout, render.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_renderer_refuses_a_misspelled_section_and_bad_training_args(tmp_path, monkeypatch, capsys):
+    """The file and the training arguments after -- are checked, in-process; WORLD_SIZE and the working
+    directory are left as they were."""
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    cwd = os.getcwd()
+    typo = debug_config(tmp_path, "typo.toml", section="[trainig]")
+    assert slurm.main(["--nodes", "1", "--gpus-per-node", "8", "--config", str(typo)]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err == f"error: unknown config section '[trainig]' in {typo} (did you mean 'training'?)\n"
+    good = debug_config(tmp_path, "good.toml")
+    assert slurm.main(["--nodes", "1", "--gpus-per-node", "8", "--config", str(good), "--",
+                       "--parallelism.tp", "3"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith("error: parallelism") and err.count("\n") == 1, err
+    assert slurm.main(["--nodes", "1", "--gpus-per-node", "8", "--config", str(good), "--",
+                       "--parallelism.tp", "2"]) == 0
+    assert capsys.readouterr().out.startswith("#!/bin/bash\n")
+    assert os.environ["WORLD_SIZE"] == "3" and os.getcwd() == cwd
+    # Without --config: a template (CONFIG when submitting), checked when the job starts, as before.
+    assert slurm.main(["--nodes", "1", "--gpus-per-node", "8"]) == 0
+    assert "CONFIG=${CONFIG:-train_configs/llama3_8b.toml}" in capsys.readouterr().out
+    missing = tmp_path / "no-checkout"
+    assert slurm.main(["--config", str(good), "--workdir", str(missing)]) == 2
+    assert capsys.readouterr().err == (f"error: --workdir: folder '{missing}' not found; the configuration is checked "
+                                       "in the checkout the job runs in: render where it is visible (the cluster's "
+                                       "login node)\n")
+
+
 STUBS = {
     # scontrol: record the call; `show hostnames` lists four nodes.
     "scontrol": """#!/bin/bash

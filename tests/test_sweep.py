@@ -59,9 +59,30 @@ def test_a_sweep_into_an_earlier_one_is_refused(tmp_path, capsys):
     assert sorted(os.listdir(out)) == ["2"] and (out / "2" / "metrics.jsonl").read_text() == '{"step": 1}\n'
 
 
+def fake_sbatch(tmp_path, monkeypatch):
+    """An sbatch on PATH that records its arguments in <tmp_path>/sbatch.txt and prints a job id."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "sbatch").write_text(f'#!/bin/bash\necho "$*" >> {tmp_path}/sbatch.txt\necho 77$RANDOM\n')
+    (bin_dir / "sbatch").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+
+
+def test_sbatch_launcher_without_sbatch_stops_before_writing(tmp_path, monkeypatch, capsys):
+    """No SLURM client on this machine: one error line naming --launcher, and no configs or scripts written."""
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))  # no sbatch (python itself is already running)
+    out = tmp_path / "sweep"
+    rc = sweep.main(["--dim", "training.seq_len", "--values", "128,256", "--launcher", "sbatch", "--out", str(out)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and err == ["error: --launcher: sbatch is not on PATH (no SLURM client here); run the sweep on "
+                               "the cluster's login node, or use --launcher local"], err
+    assert not out.exists()
+
+
 def test_sbatch_runs_are_checked_for_the_cluster_gpus(tmp_path, monkeypatch, capsys):
     """Runs for sbatch are validated for the cluster's GPUs: float8 passes on this CPU machine (a local sweep
     of it does not)."""
+    fake_sbatch(tmp_path, monkeypatch)
     monkeypatch.setattr(sweep, "launch_sbatch", lambda run, *a: setattr(run, "status", "submitted (stub)"))
     args = ["--dim", "parallelism.tp", "--values", "1", "--ngpu", "8", "--float8.enable", "true"]
     assert sweep.main([*args, "--launcher", "sbatch", "--out", str(tmp_path / "a")]) == 0, capsys.readouterr()
@@ -85,11 +106,7 @@ def test_summary_is_the_median_after_warmup(tmp_path):
 
 def test_sbatch_launcher_submits_then_collects(tmp_path, monkeypatch, capsys):
     """--launcher sbatch renders one script per value and submits it; --collect gathers whatever has finished."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "sbatch").write_text(f'#!/bin/bash\necho "$*" >> {tmp_path}/sbatch.txt\necho 77$RANDOM\n')
-    (bin_dir / "sbatch").chmod(0o755)
-    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    fake_sbatch(tmp_path, monkeypatch)
     out = tmp_path / "sweep"
     rc = sweep.main(["--dim", "parallelism.tp", "--values", "1,2", "--ngpu", "8", "--nodes", "2",
                      "--launcher", "sbatch", "--out", str(out), "--job-name", "tp"])

@@ -24,6 +24,13 @@ The rendered script
   ``scontrol requeue``, whatever the exit status; the requeued job runs the same command with the same dump
   folder and resumes from the newest checkpoint.
 
+Before it renders for a ``--config``, the tool runs that same check here (``check_config``), in the checkout the job runs in
+(``--workdir``) and for the cluster's GPUs (Hopper, as a dry run): a user error is the same one ``error:`` line
+and exit status 2, and no script is written, instead of a job that waited in the queue to be refused. Render
+where the job's files are visible (the cluster's login node). Arguments given to sbatch itself, and a CONFIG
+set when submitting, are checked only by the script; so is the default config of a script rendered without
+``--config`` (a template, like those below).
+
 ``slurm/single_node.sbatch`` and ``slurm/multi_node.sbatch`` are this renderer's output with the defaults
 (tests/test_slurm.py keeps them in sync); they read CONFIG, DUMP_FOLDER, GPUS_PER_NODE, PYTHON and extra
 training arguments from the submitting shell: ``CONFIG=my.toml sbatch --nodes 16 slurm/multi_node.sbatch
@@ -32,6 +39,7 @@ training arguments from the submitting shell: ``CONFIG=my.toml sbatch --nodes 16
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import sys
@@ -205,6 +213,32 @@ exit "$STATUS"
     return "\n".join(header) + "\n" + body
 
 
+def check_config(spec: JobSpec) -> None:
+    """The rendered script's configuration check (engine.train.check, as ``TESSERA_CHECK_ONLY=1 python -m
+    engine.train`` runs it on the batch node) for ``spec``'s world of nodes x gpus_per_node ranks, run in this
+    process: in ``spec.workdir``, where the job's relative paths point, and for the cluster's GPUs (Hopper, as
+    a dry run plans). Raises ValueError (ConfigError among them) naming the field."""
+    from engine.config import HOPPER
+    from engine.train import check
+
+    argv = ["--config", spec.config]
+    if spec.dump_folder:
+        argv += ["--job.dump_folder", spec.dump_folder]
+    argv += spec.train_args
+    cwd, world_size = os.getcwd(), os.environ.get("WORLD_SIZE")
+    os.environ["WORLD_SIZE"] = str(spec.nodes * spec.gpus_per_node)  # check() reads the world size from there
+    try:
+        os.chdir(spec.workdir or cwd)
+        with contextlib.redirect_stdout(sys.stderr):  # stdout is the script
+            check(argv, HOPPER)
+    finally:
+        os.chdir(cwd)
+        if world_size is None:
+            os.environ.pop("WORLD_SIZE", None)
+        else:
+            os.environ["WORLD_SIZE"] = world_size
+
+
 TEMPLATES = {
     "single_node.sbatch": JobSpec(nodes=1, job_name="tessera"),
     "multi_node.sbatch": JobSpec(nodes=4, job_name="tessera"),
@@ -234,7 +268,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                        description="Render an sbatch script for Tessera (see the module docstring).")
     p.add_argument("--nodes", type=int, default=1)
     p.add_argument("--gpus-per-node", type=int, default=8)
-    p.add_argument("--config", default=JobSpec.config)
+    p.add_argument("--config", default=None,
+                   help=f"the training config, checked now for the job's world (default: {JobSpec.config}, or "
+                        "CONFIG when submitting; a template, checked when the job starts)")
     p.add_argument("--job-name", default="tessera")
     p.add_argument("--dump-folder", default="", help="run folder (default: the config's job.dump_folder)")
     p.add_argument("--partition", default="")
@@ -251,6 +287,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     if a.nodes < 1 or a.gpus_per_node < 1:
         print("error: --nodes and --gpus-per-node must be >= 1", file=sys.stderr)
         return 2
+    template = a.config is None  # the default config, or CONFIG when submitting: checked when the job starts
+    if template:
+        a.config = JobSpec.config
+    elif not os.path.isdir(a.workdir):
+        print(f"error: --workdir: folder '{a.workdir}' not found; the configuration is checked in the checkout the "
+              "job runs in: render where it is visible (the cluster's login node)", file=sys.stderr)
+        return 2
     if not os.path.isfile(os.path.join(a.workdir, a.config) if not os.path.isabs(a.config) else a.config):
         print(f"error: --config: file '{a.config}' not found (relative paths are from --workdir {a.workdir})",
               file=sys.stderr)
@@ -258,6 +301,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     spec = JobSpec(nodes=a.nodes, gpus_per_node=a.gpus_per_node, config=a.config, job_name=a.job_name,
                    dump_folder=a.dump_folder, partition=a.partition, account=a.account, time=a.time,
                    cpus_per_task=a.cpus_per_task, workdir=a.workdir, train_args=train_args)
+    if not template:
+        try:
+            check_config(spec)
+        except ValueError as e:  # user errors (ConfigError is one) name their field
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     sys.stdout.write(render(spec))
     return 0
 

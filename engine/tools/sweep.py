@@ -14,7 +14,7 @@ Launchers:
 - local: ``NGPU=<ngpu> ./run_train.sh --config <out>/configs/<value>.toml`` for each value in turn (its output
   in ``<out>/logs/<value>.log``);
 - sbatch: renders ``<out>/sbatch/<value>.sbatch`` (engine/tools/slurm.py; ``--nodes`` x ``--ngpu``) and submits
-  it; run ``--collect`` when the jobs are done.
+  it; run ``--collect`` when the jobs are done. ``sbatch`` must be on PATH (checked before anything is written).
 
 Then it reads each run's metrics.jsonl (keys step, loss, tps, tps_per_gpu, tflops, mfu, memory_gib, as
 engine/metrics.py writes them), leaves out the records of the first ``--warmup`` steps (default: the first
@@ -29,6 +29,7 @@ import argparse
 import csv
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -135,7 +136,10 @@ def launch_sbatch(run: Run, nodes: int, ngpu: int, out: str, job_name: str) -> N
                    job_name=f"{job_name}-{run.value}", dump_folder=os.path.abspath(run.run_folder), workdir=ROOT)
     with open(script, "w") as f:
         f.write(render(spec))
-    proc = subprocess.run(["sbatch", "--parsable", script], capture_output=True, text=True)
+    try:
+        proc = subprocess.run(["sbatch", "--parsable", script], capture_output=True, text=True)
+    except OSError as e:  # gone since main checked PATH
+        proc = subprocess.CompletedProcess(e.filename, 1, "", e.strerror or str(e))
     if proc.returncode == 0:
         run.status = f"submitted (job {proc.stdout.strip()})"
     else:
@@ -277,6 +281,9 @@ def main(argv: Optional[list[str]] = None) -> int:
             raise ConfigError(f"--steps: must be >= 1, got {args.steps}")
         if args.launcher == "local" and args.nodes != 1:
             raise ConfigError("--nodes: the local launcher runs on this machine only; use --launcher sbatch")
+        if args.launcher == "sbatch" and shutil.which("sbatch") is None:
+            raise ConfigError("--launcher: sbatch is not on PATH (no SLURM client here); run the sweep on the "
+                              "cluster's login node, or use --launcher local")
         values = [v.strip() for v in args.values.split(",") if v.strip()]
         if len(set(values)) != len(values):
             raise ConfigError(f"--values: {args.values!r} repeats a value")
