@@ -81,7 +81,8 @@ WORLD_SIZE=$NGPU TESSERA_CHECK_ONLY=1 "$PYTHON" -m engine.train "${args[@]}"
 # itself, signalled, would stop its workers after a grace period and exit non-zero.) engine.launch is torchrun
 # that ends with the one error: line when the processes stop on a user error.
 # One OpenMP thread per process unless set: torchrun's own default, without its banner about it.
-OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} "$PYTHON" -m engine.launch \
+# The ranks LOG_RANK shows print the run's log lines (engine.distributed.log_ranks), not rank 0 alone.
+TESSERA_LOG_RANKS="$LOG_RANK" OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} "$PYTHON" -m engine.launch \
   --nproc_per_node="$NGPU" --rdzv_backend=c10d --rdzv_endpoint="localhost:0" \
   --local-ranks-filter="$LOG_RANK" --role=rank --tee=3 \
   -m engine.train "${args[@]}" &

@@ -54,6 +54,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from engine.config import Config, ConfigError, check_shard_split, read_json_object
+from engine.distributed import log_ranks
 from engine.hf import EXPORT_DTYPES
 from engine.optim import load_lr_scheduler_state
 
@@ -771,7 +772,7 @@ class Checkpointer:
             dist.barrier()
 
     def _log(self, message: str) -> None:
-        if self.is_main:
+        if self.rank in log_ranks():
             print(message, flush=True)
 
     def close(self) -> None:

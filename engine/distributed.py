@@ -33,6 +33,21 @@ class World:
     def is_main(self) -> bool:
         return self.rank == 0
 
+    @property
+    def logs(self) -> bool:
+        """Whether this rank prints the run's log lines (``log_ranks``)."""
+        return self.rank in log_ranks()
+
+
+def log_ranks() -> frozenset[int]:
+    """The ranks that print the run's log lines (start-up, metrics, checkpoints): run_train.sh's LOG_RANK, which it
+    passes on as TESSERA_LOG_RANKS; rank 0 by default. Files are written by rank 0 whatever it is."""
+    try:
+        ranks = frozenset(int(r) for r in os.environ.get("TESSERA_LOG_RANKS", "0").split(",") if r.strip())
+    except ValueError:
+        ranks = frozenset()
+    return ranks or frozenset({0})
+
 
 def process_group_backend(device_type: str, cpu_offload: bool = False) -> str:
     """nccl on CUDA, gloo elsewhere. Under FSDP's CPU offload (``cpu_offload``) CUDA gets gloo beside nccl: the

@@ -28,6 +28,7 @@ from typing import Any, Optional
 import torch
 
 from engine.config import ConfigError
+from engine.distributed import log_ranks
 
 GIB = 1024**3
 
@@ -379,7 +380,7 @@ class MetricsLogger:
         if extra:
             record.update({str(k): _to_builtin(v) for k, v in extra.items()})
 
-        if self.is_main:
+        if self.rank in log_ranks():
             print(self.format_line(record), flush=True)
         if self._files:
             line = json.dumps(record, default=_json_default) + "\n"

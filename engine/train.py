@@ -79,7 +79,7 @@ def finished_already(cfg, world) -> bool:
     info = find_resume_point(cfg)
     if info is None or info.step < cfg.training.steps:
         return False
-    if world.is_main:
+    if world.logs:
         print(f"resumed at step {info.step}: training.steps = {cfg.training.steps} is reached, nothing to train "
               "(raise training.steps to train on)", flush=True)
     if cfg.checkpoint.last_save_hf and info.step == cfg.training.steps:

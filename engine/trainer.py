@@ -251,7 +251,7 @@ class Trainer:
             (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if use_bf16 else contextlib.nullcontext
         )
         self.doc_masking = cfg.model.attn_mask == "block_causal"
-        if world.is_main:
+        if world.logs:
             print(
                 f"model {cfg.model.name}/{cfg.model.flavor}: {self.num_params:,} parameters, "
                 f"{self.num_flops_per_token / 1e9:.3f} GFLOP per token; device {self.device}; "
@@ -479,7 +479,7 @@ class Trainer:
                         t_val = time.perf_counter()
                         validation = {"validation_loss": self._validate(), "validation_step": self.step}
                         window_start += time.perf_counter() - t_val  # not training time
-                        if self.world.is_main:
+                        if self.world.logs:
                             print(f"validation: step {self.step}  loss: {validation['validation_loss']:.4f}",
                                   flush=True)
 
@@ -520,7 +520,7 @@ class Trainer:
                         if not saving_now:
                             ckpt.save(self.step, force_sync=True)
                         ckpt.wait()
-                        if self.world.is_main:
+                        if self.world.logs:
                             print(f"SIGTERM: checkpoint of step {self.step} saved; exiting", flush=True)
                         break
                     window_start += time.perf_counter() - t_ckpt

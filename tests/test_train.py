@@ -169,6 +169,21 @@ def test_run_train_sh_runs_in_the_callers_directory(tmp_path, jsonl_data):
     assert not os.path.exists(os.path.join(ROOT, "out"))
 
 
+def test_log_rank_shows_that_ranks_log_lines(tmp_path):
+    """LOG_RANK=1 shows rank 1's own lines (its stage's memory under PP, say), not an empty console; its metrics
+    are its own (the loss is the global one on every rank)."""
+    env = {**os.environ, "PYTHON": sys.executable, "NGPU": "2", "LOG_RANK": "1"}
+    proc = subprocess.run([RUN_TRAIN_SH, "--job.dump_folder", str(tmp_path / "run"), "--training.steps", "2",
+                           "--lr_scheduler.warmup_steps", "1", "--parallelism.pp", "2", "--metrics.log_freq", "1"],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert all(line.startswith("[rank1]:") for line in lines if line.strip()), lines
+    shown = [line for line in lines if line.startswith("[rank1]:step:")]
+    written = read_jsonl(tmp_path / "run" / "metrics.jsonl")  # rank 0's file
+    assert len(shown) == len(written) == 2 and f"loss: {written[-1]['loss']:7.4f}" in shown[-1], (shown, written)
+
+
 @pytest.mark.parametrize("env, argv, message", [
     ({"DRY_RUN": "true"}, [], "DRY_RUN: expected 0 or 1, got 'true'"),
     ({"CONFIG_FILE": "/no/such.toml"}, [], "CONFIG_FILE: '/no/such.toml' is not a file"),
