@@ -106,7 +106,8 @@ class Data:
     streaming: bool = True
     """Stream Hugging Face and local datasets instead of loading them into memory first."""
     tokenizer: str = ""
-    """Path to a Hugging Face tokenizer.json; empty uses model.hf_assets_path, else the built-in tokenizer."""
+    """Path to a Hugging Face tokenizer.json (or a folder holding one); empty uses model.hf_assets_path, else the
+    built-in tokenizer."""
     num_shards: int = -1
     """Logical shards the dataset is split into; each data-parallel rank reads its shards in turn. -1 means
     one per data-parallel rank; it must be a multiple of the data-parallel degree (every rank reads as many
