@@ -545,7 +545,8 @@ def test_a_shard_damaged_after_its_commit_is_one_error_line(reference, tmp_path,
          f"error: checkpoint.folder: {damaged}", "; pick another step with checkpoint.load_step"),
         (lambda: train_main.main([*BASE, "--job.dump_folder", str(tmp_path / "new"), "--checkpoint.initial_load_path",
                                   str(step)]),
-         f"error: checkpoint.initial_load_path: {damaged}", "; use another step folder for checkpoint.initial_load_path"),
+         f"error: checkpoint.initial_load_path: {damaged}",
+         "; use another step folder for checkpoint.initial_load_path"),
         (lambda: convert(["to-hf", str(step), str(tmp_path / "hf")]), f"error: checkpoint: {damaged}",
          "; use another step folder for checkpoint"),
     ]
@@ -615,7 +616,8 @@ def test_bad_checkpoints_through_run_train_sh(reference, tmp_path):
          "checkpoint.initial_load_path: ", "is empty"),
         (["--job.dump_folder", str(tmp_path / "run"), "--checkpoint.load_step", "7"],
          "checkpoint.load_step: ", "no checkpoint of step 7"),
-        (["--job.dump_folder", str(tmp_path / "fresh"), "--checkpoint.initial_load_path", str(reference / "checkpoint")],
+        (["--job.dump_folder", str(tmp_path / "fresh"),
+          "--checkpoint.initial_load_path", str(reference / "checkpoint")],
          "checkpoint.initial_load_path: ", f"holds step folders, not a checkpoint; give one of them, e.g. the newest "
                                            f"complete one, {reference / 'checkpoint' / 'step-000020'}"),
     ]

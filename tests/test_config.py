@@ -139,7 +139,8 @@ def test_toml_keys_outside_sections_and_string_values(tmp_path):
     path.write_text("steps = 5\n[training]\nseq_len = 64\n")
     with pytest.raises(ConfigError) as e:
         parse_args(["--config", str(path)])
-    assert str(e.value) == f"steps: the key 'steps' in {path} must sit in a section; put it under [training] or [validation]"
+    assert str(e.value) == (f"steps: the key 'steps' in {path} must sit in a section; put it under [training] or "
+                            "[validation]")
     path.write_text("seq_len = 64\n")
     with pytest.raises(ConfigError) as e:
         parse_args(["--config", str(path)])

@@ -24,12 +24,12 @@ The rendered script
   ``scontrol requeue``, whatever the exit status; the requeued job runs the same command with the same dump
   folder and resumes from the newest checkpoint.
 
-Before it renders for a ``--config``, the tool runs that same check here (``check_config``), in the checkout the job runs in
-(``--workdir``) and for the cluster's GPUs (Hopper, as a dry run): a user error is the same one ``error:`` line
-and exit status 2, and no script is written, instead of a job that waited in the queue to be refused. Render
-where the job's files are visible (the cluster's login node). Arguments given to sbatch itself, and a CONFIG
-set when submitting, are checked only by the script; so is the default config of a script rendered without
-``--config`` (a template, like those below).
+Before it renders for a ``--config``, the tool runs that same check here (``check_config``), in the checkout the
+job runs in (``--workdir``) and for the cluster's GPUs (Hopper, as a dry run): a user error is the same one
+``error:`` line and exit status 2, and no script is written, instead of a job that waited in the queue to be
+refused. Render where the job's files are visible (the cluster's login node). Arguments given to sbatch itself,
+and a CONFIG set when submitting, are checked only by the script; so is the default config of a script rendered
+without ``--config`` (a template, like those below).
 
 ``slurm/single_node.sbatch`` and ``slurm/multi_node.sbatch`` are this renderer's output with the defaults
 (tests/test_slurm.py keeps them in sync); they read CONFIG, DUMP_FOLDER, GPUS_PER_NODE, PYTHON and extra
