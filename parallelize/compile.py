@@ -12,11 +12,19 @@ import torch
 from torch import nn
 
 
-def apply_compile(blocks: nn.ModuleDict, fullgraph: bool = True) -> None:
+def apply_compile(blocks: nn.ModuleDict, fullgraph: bool = True, inside_checkpoint: bool = False) -> None:
     """Compile each block in place; ``fullgraph=False`` where a block holds ops dynamo cannot trace
-    (context parallelism's point-to-point ring runs eagerly between two graphs)."""
+    (context parallelism's point-to-point ring runs eagerly between two graphs).
+
+    ``inside_checkpoint`` (full and every-N activation checkpointing): a checkpoint-wrapped block's own module is
+    compiled and the checkpoint runs eagerly around it, recomputing the compiled forward in backward. Compiling
+    the wrapper instead, as for the per-op policy (which must be traced with the block), fails on torch 2.13
+    under tensor parallelism: AOT autograd saves the DTensors' DeviceMesh among the checkpointed region's
+    tensors ("expected all tensors_saved_with_vc_check to be Tensors"). Full checkpointing recomputes the whole
+    block either way, so the two orders compute the same."""
     for block in blocks.values():
-        block.compile(fullgraph=fullgraph)
+        inner = getattr(block, "_checkpoint_wrapped_module", None) if inside_checkpoint else None
+        (inner if inner is not None else block).compile(fullgraph=fullgraph)
 
 
 def wait_before_compiled_blocks(module: nn.Module) -> None:

@@ -157,7 +157,9 @@ def built_features(trainer) -> dict:
         "blocks": len(blocks),
         "checkpointed": sum(isinstance(b, CheckpointWrapper) for b in blocks),
         "op_matmuls": sorted({b.op_matmuls for b in blocks if hasattr(b, "op_matmuls")}),
-        "compiled": sum(getattr(b, "_compiled_call_impl", None) is not None for b in blocks),
+        # the block, or under full / every-N AC the block inside its checkpoint wrapper
+        "compiled": sum(getattr(getattr(b, "_checkpoint_wrapped_module", b), "_compiled_call_impl", None) is not None
+                        or getattr(b, "_compiled_call_impl", None) is not None for b in blocks),
         "float8": sum(type(m).__name__ == "Float8Linear" for m in modules),
         "dtensor_params": all(isinstance(p, DTensor) for part in trainer.model_parts for p in part.parameters()),
         "schedule": type(trainer.pp_schedule).__name__ if trainer.dims.pp_enabled else None,

@@ -134,7 +134,8 @@ def parallelize_llama(model: nn.Module, dims: ParallelDims, cfg: Any, device_typ
         apply_ac(model.layers, ac.mode, ac.selective_option, ac.op_matmuls)
 
     if cfg.compile.enable:
-        apply_compile(model.layers, fullgraph=not (dims.cp_enabled and p.cp_rotate == "alltoall"))
+        apply_compile(model.layers, fullgraph=not (dims.cp_enabled and p.cp_rotate == "alltoall"),
+                      inside_checkpoint=ac.mode == "full" or (ac.mode == "selective" and ac.selective_option != "op"))
         if dims.tp_enabled and model.tok_embeddings is not None:
             wait_before_compiled_blocks(model.tok_embeddings)
 
