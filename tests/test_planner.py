@@ -85,6 +85,12 @@ def test_cost_model_prefers_links_in_a_node():
     in_node, _ = planner.step_cost(cfg, dims, shape, flops, rows, planner.CostModel(gpus_per_node=8))
     across, links = planner.step_cost(cfg, dims, shape, flops, rows, planner.CostModel(gpus_per_node=4))
     assert links["tp"] == "network" and across["tp"] == pytest.approx(in_node["tp"] * 450 / 50)
+    # A group fits a node only when its block of ranks divides the node: tp 8 on 12-GPU nodes has ranks 8-15
+    # across two nodes, though 8 <= 12.
+    _, links = planner.step_cost(cfg, dims, shape, flops, rows, planner.CostModel(gpus_per_node=12))
+    assert links["tp"] == "network"
+    assert [planner._in_node(1, 4, g) for g in (4, 6, 8, 12)] == [True, False, True, True]
+    assert planner._in_node(2, 4, 8) and not planner._in_node(2, 4, 12) and planner._in_node(5, 1, 8)
 
 
 def test_cli_writes_a_toml_the_launcher_accepts(tmp_path, capsys):

@@ -186,7 +186,10 @@ def candidate_config(base, dp_replicate, dp_shard, cp, tp, pp, lbs, micro, sched
 
 
 def _in_node(stride: int, size: int, gpus_per_node: int) -> bool:
-    return stride * size <= gpus_per_node
+    """Whether every group of a mesh dimension (``size`` ranks, ``stride`` apart) lies within one node. A group
+    spans a block of stride x size consecutive ranks, the blocks laid end to end from rank 0, so every block
+    sits inside a node only when its size divides the node's GPU count (tp 4 on 6-GPU nodes: ranks 4-7 cross)."""
+    return size == 1 or gpus_per_node % (stride * size) == 0
 
 
 def step_cost(cfg, dims, shape: memory.ModelShape, flops_per_token: float, rows: list[memory.RankRow],
