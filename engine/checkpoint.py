@@ -190,8 +190,6 @@ def dcp_load(state: dict, folder: str, field: str, no_dist: bool) -> None:
         if errors:
             raise errors[0] from None
         raise
-    except ConfigError as e:  # raised directly, without DCP's wrapper
-        raise e from None
 
 
 def write_json(path: str, data: dict) -> None:

@@ -67,17 +67,14 @@ def check_writable_folder(folder: str, field: str) -> None:
                           "write to") from None
 
 
-def finished_already(cfg, world) -> bool:
-    """Whether the run to resume has reached training.steps already: then say so, write the last_save_hf folder
-    if it is missing, and build nothing (no model, no checkpoint load; the run's config.toml and metrics stay as
-    they are)."""
-    from engine.checkpoint import export_last_hf, find_resume_point
+def finished_already(cfg, world, info) -> bool:
+    """Whether the run to resume (from ``info``, find_resume_point's answer) has reached training.steps already:
+    then say so, write the last_save_hf folder if it is missing, and build nothing (no model, no checkpoint load;
+    the run's config.toml and metrics stay as they are)."""
+    from engine.checkpoint import export_last_hf
     from engine.data.tokenizer import tokenizer_path
 
-    if cfg.checkpoint.create_seed_checkpoint:
-        return False
-    info = find_resume_point(cfg)
-    if info is None or info.step < cfg.training.steps:
+    if cfg.checkpoint.create_seed_checkpoint or info is None or info.step < cfg.training.steps:
         return False
     if world.logs:
         print(f"resumed at step {info.step}: training.steps = {cfg.training.steps} is reached, nothing to train "
@@ -118,15 +115,17 @@ def main(argv: list[str] | None = None) -> int:
         cfg = check(argv)
         if os.environ.get("TESSERA_CHECK_ONLY") == "1":
             return 0
+        from engine.checkpoint import find_resume_point
         from engine.distributed import destroy_distributed, init_distributed
         from engine.trainer import Trainer
 
         world = init_distributed(cfg)
         try:
-            if finished_already(cfg, world):
+            resume_from = find_resume_point(cfg)
+            if finished_already(cfg, world, resume_from):
                 destroy_distributed()
                 return 0
-            trainer = Trainer(cfg, world)  # raises ValueError for user errors, before writing anything
+            trainer = Trainer(cfg, world, resume_from)  # raises ValueError for user errors, before writing anything
         except BaseException:
             destroy_distributed()
             raise

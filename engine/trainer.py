@@ -13,7 +13,7 @@ import math
 import os
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
@@ -151,8 +151,14 @@ def build_model_parts(cfg: Config, dims: ParallelDims, spec, model: nn.Module, d
     return ModelParts(parts, stage_ids, stage_count)
 
 
+FIND = object()  # Trainer's resume_from default: look for the checkpoint to resume from
+
+
 class Trainer:
-    def __init__(self, cfg: Config, world: World):
+    def __init__(self, cfg: Config, world: World, resume_from: Any = FIND):
+        """``resume_from``: the checkpoint to resume from, or None, when the caller has looked already
+        (find_resume_point reads the checkpoint's metadata, whose size grows with the world); by default the
+        Trainer looks."""
         self.cfg = cfg
         self.world = world
         self.device = world.device
@@ -175,7 +181,7 @@ class Trainer:
         # tokenizer and this rank's data shard (cheap to build; their errors are user errors). A rank's own
         # shard may fail where the others do not: the ranks agree before going on.
         with agree_on_user_errors():
-            self.resume_from = find_resume_point(cfg)
+            self.resume_from = find_resume_point(cfg) if resume_from is FIND else resume_from
             init_path = cfg.checkpoint.initial_load_path
             self.tokenizer = build_tokenizer(cfg)
             self.dataloader = build_dataloader(cfg, self.tokenizer, self.dp_rank, self.dp_size)
