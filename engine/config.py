@@ -975,6 +975,12 @@ def validate(cfg: Config, world_size: int = 1, machine: Optional[Machine] = None
             f"profiling.profile_freq: {pr.profile_freq} is shorter than profiler_warmup + profiler_active = "
             f"{pr.profiler_warmup} + {pr.profiler_active}; raise it or shorten the warm-up"
         )
+    if pr.enable_profiling and pr.profile_freq > cfg.training.steps:
+        raise ConfigError(
+            f"profiling.profile_freq: {pr.profile_freq} exceeds training.steps = {cfg.training.steps}, so no step "
+            f"would be traced; set profiling.profile_freq to at most {cfg.training.steps}, or turn "
+            "profiling.enable_profiling off"
+        )
     for key in ("save_traces_folder", "save_memory_snapshot_folder"):
         if not getattr(pr, key).strip():
             raise ConfigError(f"profiling.{key}: must not be empty")

@@ -55,6 +55,14 @@ class StepProfiler:
         assert self.snapshot_folder is None or device.type == "cuda", "validate() refuses snapshots without CUDA"
         self.device = device
         self._profiler: Optional[profile] = None
+        self._closing = False
+
+    def _window_has_steps(self) -> bool:
+        """Whether a finished training step was recorded in the window open now (the run ending mid-window):
+        the step after the last one done records, and so did the last one, without closing its own window."""
+        n = self.step_done - self.start_step  # the profiler's index of the step that would come next
+        recording = (ProfilerAction.RECORD, ProfilerAction.RECORD_AND_SAVE)
+        return n > 0 and self._action(n) in recording and self._action(n - 1) == ProfilerAction.RECORD
 
     # The profiler's own step count n starts at 0 on entering: step n is training step start_step + 1 + n.
     def _action(self, n: int) -> ProfilerAction:
@@ -68,6 +76,8 @@ class StepProfiler:
         return ProfilerAction.NONE
 
     def _save_trace(self, prof: profile) -> None:
+        if self._closing and not self._window_has_steps():
+            return  # torch stopping mid-window: it recorded the shutdown only, no training step
         folder = os.path.join(self.trace_folder, f"iteration_{self.step_done}")
         os.makedirs(folder, exist_ok=True)
         prof.export_chrome_trace(os.path.join(folder, f"rank{self.rank}_trace.json"))
@@ -109,6 +119,7 @@ class StepProfiler:
             if path:
                 print(f"out of memory: allocator history written to {path}", flush=True)
         if self._profiler is not None:
+            self._closing = True  # a window cut short by the run's end is saved only if it holds a step
             self._profiler.__exit__(exc_type, exc, tb)
             self._profiler = None
         if self.snapshot_folder is not None:

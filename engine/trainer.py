@@ -528,6 +528,7 @@ class Trainer:
                         ckpt.wait()
                         if self.world.logs:
                             print(f"SIGTERM: checkpoint of step {self.step} saved; exiting", flush=True)
+                        profiler.step(self.step)  # this step done: a trace window ending here is named for it
                         break
                     window_start += time.perf_counter() - t_ckpt
                     profiler.step(self.step)

@@ -3,6 +3,8 @@
 import json
 import os
 
+import pytest
+
 from engine import train
 from engine.config import parse_args
 from engine.profiling import StepProfiler
@@ -37,22 +39,55 @@ def test_trace_windows_end_at_multiples_of_profile_freq():
     assert resumed["WARMUP"] == [8, 16, 17, 18]
 
 
-def test_profiled_run_writes_one_trace_per_window(tmp_path, capsys, monkeypatch):
+@pytest.mark.parametrize("steps, freq, warmup, active, windows", [
+    (6, 3, 1, 2, {"iteration_3": 2, "iteration_6": 2}),
+    # every step traced: the last window is not overwritten by the empty one torch closes at the run's end
+    (2, 1, 0, 1, {"iteration_1": 1, "iteration_2": 1}),
+    # the run ends in a window's warm-up: no trace of the shutdown alone
+    (5, 3, 1, 1, {"iteration_3": 1}),
+    # the run ends inside a recording window: the steps it recorded are kept, under the last one (steps 4
+    # and 5, and the marker torch opened for the step that never came)
+    (5, 3, 0, 3, {"iteration_3": 3, "iteration_5": 3}),
+])
+def test_profiled_run_writes_one_trace_per_window(tmp_path, capsys, monkeypatch, steps, freq, warmup, active,
+                                                  windows):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     dump = tmp_path / "run"
-    rc = train.main(["--job.dump_folder", str(dump), *SMALL, "--training.steps", "6", "--profiling.enable_profiling",
-                     "--profiling.profile_freq", "3", "--profiling.profiler_warmup", "1",
-                     "--profiling.profiler_active", "2"])
+    rc = train.main(["--job.dump_folder", str(dump), *SMALL, "--training.steps", str(steps),
+                     "--profiling.enable_profiling", "--profiling.profile_freq", str(freq),
+                     "--profiling.profiler_warmup", str(warmup), "--profiling.profiler_active", str(active)])
     assert rc == 0, capsys.readouterr().err
     traces = dump / "profile_traces"
-    assert sorted(os.listdir(traces)) == ["iteration_3", "iteration_6"]
-    for window in ("iteration_3", "iteration_6"):
+    assert sorted(os.listdir(traces)) == sorted(windows)
+    for window, recorded in windows.items():
         with open(traces / window / "rank0_trace.json") as f:
             events = json.load(f)["traceEvents"]
         names = {e.get("name") for e in events}
-        steps = sorted(n for n in names if n and n.startswith("ProfilerStep#"))
-        assert len(steps) == 2, steps  # profiler_active steps per trace
-        assert {"aten::mm", "aten::addmm"} & names  # the model's matmuls were recorded
+        steps_traced = sorted(n for n in names if n and n.startswith("ProfilerStep#"))
+        assert len(steps_traced) == recorded, (window, steps_traced)
+        assert {"aten::mm", "aten::addmm"} & names, window  # the model's matmuls were recorded
+
+
+def test_sigterm_names_the_trace_of_its_last_step(tmp_path, capsys, monkeypatch):
+    """A preemption signal at step 3 ends the run after that step: the window of steps 2-3 is iteration_3."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setenv("TESSERA_FAULT_AT", "3:sigterm")
+    dump = tmp_path / "run"
+    rc = train.main(["--job.dump_folder", str(dump), *SMALL, "--training.steps", "6", "--checkpoint.enable",
+                     "--profiling.enable_profiling", "--profiling.profile_freq", "3", "--profiling.profiler_warmup",
+                     "1", "--profiling.profiler_active", "2"])
+    assert rc == 0, capsys.readouterr().err
+    assert "SIGTERM: checkpoint of step 3 saved" in capsys.readouterr().out
+    assert os.listdir(dump / "profile_traces") == ["iteration_3"]
+
+
+def test_profiling_that_would_trace_no_step_is_refused(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    rc = train.main(["--job.dump_folder", str(tmp_path / "run"), *SMALL, "--training.steps", "6",
+                     "--profiling.enable_profiling"])  # profile_freq 10 by default
+    err = capsys.readouterr().err
+    assert rc != 0 and err.startswith("error: profiling.profile_freq: 10 exceeds training.steps = 6"), err
+    assert not (tmp_path / "run").exists()
 
 
 # ----------------------------------------------------------------------------------------------------------------
