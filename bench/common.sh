@@ -1,6 +1,7 @@
 # Shared set-up of the GPU bench scripts (sourced, not run): installs the carried wheels of .whl/ (packages
 # the device machine lacks) into /tmp/site, puts the repository on PYTHONPATH, prints the GPU and torch,
-# and defines run LABEL ARGS...: a 20-step debug-config run with ARGS, summarized after 5 warm-up steps.
+# and defines run LABEL ARGS...: a 20-step debug-config run with ARGS, logged every 5 steps (the log is the
+# step's one host sync; the reference trainer logs so too) and summarized over the windows after step 10.
 #
 # The device returns at most 8 files from its $OUT, so the run folders and logs stay on the machine, under
 # RUNS (default /tmp/tessera_bench/<script>), and `pack NAME` puts them into ONE tarball, $RET/NAME.tar.gz (plots left
@@ -10,6 +11,10 @@ if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site
 fi
+# Every run imports these (datasets: the data loader; tomli_w: the config dump; torchao: float8): fail now, in
+# seconds, rather than in every run after its start-up.
+python3 -c "import datasets, tomli_w, torchao" \
+  || { echo "error: the carried wheels are missing or broken: carry .whl (bench/README.md says how to fill it)"; exit 2; }
 export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD" PYTHONUNBUFFERED=1
 RET=${OUT:-/tmp/tessera_bench_out}
 RUNS=${RUNS:-/tmp/tessera_bench/$(basename "$0" .sh)}
@@ -19,12 +24,12 @@ python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.versio
 
 run() {  # LABEL ARGS...
   local label=$1; shift
-  python3 -m engine.train --config train_configs/debug_model.toml --job.dump_folder "$RUNS/$label" \
-    --training.steps 20 --metrics.log_freq 1 --lr_scheduler.warmup_steps 2 --optimizer.lr 3e-4 "$@" \
+  timeout "${RUN_LIMIT:-300}" python3 -m engine.train --config train_configs/debug_model.toml --job.dump_folder "$RUNS/$label" \
+    --training.steps 20 --metrics.log_freq 5 --lr_scheduler.warmup_steps 2 --optimizer.lr 3e-4 "$@" \
     > "$RUNS/$label.log" 2>&1
   local rc=$?
   tail -n 3 "$RUNS/$label.log"
-  [ $rc = 0 ] && python3 bench/summarize.py "$RUNS/$label" --skip 5 || echo "$label: exit $rc"
+  [ $rc = 0 ] && python3 bench/summarize.py "$RUNS/$label" --skip 10 --steps 20 || echo "$label: exit $rc"
 }
 
 pack() {  # NAME: every run folder and log of this script (plots, traces, checkpoint data left out) as $RET/NAME.tar.gz

@@ -2,13 +2,15 @@
 TFLOP/s, MFU and peak memory after warm-up, and the ratios Tessera / reference.
 
     python bench/compare_reference.py --tessera DIR --anchor DIR [--pairs T_LABEL=A_LABEL,...] [--skip 5]
-        [--anchor-skip 10] [--json FILE]
+        [--anchor-skip 10] [--steps N] [--json FILE]
 
 DIR for Tessera holds one run folder per label (LABEL/metrics.jsonl, bench/summarize.py's input); DIR for the
 reference holds anchor_LABEL.log files (bench/perf_vs_reference.sh and .anchor/run_anchor.sh write them).
 The reference logs every 5 steps a line ``step: N loss: .. memory: X GiB(..%) tps: N tflops: N mfu: N%``
 with tps averaged since the previous log and memory the peak *reserved* by the caching allocator; medians
-are taken over the lines after ``--anchor-skip`` steps. Tessera's memory is printed both ways, peak active
+are taken over the lines after ``--anchor-skip`` steps. With ``--steps`` (the steps both trainers were asked
+for), a run whose last logged step is short of it (stopped by a time limit or an error) is marked partial and
+gets no ratio. Tessera's memory is printed both ways, peak active
 and peak reserved; the ratio uses reserved, as the reference reports.
 """
 
@@ -52,10 +54,11 @@ def parse_anchor_log(path: str) -> list[dict]:
     return rows
 
 
-def summarize_anchor(path: str, skip: int) -> dict | None:
+def summarize_anchor(path: str, skip: int, steps: int | None = None) -> dict | None:
     if not os.path.exists(path):
         return None
-    rows = [r for r in parse_anchor_log(path) if r["step"] > skip]
+    every = parse_anchor_log(path)
+    rows = [r for r in every if r["step"] > skip]
     if not rows:
         return None
 
@@ -69,6 +72,7 @@ def summarize_anchor(path: str, skip: int) -> dict | None:
         "tflops": median("tflops"),
         "mfu": median("mfu"),
         "peak_reserved_gib": max(r.get("memory_gib", 0.0) for r in rows),
+        "partial": steps is not None and every[-1]["step"] < steps,
     }
 
 
@@ -84,6 +88,7 @@ def main(argv=None) -> int:
     p.add_argument("--pairs", default="", help="TESSERA_LABEL=ANCHOR_LABEL,... (runs compared with each other)")
     p.add_argument("--skip", type=int, default=5)
     p.add_argument("--anchor-skip", type=int, default=10)
+    p.add_argument("--steps", type=int, default=None, help="steps both trainers were asked for (partial runs)")
     p.add_argument("--json", default="")
     args = p.parse_args(argv)
     pairs = dict(kv.split("=", 1) for kv in args.pairs.split(",") if kv)
@@ -98,22 +103,25 @@ def main(argv=None) -> int:
     for label in labels:
         run = os.path.join(args.tessera, label)
         try:
-            t = summarize(run, args.skip)
+            t = summarize(run, args.skip, args.steps)
         except (SystemExit, FileNotFoundError, KeyError) as e:
             print(f"{label:<22} no result ({e})")
             results.append({"label": label, "error": str(e)})
             continue
         a_label = pairs.get(label)
-        a = summarize_anchor(os.path.join(args.anchor, f"anchor_{a_label}.log"), args.anchor_skip) if a_label else None
-        tps_ratio = t["tps_per_gpu"] / a["tps"] if a and t["tps_per_gpu"] and a["tps"] else None
+        a = (summarize_anchor(os.path.join(args.anchor, f"anchor_{a_label}.log"), args.anchor_skip, args.steps)
+             if a_label else None)
+        whole = not t["partial"] and not (a and a["partial"])  # a ratio only between two complete runs
+        tps_ratio = t["tps_per_gpu"] / a["tps"] if whole and a and t["tps_per_gpu"] and a["tps"] else None
         mem_ratio = (t["peak_reserved_gib"] / a["peak_reserved_gib"]
-                     if a and a["peak_reserved_gib"] and t["peak_reserved_gib"] else None)
+                     if whole and a and a["peak_reserved_gib"] and t["peak_reserved_gib"] else None)
         print(f"{label:<22} {_fmt(t['tps_per_gpu'], ',.0f'):>8} {_fmt(t['tflops'], '.0f'):>8} "
               f"{_fmt(t['mfu'], '.1f'):>5}% {t['peak_memory_gib']:>6.1f}G {t['peak_reserved_gib']:>7.1f}G | "
               f"{(a_label or '-') if a else (a_label + ' (none)' if a_label else '-'):<16} "
               f"{_fmt(a['tps'] if a else None, ',.0f'):>8} {_fmt(a['mfu'] if a else None, '.1f'):>5}% "
               f"{_fmt(a['peak_reserved_gib'] if a else None, '.1f'):>7}G | {_fmt(tps_ratio, '.3f'):>9} "
-              f"{_fmt(mem_ratio, '.3f'):>12}")
+              f"{_fmt(mem_ratio, '.3f'):>12}"
+              + (f"  PARTIAL: {'Tessera' if t['partial'] else 'reference'} run stopped early" if not whole else ""))
         results.append({"label": label, "tessera": t, "reference_label": a_label, "reference": a,
                         "tps_ratio": tps_ratio, "memory_ratio": mem_ratio})
     if args.json:

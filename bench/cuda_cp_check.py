@@ -23,8 +23,10 @@ from models.attention import dense_causal_mask  # noqa: E402
 from parallelize.context import context_attention, shard_sequence  # noqa: E402
 
 # dtype, B, Hq, Hkv, S, D, document masking
+# (The masked case has 8 query heads: its reference is SDPA with a dense mask and grouped-query attention,
+# which only the math kernel takes: fp32 scores of [heads, 8192, 8192] on each of the two ranks.)
 CASES = [(torch.bfloat16, 1, 32, 8, 8192, 128, False), (torch.float32, 1, 8, 2, 2048, 64, False),
-         (torch.bfloat16, 1, 32, 8, 8192, 128, True)]
+         (torch.bfloat16, 1, 8, 2, 8192, 128, True)]
 
 
 def _document_ids(b: int, s: int) -> torch.Tensor:

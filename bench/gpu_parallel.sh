@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The mesh issue's GPU checks, in one device call on the H100 machine (issue 3, acceptance 4):
 #  1. one rank, 8B layer shapes with 8 layers (8B_L8), seq 8192, batch 1: FSDP2 on the one rank + compile +
-#     per-op AC (the acceptance item), and beside it the same without FSDP: median tps, TFLOP/s, MFU and peak
-#     memory after 5 warm-up steps. (Eager, no-AC and full-AC runs are perf_vs_reference.sh's.)
+#     per-op AC (the acceptance item): median tps, TFLOP/s, MFU and peak memory after warm-up. (The same
+#     without FSDP, and the eager, no-AC and full-AC runs, are perf_vs_reference.sh's.)
 #  2. CUDA paths of FSDP and TP: 2 processes sharing the GPU over gloo (NCCL refuses two ranks on one GPU),
 #     debug model in fp32, FSDP 2 and TP 2, loss curves printed beside the single-rank CUDA run's (TP 2 reads
 #     the same batches and must match it; FSDP 2's ranks read their own shards of the data), TP 2 with the
@@ -12,19 +12,23 @@
 #     cuda:nccl,cpu:gloo): its curve must match the single-rank one.
 #  3. bench/cuda_cp_check.py: ring attention's CUDA kernels (bf16 flash, fp32 matmul, bf16 document-masked) against full SDPA.
 #
-#   device run (carry .whl):  bash bench/gpu_parallel.sh
+# Every launch has a time limit (LIMIT seconds, default 150; collectives time out after 60 s), so that a hang in
+# one check cannot take the device call's 10 minutes and with them every result.
+#
+#   device run (carry .whl):  bash bench/gpu_parallel.sh   (bench/README.md: with gpu_foundation.sh, one call)
 set -uo pipefail
 source "$(dirname "$0")/common.sh"
 
 L8=(--model.flavor 8B_L8 --training.seq_len 8192 --training.local_batch_size 1)
 run 8b_l8_fsdp_compile_ac_op "${L8[@]}" --parallelism.fsdp_single_rank --compile.enable \
   --activation_checkpoint.mode selective
-run 8b_l8_compile_ac_op "${L8[@]}" --compile.enable --activation_checkpoint.mode selective
+LIMIT=${LIMIT:-150}
 
 # CUDA paths of FSDP2 and TP: gloo over CUDA tensors, two ranks on one GPU.
 SMALL=(--training.steps 8 --training.seq_len 256 --training.local_batch_size 4 --metrics.log_freq 1
-       --lr_scheduler.warmup_steps 2 --debug.deterministic --training.mixed_precision_param float32)
-python3 -m engine.train --config train_configs/debug_model.toml --job.dump_folder "$RUNS/one" "${SMALL[@]}" \
+       --lr_scheduler.warmup_steps 2 --debug.deterministic --training.mixed_precision_param float32
+       --comm.init_timeout_seconds 60 --comm.train_timeout_seconds 60)
+timeout "$LIMIT" python3 -m engine.train --config train_configs/debug_model.toml --job.dump_folder "$RUNS/one" "${SMALL[@]}" \
   --training.global_batch_size 8 > "$RUNS/one.log" 2>&1 || tail -n 20 "$RUNS/one.log"
 compare_to_one() {  # the run in $RUNS/$1 beside the single-rank run's losses
   python3 - "$RUNS/one" "$RUNS/$1" <<'PY'
@@ -40,16 +44,17 @@ for layout in "--parallelism.dp_shard 2 --checkpoint.enable --checkpoint.interva
               "--parallelism.tp 2 --training.global_batch_size 8 --training.loss_chunk_tokens 300" \
               "--parallelism.cp 2 --training.global_batch_size 8"; do
   name=$(echo "$layout" | tr -d ' -' | tr '.' '_')
-  TESSERA_BACKEND=gloo python3 -m torch.distributed.run --nproc_per_node 2 --local-ranks-filter 0 -m engine.train \
+  TESSERA_BACKEND=gloo timeout "$LIMIT" python3 -m torch.distributed.run --nproc_per_node 2 --local-ranks-filter 0 -m engine.train \
     --config train_configs/debug_model.toml --job.dump_folder "$RUNS/$name" "${SMALL[@]}" $layout \
     > "$RUNS/$name.log" 2>&1 || tail -n 30 "$RUNS/$name.log"
   compare_to_one "$name"
   [ -d "$RUNS/$name/checkpoint" ] && { grep -h "committed" "$RUNS/$name.log"; ls "$RUNS/$name/checkpoint"; }
 done
-python3 -m engine.train --config train_configs/debug_model.toml --job.dump_folder "$RUNS/fsdp_cpu_offload" \
+timeout "$LIMIT" python3 -m engine.train --config train_configs/debug_model.toml --job.dump_folder "$RUNS/fsdp_cpu_offload" \
   "${SMALL[@]}" --training.global_batch_size 8 --parallelism.fsdp_single_rank --parallelism.fsdp_cpu_offload \
   > "$RUNS/fsdp_cpu_offload.log" 2>&1 || tail -n 30 "$RUNS/fsdp_cpu_offload.log"
 compare_to_one fsdp_cpu_offload
 
-python3 bench/cuda_cp_check.py
+timeout "$LIMIT" python3 bench/cuda_cp_check.py || echo "cuda_cp_check: exit $?"
+python3 bench/memory_check.py --from-runs "$RUNS" --out "$RUNS"   # the 8B_L8 run's peak beside the estimate
 pack gpu_parallel

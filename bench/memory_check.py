@@ -1,6 +1,8 @@
 """Measured peak GPU memory beside engine/tools/memory.py's estimate, for single-GPU configurations.
 
-    python3 bench/memory_check.py [--steps 8] [--only NAME,...] [--out DIR] [--runs DIR] [--estimate-only]
+    python3 bench/memory_check.py [--steps 8] [--only NAME,...] [--out DIR] [--runs DIR] [--budget S]
+                                  [--estimate-only]
+    python3 bench/memory_check.py --from-runs DIR [--out DIR]
 
 On the H100 machine (one device call; .whl carried for the packages it lacks, see bench/common.sh):
 
@@ -14,9 +16,15 @@ between), with metrics logged every step. Reported per configuration:
   each logging window, what the trainer reports);
 - estimate: the largest per-rank peak of engine.tools.memory for the same config, and the moment it is at;
 - ratio = estimate / measured allocated.
-The table is printed and written to <out>/memory_check.md and .json (two files: the device returns at most 8);
-the run folders go under ``--runs`` and stay on the machine. ``--estimate-only`` prints the estimates without
-training (no GPU needed).
+The table is printed and written to <out>/memory_check.md and .json (two files: the device returns at most 8),
+rewritten after every configuration, so that a call stopped at its time limit still returns the rows done; a
+configuration that would start after ``--budget`` seconds is skipped and named. The run folders go under
+``--runs`` and stay on the machine. ``--estimate-only`` prints the estimates without training (no GPU needed).
+
+``--from-runs DIR`` trains nothing: for every single-GPU run folder under DIR (its config.toml and
+metrics.jsonl, e.g. bench/perf_vs_reference.sh's runs) it sets the largest logged ``memory_gib`` (the peak
+active bytes of each logging window, the first step's included) beside the estimate for that run's config, and
+writes <out>/memory_runs.md and .json (runs that peaked under 1 GiB, the debug model's, are left out). So every benchmark run is also a memory check, at no device time.
 """
 
 from __future__ import annotations
@@ -116,6 +124,80 @@ def measure(argv: list[str]) -> dict:
     return result
 
 
+def from_runs(folder: str) -> list[dict]:
+    """The estimate beside the logged peak for every single-GPU run folder under ``folder``."""
+    from engine.config import parse_args
+
+    rows = []
+    for name in sorted(os.listdir(folder)):
+        run = os.path.join(folder, name)
+        cfg_path, jsonl = os.path.join(run, "config.toml"), os.path.join(run, "metrics.jsonl")
+        if not (os.path.isfile(cfg_path) and os.path.isfile(jsonl)):
+            continue
+        with open(jsonl) as f:
+            logged = [json.loads(line) for line in f if line.strip()]
+        peaks = [r["memory_gib"] for r in logged if r.get("memory_gib")]
+        if peaks and max(peaks) < 1:
+            continue  # the debug model: the allocator's and kernels' fixed overheads are most of it
+        row = {"name": name}
+        try:
+            cfg = parse_args(["--config", cfg_path])
+            p = cfg.parallelism
+            gpus = {round(r["tps"] / r["tps_per_gpu"]) for r in logged if r.get("tps") and r.get("tps_per_gpu")}
+            if p.dp_replicate * max(p.dp_shard, 1) * p.cp * p.tp * p.pp != 1 or gpus - {1}:
+                continue  # a multi-rank run (dp_shard = -1 took the ranks left): not a single-GPU figure
+            est, moment = estimate(["--config", cfg_path])
+            row.update(estimate_gib=est / GIB, moment=moment, float8=cfg.float8.enable)
+        except (ValueError, OSError) as e:
+            row["error"] = f"{type(e).__name__}: {e}"
+        if peaks:
+            row.update(memory_gib=max(peaks), steps=logged[-1]["step"],
+                       reserved_gib=max((r.get("memory_reserved_gib") or 0) for r in logged))
+            if "estimate_gib" in row:
+                row["ratio"] = row["estimate_gib"] / row["memory_gib"]
+        rows.append(row)
+    return rows
+
+
+def write_runs_table(rows: list[dict], out: str) -> None:
+    lines = ["| run | estimate GiB (moment) | logged peak active GiB | reserved GiB | estimate / measured |",
+             "|---|---|---|---|---|"]
+    for r in rows:
+        note = "; float8 (the estimate counts bf16 activations)" if r.get("float8") else ""
+        if "ratio" in r:
+            lines.append(f"| {r['name']}{note} | {r['estimate_gib']:.2f} ({r['moment']}) | {r['memory_gib']:.2f} | "
+                         f"{r['reserved_gib']:.2f} | {r['ratio']:.3f} |")
+        else:
+            lines.append(f"| {r['name']} | {r.get('error', 'no logged memory')} | | | |")
+    table = "\n".join(lines)
+    print(table)
+    within = [r for r in rows if "ratio" in r and not r.get("float8") and abs(r["ratio"] - 1) <= 0.10]
+    print(f"{len(within)} of {len([r for r in rows if not r.get('float8')])} bf16 runs within 10% of the logged peak")
+    with open(os.path.join(out, "memory_runs.md"), "w") as f:
+        f.write(table + "\n")
+    with open(os.path.join(out, "memory_runs.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+
+
+def write_table(results: list[dict], out: str, final: bool) -> None:
+    lines = ["| configuration | estimate GiB (moment) | max allocated GiB | metrics memory_gib | reserved GiB | "
+             "estimate / allocated |", "|---|---|---|---|---|---|"]
+    for r in results:
+        if "allocated_gib" in r:
+            lines.append(f"| {r['name']} | {r['estimate_gib']:.2f} ({r['moment']}) | {r['allocated_gib']:.2f} | "
+                         f"{r['memory_gib']:.2f} | {r['reserved_gib']:.2f} | {r['ratio']:.3f} |")
+        else:
+            lines.append(f"| {r['name']} | {r['estimate_gib']:.2f} ({r['moment']}) | {r.get('error', 'not run')} "
+                         f"| | | |")
+    table = "\n".join(lines)
+    if final:
+        print(table)
+    with open(os.path.join(out, "memory_check.md"), "w") as f:
+        f.write(table + "\n")
+    with open(os.path.join(out, "memory_check.json"), "w") as f:
+        json.dump(results, f, indent=1)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=8)
@@ -124,7 +206,16 @@ def main(argv=None) -> int:
                    help="where memory_check.md and memory_check.json go")
     p.add_argument("--runs", default="/tmp/tessera_bench/memory_check", help="where the run folders go")
     p.add_argument("--estimate-only", action="store_true", help="print the estimates; train nothing")
+    p.add_argument("--budget", type=float, default=540.0,
+                   help="seconds for the whole check (a device call has 600): a configuration is skipped once less "
+                        "than a minute is left")
+    p.add_argument("--from-runs", default="", metavar="DIR",
+                   help="train nothing: the estimate beside the logged peak of every single-GPU run under DIR")
     a = p.parse_args(argv)
+    if a.from_runs:
+        os.makedirs(a.out, exist_ok=True)
+        write_runs_table(from_runs(a.from_runs), a.out)
+        return 0
     names = [n.strip() for n in a.only.split(",") if n.strip()] or list(CONFIGS)
     unknown = [n for n in names if n not in CONFIGS]
     if unknown:
@@ -139,14 +230,18 @@ def main(argv=None) -> int:
             return 2
         print(f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}", flush=True)
 
-    results = []
+    results, start = [], time.perf_counter()
     for name in names:
         argv_run = COMMON + CONFIGS[name] + ["--training.steps", str(a.steps),
                                              "--job.dump_folder", os.path.join(a.runs, name.replace(" ", "_")
                                                                                .replace(",", ""))]
         est, moment = estimate(argv_run)
         row = {"name": name, "estimate_gib": est / GIB, "moment": moment}
-        if not a.estimate_only:
+        if a.estimate_only:
+            pass
+        elif time.perf_counter() - start + 60 > a.budget:  # about a minute per configuration
+            row["error"] = f"skipped: past --budget {a.budget:.0f} s"
+        else:
             try:
                 row.update(measure(argv_run))
                 row["ratio"] = row["estimate_gib"] / row["allocated_gib"]
@@ -154,22 +249,8 @@ def main(argv=None) -> int:
                 row["error"] = f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
         results.append(row)
         print(json.dumps(row), flush=True)
-
-    lines = ["| configuration | estimate GiB (moment) | max allocated GiB | metrics memory_gib | reserved GiB | "
-             "estimate / allocated |", "|---|---|---|---|---|---|"]
-    for r in results:
-        if "allocated_gib" in r:
-            lines.append(f"| {r['name']} | {r['estimate_gib']:.2f} ({r['moment']}) | {r['allocated_gib']:.2f} | "
-                         f"{r['memory_gib']:.2f} | {r['reserved_gib']:.2f} | {r['ratio']:.3f} |")
-        else:
-            lines.append(f"| {r['name']} | {r['estimate_gib']:.2f} ({r['moment']}) | {r.get('error', 'not run')} "
-                         f"| | | |")
-    table = "\n".join(lines)
-    print(table)
-    with open(os.path.join(a.out, "memory_check.md"), "w") as f:
-        f.write(table + "\n")
-    with open(os.path.join(a.out, "memory_check.json"), "w") as f:
-        json.dump(results, f, indent=1)
+        write_table(results, a.out, final=False)  # what is done so far comes back even if the call is cut
+    write_table(results, a.out, final=True)
     within = [r for r in results if "ratio" in r and abs(r["ratio"] - 1) <= 0.10]
     if not a.estimate_only:
         print(f"{len(within)} of {len(results)} configurations within 10% of the measured peak")

@@ -15,15 +15,21 @@
 #
 # Environment:
 #   ONLY     Tessera configurations to run, in this order (default: the first five below)
-#   ANCHOR   reference configurations (default: "bf16_compile fp8_compile"; also: eager noac_compile)
-#   STEPS    Tessera steps (default 15; medians over steps 6..STEPS, one logged line per step)
-#   ANCHOR_STEPS  reference steps (default 20; it logs every 5 steps, medians over the lines after step 10)
+#   ANCHOR   reference configurations (default: those ONLY's runs are compared with among bf16_compile and
+#            fp8_compile; also: eager noac_compile)
+#   STEPS    steps of every run, both trainers (default 25). Both log every 5 steps (a logged tps is the mean
+#            since the previous log, and the log is the step's one host sync: logging every step would drain
+#            the GPU's queue every step, which the reference does not do) and both take medians over the
+#            lines after step 10 (steps 11-15, 16-20, 21-25). A run that stopped before STEPS is marked
+#            partial and gets no ratio.
 #   BUDGET   seconds for the whole script (default 570): a run whose estimate no longer fits is skipped and
 #            named in the summary, so that the summary always comes back; run the rest in a second call
 #            with ONLY/ANCHOR.
 #   LEVERS=1 also run bench/hopper_levers.py (microbenchmarks of the speed levers) if time is left.
 # Comes back under $OUT: the reference's logs (ANCHOR_LOGS), summary.txt and tessera_runs.tar.gz (every
-# Tessera run's log and metrics.jsonl; the run folders themselves stay on the machine, under /tmp).
+# Tessera run's log and metrics.jsonl; the run folders themselves stay on the machine, under /tmp). The
+# summary ends with each run's logged peak memory beside the memory estimate (bench/memory_check.py
+# --from-runs): every run here is also a check of the estimate.
 set -uo pipefail
 START=$SECONDS
 source "$(dirname "$0")/common.sh"                # cd to the repo, carried wheels, GPU and torch; RET, RUNS
@@ -31,9 +37,7 @@ export ANCHOR_LOGS=${ANCHOR_LOGS:-$RET}
 export PYTORCH_ALLOC_CONF="expandable_segments:True"   # as the reference kit runs
 
 ONLY=${ONLY:-"bf16_compile_ac_op fp8_compile_ac_op eager_ac_op noac_compile fullac_compile"}
-ANCHOR=${ANCHOR:-"bf16_compile fp8_compile"}
-STEPS=${STEPS:-15}
-ANCHOR_STEPS=${ANCHOR_STEPS:-20}
+STEPS=${STEPS:-25}
 BUDGET=${BUDGET:-570}
 SKIPPED=""
 
@@ -60,6 +64,24 @@ declare -A REFERENCE=(
   [eager]=""
   [noac_compile]="--compile.enable --activation_checkpoint.mode none"
 )
+# Each Tessera run and the reference run it is compared with (compare_reference.py's --pairs).
+declare -A PAIR=(
+  [bf16_compile_ac_op]=bf16_compile [fp8_compile_ac_op]=fp8_compile [eager_ac_op]=eager
+  [noac_compile]=noac_compile [bf16_compile_ac_alt]=bf16_compile [fp8_compile_ac_alt]=fp8_compile
+  [fused_loss]=bf16_compile [cudnn_sdpa]=bf16_compile [fused_loss_cudnn]=bf16_compile
+)
+for label in $ONLY; do
+  [ -n "${TESSERA[$label]+set}" ] || { echo "ONLY: unknown configuration '$label'; choose from: ${!TESSERA[*]}"; exit 2; }
+done
+if [ -z "${ANCHOR+set}" ]; then  # the reference runs ONLY's runs are compared with (eager and no-AC: the kit's README)
+  ANCHOR=""
+  for label in $ONLY; do
+    case "${PAIR[$label]:-}" in
+      bf16_compile|fp8_compile) [[ " $ANCHOR " == *" ${PAIR[$label]} "* ]] || ANCHOR+=" ${PAIR[$label]}" ;;
+    esac
+  done
+fi
+
 # Seconds a run is expected to take on a fresh machine (start, cold compile, steps), to keep inside BUDGET.
 estimate() { case $1 in eager*) echo 45 ;; *) echo 100 ;; esac; }
 fits() { (( SECONDS - START + $1 <= BUDGET )); }
@@ -70,18 +92,18 @@ tessera() {  # LABEL: one Tessera run, summarized after 5 warm-up steps
   echo "=== Tessera $label: ${TESSERA[$label]}"
   # shellcheck disable=SC2086
   timeout $((BUDGET - (SECONDS - START))) python3 -m engine.train --config train_configs/debug_model.toml \
-    --job.dump_folder "$RUNS/$label" "${L8[@]}" --training.steps "$STEPS" --metrics.log_freq 1 \
+    --job.dump_folder "$RUNS/$label" "${L8[@]}" --training.steps "$STEPS" --metrics.log_freq 5 \
     --lr_scheduler.warmup_steps 2 --optimizer.lr 3e-4 ${TESSERA[$label]} > "$RUNS/$label.log" 2>&1
   local rc=$?
   tail -n 2 "$RUNS/$label.log"
-  [ $rc = 0 ] && python3 bench/summarize.py "$RUNS/$label" --skip 5 || echo "Tessera $label: exit $rc"
+  [ $rc = 0 ] && python3 bench/summarize.py "$RUNS/$label" --skip 10 || echo "Tessera $label: exit $rc"
 }
 
 reference() {  # LABEL: one reference run (its script prints its last logged steps)
   local label=$1
   if ! fits 130; then SKIPPED+=" reference:$label"; echo "=== skip reference $label (budget)"; return; fi
   timeout $((BUDGET - (SECONDS - START))) bash .anchor/run_anchor.sh \
-    "$label|${REFERENCE[$label]} --training.steps $ANCHOR_STEPS"
+    "$label|${REFERENCE[$label]} --training.steps $STEPS"
 }
 
 [ -f .anchor/run_anchor.sh ] || { echo "no .anchor/: run bash ../shared/bench/anchor/prepare.sh here and carry .anchor"; }
@@ -103,10 +125,13 @@ fi
 {
   echo
   echo "=== Tessera / reference, $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), $(python3 -c 'import torch; print("torch", torch.__version__)')"
+  pairs=""; for label in "${!PAIR[@]}"; do pairs+="$label=${PAIR[$label]},"; done
   python3 bench/compare_reference.py --tessera "$RUNS" --anchor "$ANCHOR_LOGS" --labels "$(echo $ONLY | tr ' ' ,)" \
-    --pairs bf16_compile_ac_op=bf16_compile,fp8_compile_ac_op=fp8_compile,bf16_compile_ac_alt=bf16_compile,fp8_compile_ac_alt=fp8_compile,eager_ac_op=eager,noac_compile=noac_compile,fused_loss=bf16_compile,cudnn_sdpa=bf16_compile,fused_loss_cudnn=bf16_compile \
-    --json "$RET/summary.json"
+    --pairs "$pairs" --skip 10 --anchor-skip 10 --steps "$STEPS" --json "$RET/summary.json"
   [ -n "$SKIPPED" ] && echo "skipped for the time budget:$SKIPPED"
+  echo
+  echo "=== peak memory of each Tessera run beside engine/tools/memory.py's estimate (issue 7)"
+  python3 bench/memory_check.py --from-runs "$RUNS" --out "$RUNS"   # its md/json go into the tarball
   echo "elapsed $((SECONDS - START)) s"
 } | tee "$RET/summary.txt"
 pack tessera_runs

@@ -1,6 +1,9 @@
 """Summarize a run's metrics.jsonl: median tps, TFLOP/s, MFU and the peak memory after warm-up.
 
-    python bench/summarize.py RUN_DIR_OR_JSONL [--skip N]   # N warm-up steps left out (default 5)
+    python bench/summarize.py RUN_DIR_OR_JSONL [--skip N] [--steps S]
+
+N: warm-up steps left out (default 5). S: the steps the run was asked for; a run whose last logged step is
+short of it (killed by a time limit, out of memory) is marked partial.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ import statistics
 import sys
 
 
-def summarize(path: str, skip: int = 5) -> dict:
+def summarize(path: str, skip: int = 5, steps: int | None = None) -> dict:
     if os.path.isdir(path):
         path = os.path.join(path, "metrics.jsonl")
     with open(path) as f:
@@ -33,6 +36,7 @@ def summarize(path: str, skip: int = 5) -> dict:
         "peak_memory_gib": max(r["memory_gib"] for r in steady),
         "peak_reserved_gib": max((r.get("memory_reserved_gib") or 0) for r in steady),
         "last_loss": steady[-1]["loss"],
+        "partial": steps is not None and rows[-1]["step"] < steps,
     }
 
 
@@ -40,13 +44,14 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("path")
     p.add_argument("--skip", type=int, default=5)
+    p.add_argument("--steps", type=int, default=None, help="the steps asked for: fewer logged = partial")
     args = p.parse_args(argv)
-    s = summarize(args.path, args.skip)
+    s = summarize(args.path, args.skip, args.steps)
     fmt = lambda v, f: "n/a" if v is None else format(v, f)  # noqa: E731
     print(
         f"{args.path}: steps {s['steps']}  median tps/gpu {fmt(s['tps_per_gpu'], ',.0f')}  "
         f"TFLOP/s {fmt(s['tflops'], '.1f')}  MFU {fmt(s['mfu'], '.1f')}%  peak memory "
-        f"{s['peak_memory_gib']:.1f} GiB (reserved {s['peak_reserved_gib']:.1f})  last loss {s['last_loss']:.3f}"
+        f"{s['peak_memory_gib']:.1f} GiB (reserved {s['peak_reserved_gib']:.1f})  last loss {s['last_loss']:.3f}{'  PARTIAL (stopped early)' if s['partial'] else ''}"
     )
     return 0
 

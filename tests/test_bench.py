@@ -104,14 +104,15 @@ def test_gpu_foundation_configs_are_valid_on_hopper(tmp_path):
 
 def test_gpu_parallel_configs_are_valid_on_hopper(tmp_path):
     rows = _run_script(tmp_path, "gpu_parallel.sh", {})
-    # two single-GPU 8B_L8 runs (FSDP on one rank first), the one-rank debug run, four two-rank layouts over
-    # gloo, then CPU offload
-    assert [r["world"] for r in rows] == [1] * 3 + [2] * 4 + [1], rows
+    # the single-GPU 8B_L8 run with FSDP on one rank, the one-rank debug run, four two-rank layouts over gloo,
+    # then CPU offload
+    assert [r["world"] for r in rows] == [1] * 2 + [2] * 4 + [1], rows
     assert "--parallelism.fsdp_single_rank" in rows[0]["argv"] and "8B_L8" in rows[0]["argv"]
-    two_rank = [" ".join(r["argv"]) for r in rows[3:7]]
+    two_rank = [" ".join(r["argv"]) for r in rows[2:6]]
     assert any("--parallelism.cp 2" in a for a in two_rank)
     assert any("--training.loss_chunk_tokens" in a and "--parallelism.tp 2" in a for a in two_rank)
-    assert "--parallelism.fsdp_cpu_offload" in rows[7]["argv"]
+    assert all("--comm.init_timeout_seconds 60" in a for a in two_rank)  # a hang ends inside the call
+    assert "--parallelism.fsdp_cpu_offload" in rows[6]["argv"]
 
 
 def test_perf_vs_reference_configs_are_valid_on_hopper(tmp_path):
@@ -124,6 +125,51 @@ def test_perf_vs_reference_configs_are_valid_on_hopper(tmp_path):
         assert "--model.flavor 8B_L8 --training.seq_len 8192 --training.local_batch_size 1" in argv, argv
     assert sum("--float8.enable" in r["argv"] for r in rows) == 2
     assert sum("alternate" in r["argv"] for r in rows) == 2
+    for r in rows:  # the reference's protocol: 25 steps logged every 5 (one host sync per log, not per step)
+        argv = " ".join(r["argv"])
+        assert "--training.steps 25 --metrics.log_freq 5" in argv, argv
+
+
+@pytest.mark.parametrize("only, anchor", [
+    ("bf16_compile_ac_op fp8_compile_ac_op eager_ac_op", "bf16_compile fp8_compile"),
+    ("fused_loss cudnn_sdpa bf16_compile_ac_alt", "bf16_compile"),  # a second call's levers keep their reference
+    ("fp8_compile_ac_alt", "fp8_compile"),
+])
+def test_perf_vs_reference_runs_the_reference_its_runs_are_compared_with(tmp_path, only, anchor):
+    """Without ANCHOR, the reference runs are those ONLY's runs are compared with (bf16 and float8 compiled:
+    the eager and no-AC reference figures are the kit README's)."""
+    repo = _copy_repo(str(tmp_path))
+    os.makedirs(os.path.join(repo, ".anchor"))
+    # A stand-in reference kit that only says which runs it was asked for.
+    with open(os.path.join(repo, ".anchor", "run_anchor.sh"), "w") as f:
+        f.write('for spec in "$@"; do echo "reference asked: ${spec%%|*}"; done\n')
+    env = dict(os.environ, PATH=f"{_stub_bin(tmp_path)}:{os.environ['PATH']}", OUT=str(tmp_path / "out"),
+               RUNS=str(tmp_path / "runs"), ONLY=only, BUDGET="100000")
+    env.pop("ANCHOR", None)
+    proc = subprocess.run(["bash", os.path.join(repo, "bench", "perf_vs_reference.sh")], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    asked = [line.split(": ", 1)[1] for line in proc.stdout.splitlines() if line.startswith("reference asked: ")]
+    assert asked == anchor.split(), proc.stdout[-2000:]
+
+
+def test_perf_vs_reference_refuses_an_unknown_configuration(tmp_path):
+    repo = _copy_repo(str(tmp_path))
+    proc = subprocess.run(["bash", os.path.join(repo, "bench", "perf_vs_reference.sh")],
+                          env=dict(os.environ, ONLY="bf16_compile_ac_op fused_los", OUT=str(tmp_path / "out"),
+                                   RUNS=str(tmp_path / "runs"), PATH=f"{_stub_bin(tmp_path)}:{os.environ['PATH']}"),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "ONLY: unknown configuration 'fused_los'" in proc.stdout, proc.stdout
+
+
+def _stub_bin(tmp_path) -> str:
+    """python3 and nvidia-smi that do nothing (the scripts' shell logic alone runs)."""
+    bin_dir = tmp_path / "stub_bin"
+    bin_dir.mkdir(exist_ok=True)
+    for name in ("python3", "nvidia-smi"):
+        (bin_dir / name).write_text("#!/usr/bin/env bash\nexit 0\n")
+        (bin_dir / name).chmod(0o755)
+    return str(bin_dir)
 
 
 def test_memory_check_estimates_every_configuration(tmp_path):
@@ -177,3 +223,60 @@ def test_compare_reference_reads_both_trainers(tmp_path):
     (result,) = json.loads(out.read_text())
     assert result["tps_ratio"] == pytest.approx(32_450 / 29_500)
     assert result["memory_ratio"] == pytest.approx(41.0 / 42.0)
+
+
+def test_compare_reference_gives_no_ratio_for_a_run_that_stopped_early(tmp_path):
+    """A run cut by the time budget (or out of memory) has medians over fewer windows: marked, no ratio."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    try:
+        import compare_reference
+    finally:
+        sys.path.pop(0)
+    anchor = tmp_path / "anchor"
+    anchor.mkdir()
+    (anchor / "anchor_bf16_compile.log").write_text("".join(
+        ANCHOR_LOG.format(step=s, mem=42.0, tps=29_500) for s in (5, 10, 15, 20, 25)))
+    for label, last in (("bf16_compile_ac_op", 25), ("fp8_compile_ac_op", 15)):
+        run = tmp_path / "tessera" / label
+        run.mkdir(parents=True)
+        with open(run / "metrics.jsonl", "w") as f:
+            for step in (1, 5, 10, 15, 20, 25):
+                if step <= last:
+                    f.write(json.dumps({"step": step, "loss": 7.0, "tps": 32_000, "tps_per_gpu": 32_000,
+                                        "tflops": 540.0, "mfu": 54.6, "memory_gib": 39.0,
+                                        "memory_reserved_gib": 41.0}) + "\n")
+    out = tmp_path / "summary.json"
+    assert compare_reference.main(["--tessera", str(tmp_path / "tessera"), "--anchor", str(anchor), "--pairs",
+                                   "bf16_compile_ac_op=bf16_compile,fp8_compile_ac_op=bf16_compile", "--skip", "10",
+                                   "--steps", "25", "--json", str(out)]) == 0
+    by_label = {r["label"]: r for r in json.loads(out.read_text())}
+    assert by_label["bf16_compile_ac_op"]["tps_ratio"] == pytest.approx(32_000 / 29_500)
+    assert by_label["fp8_compile_ac_op"]["tessera"]["partial"] and by_label["fp8_compile_ac_op"]["tps_ratio"] is None
+
+
+def test_memory_check_from_runs_sets_each_single_gpu_runs_peak_beside_its_estimate(tmp_path, monkeypatch):
+    """Every benchmark run is a memory check: the logged peak beside the estimate for the run's config.toml;
+    multi-rank runs and the debug model's are left out."""
+    from engine.config import dump, parse_args
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    L8 = ["--config", os.path.join(ROOT, "train_configs", "debug_model.toml"), "--model.flavor", "8B_L8",
+          "--training.seq_len", "8192", "--training.local_batch_size", "1"]
+    runs = {"fullac": (L8 + ["--activation_checkpoint.mode", "full"], 1, 44.0),
+            "two_ranks": (L8, 2, 30.0),
+            "debug": (L8[:2], 1, 0.4)}
+    for name, (argv, gpus, peak) in runs.items():
+        folder = tmp_path / "runs" / name
+        folder.mkdir(parents=True)
+        dump(parse_args(argv), str(folder))
+        with open(folder / "metrics.jsonl", "w") as f:
+            for step in (1, 5, 10):
+                f.write(json.dumps({"step": step, "loss": 7.0, "tps": 1000.0 * gpus, "tps_per_gpu": 1000.0,
+                                    "memory_gib": peak - step / 100, "memory_reserved_gib": peak + 1}) + "\n")
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "memory_check.py"), "--from-runs",
+                           str(tmp_path / "runs"), "--out", str(tmp_path)], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (row,) = json.loads((tmp_path / "memory_runs.json").read_text())
+    assert row["name"] == "fullac" and row["memory_gib"] == pytest.approx(43.99)
+    assert row["ratio"] == pytest.approx(row["estimate_gib"] / 43.99) and row["moment"]
