@@ -205,9 +205,10 @@ class ActivationCheckpoint:
     an integer N (at most the model's number of layers) checkpoints every N-th block fully, from the first one
     (blocks 0, N, 2N, ...)."""
     op_matmuls: str = "all"
-    """For selective_option = op: the matmul outputs kept, all (the least recompute) or alternate (every other
-    matmul of a block, as torchtitan's per-op policy: wk, wo and w3 are recomputed in backward, about 9% more
-    compute for a third less activation memory)."""
+    """For selective_option = op: the matmul outputs kept, all (the least recompute) or alternate (torchtitan's
+    per-op policy: every other matmul of a block, so wk, wo and w3 are recomputed in backward, about 9% more
+    compute for a third less activation memory; under float8 every float8 matmul is recomputed, as torchtitan
+    does)."""
 
 
 @dataclass

@@ -52,12 +52,13 @@ _gqa_native = True
 
 
 def _cudnn_takes_gqa() -> bool:
-    """Whether cuDNN's SDPA kernel runs grouped-query attention as it is (one tiny bf16 call on the GPU, with
-    only cuDNN enabled); a torch release or GPU where it does not gets K/V repeated instead."""
-    q = torch.zeros(1, 4, 128, 64, device="cuda", dtype=torch.bfloat16)
-    kv = torch.zeros(1, 2, 128, 64, device="cuda", dtype=torch.bfloat16)
+    """Whether cuDNN's SDPA kernel runs grouped-query attention as it is, forward and backward (one tiny bf16
+    step on the GPU, with only cuDNN enabled); a torch release or GPU where it does not gets K/V repeated
+    instead."""
+    q = torch.zeros(1, 4, 128, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    kv = torch.zeros(1, 2, 128, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     try:
-        F.scaled_dot_product_attention(q, kv, kv, is_causal=True, enable_gqa=True)
+        F.scaled_dot_product_attention(q, kv, kv, is_causal=True, enable_gqa=True).sum().backward()
         return True
     except RuntimeError:
         return False

@@ -38,22 +38,26 @@ def _save_list() -> set:
     return ops
 
 
-_MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
-            torch.ops.aten._scaled_mm.default}
+_MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
 
 
 def op_policy(op_matmuls: str):
-    """The per-op policy of one block's forward (and of its recomputation): save the ops of ``_save_list``;
-    with ``op_matmuls = "alternate"`` only the odd-numbered matmuls of the block (wq, wv, w1, w2 of the llama3
-    block: wk, wo and w3 are recomputed), counted separately in the forward and in the recomputation so that
-    both make the same choices. A fresh policy per block forward (its counts start at 0)."""
+    """The per-op policy of one block's forward (and of its recomputation): save the ops of ``_save_list``.
+    With ``op_matmuls = "alternate"``, torchtitan's per-op policy (0.2.2): only the odd-numbered bf16/fp32
+    matmuls of the block are kept (wq, wv, w1, w2 of the llama3 block: wk, wo and w3 are recomputed), counted
+    separately in the forward and in the recomputation so that both make the same choices, and the float8
+    matmuls (``_scaled_mm``), which torchtitan neither counts nor saves, are all recomputed (their inputs'
+    scales, the amax reductions, are kept). A fresh policy per block forward (its counts start at 0)."""
     save_ops, counts = _save_list(), {False: 0, True: 0}
 
     def policy(ctx, op, *args, **kwargs):
-        if op in _MATMULS and op_matmuls == "alternate":
-            counts[ctx.is_recompute] += 1
-            if counts[ctx.is_recompute] % 2 == 0:
+        if op_matmuls == "alternate":
+            if op == torch.ops.aten._scaled_mm.default:
                 return CheckpointPolicy.PREFER_RECOMPUTE
+            if op in _MATMULS:
+                counts[ctx.is_recompute] += 1
+                if counts[ctx.is_recompute] % 2 == 0:
+                    return CheckpointPolicy.PREFER_RECOMPUTE
         return CheckpointPolicy.MUST_SAVE if op in save_ops else CheckpointPolicy.PREFER_RECOMPUTE
 
     return policy

@@ -243,6 +243,23 @@ def test_selective_op_formula_matches_the_policy(op_matmuls):
     assert Record.bytes + block_input == memory.block_bytes_per_token(shape, lay, "op") * B * S
 
 
+def test_alternate_policy_is_torchtitans_for_float8_matmuls():
+    """op_matmuls = alternate is torchtitan 0.2.2's per-op policy: every other aten.mm kept, and the float8
+    matmuls (_scaled_mm, what torchao's Float8Linear runs on Hopper) neither counted nor kept; op_matmuls = all
+    keeps them."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from parallelize.checkpointing import op_policy
+
+    ctx = types.SimpleNamespace(is_recompute=False)
+    mm, scaled_mm = torch.ops.aten.mm.default, torch.ops.aten._scaled_mm.default
+    alternate = op_policy("alternate")
+    got = [alternate(ctx, op) for op in (scaled_mm, mm, scaled_mm, mm, mm, scaled_mm)]
+    save, recompute = CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_RECOMPUTE
+    assert got == [recompute, save, recompute, recompute, save, recompute]
+    assert op_policy("all")(ctx, scaled_mm) == save and op_policy("all")(ctx, mm) == save
+
+
 def test_fused_loss_formula_matches_what_autograd_keeps():
     """training.loss_chunk_tokens: the fused loss keeps the hidden state's and the weight's gradients for the
     backward (as the formula says, beside one chunk's transient logits), not the [tokens, vocabulary] logits."""
