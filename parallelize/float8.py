@@ -168,6 +168,28 @@ def module_filter(skip: Iterable[nn.Module], filter_fqns: Iterable[str], tp: int
     return keep
 
 
+def check_float8_layers(model: nn.Module, f8: Any, tp: int = 1) -> tuple[int, int]:
+    """The float8 section against the whole model (on the meta device, before the pipeline split): every
+    float8.filter_fqns entry must name some linear layer (a misspelled one would silently convert it), and at
+    least one layer must be left to convert (else float8.enable changes nothing). Returns (layers converted,
+    linear layers); raises ConfigError. ``model.output`` is never converted."""
+    linears = [fqn for fqn, m in model.named_modules() if isinstance(m, nn.Linear)]
+    for entry in f8.filter_fqns:
+        if not any(entry in fqn for fqn in linears):
+            examples = ", ".join(dict.fromkeys(fqn.split(".", 2)[-1] for fqn in linears[:8]))
+            raise _config_error(f"float8.filter_fqns: '{entry}' names no linear layer of the model (its layers: "
+                                f"{examples}, ...); fix or remove it")
+    keep = module_filter([getattr(model, "output", None)], f8.filter_fqns, tp)
+    converted = sum(keep(m, fqn) for fqn, m in model.named_modules())
+    if f8.enable and converted == 0:
+        raise _config_error(
+            f"{'float8.filter_fqns' if f8.filter_fqns else 'float8.enable'}: no linear layer would run in float8 "
+            "(float8.filter_fqns excludes the others, or their "
+            f"dimensions{' per TP rank' if tp > 1 else ''} are not multiples of 16), so float8 would change "
+            "nothing; narrow float8.filter_fqns or turn float8.enable off")
+    return converted, len(linears)
+
+
 def convert_float8(
     model: nn.Module,
     recipe: str = "tensorwise",

@@ -82,7 +82,12 @@ def test_dry_run_user_error_is_one_line(monkeypatch, capsys):
         assert dry_run.main(["--config", "train_configs/debug_model.toml"]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert err == [f"error: NGPU (WORLD_SIZE): must be a positive number of processes, got '{bad}'"], err
+    # float8 filters are checked against the model's layers (a misspelled one would convert that layer)
     monkeypatch.setenv("WORLD_SIZE", "8")
+    assert dry_run.main(["--config", "train_configs/llama3_8b.toml", "--model.hf_assets_path=", "--float8.enable",
+                         "--float8.filter_fqns", "output,attention.wkk"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [err[0]] and err[0].startswith("error: float8.filter_fqns: 'attention.wkk' names no linear"), err
     for bad in ("inf", "nan", "0", "lots"):  # the memory of one GPU
         monkeypatch.setenv("GPU_MEMORY_GIB", bad)
         assert dry_run.main(["--config", "train_configs/debug_model.toml"]) == 2
