@@ -46,8 +46,8 @@ def _losses(out: str, name: str) -> list[dict]:
     path = os.path.join(out, name, "metrics.jsonl")
     if not os.path.exists(path):
         return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+    with open(path) as f:  # the training records (validation has records of its own, without "loss")
+        return [r for r in (json.loads(line) for line in f if line.strip()) if "loss" in r]
 
 
 def main(argv=None) -> int:

@@ -33,7 +33,7 @@ timeout "$LIMIT" python3 -m engine.train --config train_configs/debug_model.toml
 compare_to_one() {  # the run in $RUNS/$1 beside the single-rank run's losses
   python3 - "$RUNS/one" "$RUNS/$1" <<'PY'
 import json, sys
-a, b = ([json.loads(l)["loss"] for l in open(f"{d}/metrics.jsonl")] for d in sys.argv[1:3])
+a, b = ([r["loss"] for r in map(json.loads, open(f"{d}/metrics.jsonl")) if "loss" in r] for d in sys.argv[1:3])
 print(sys.argv[2].split("/")[-1], "losses", [round(x, 5) for x in b], "one rank", [round(x, 5) for x in a])
 print("  max relative difference", max(abs(x - y) / abs(x) for x, y in zip(a, b)))
 PY

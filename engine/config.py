@@ -277,15 +277,19 @@ class Metrics:
     """Log metrics every this many steps (the first and last steps are always logged); the logged loss is
     the mean over the steps since the previous log."""
     enable_tensorboard: bool = False
-    """Write tensorboard event files to <dump_folder>/tb."""
+    """Write tensorboard event files to <dump_folder>/tb (a fresh run sets an earlier run's aside as tb.<n>; a
+    resumed run hides the earlier events of the steps it trains again)."""
     enable_wandb: bool = False
-    """Log to Weights & Biases (files under <dump_folder>/wandb)."""
+    """Log to Weights & Biases (files under <dump_folder>/wandb). A resumed run goes on in the same wandb run (its
+    id is kept in <dump_folder>/wandb_run_id); a fresh run starts a new one."""
     wandb_project: str = "tessera"
     """Weights & Biases project name."""
-    wandb_mode: str = "online"
-    """Weights & Biases mode: online, offline (no network needed; sync later) or disabled."""
+    wandb_mode: str = "auto"
+    """Weights & Biases mode: online, offline (no network needed; sync later), disabled, or auto: the WANDB_MODE
+    environment variable where set, else online."""
     save_for_all_ranks: bool = False
-    """Every rank writes metrics (metrics_rank<N>.jsonl); otherwise rank 0 only."""
+    """Every rank writes metrics (metrics_rank<N>.jsonl; a fresh run sets an earlier run's aside as
+    metrics_rank<N>.<n>.jsonl); otherwise rank 0 only."""
     peak_flops: float = -1.0
     """Peak FLOP/s of one device for MFU; -1 looks the device up in a table (H100 bf16 989e12, ...)."""
 
@@ -294,12 +298,13 @@ class Metrics:
 class Validation:
     enable: bool = False
     """Every validation.freq steps, compute the loss of validation.steps batches without gradients (through
-    the whole pipeline with PP), on the same batches each time; logged as validation_loss."""
+    the whole pipeline with PP), on the same batches each time; logged as validation_loss at that step."""
     freq: int = 100
     """Validate every this many optimizer steps (at its multiples; with validation.enable, at most
     training.steps)."""
     steps: int = 4
-    """Batches (of training.local_batch_size samples per data-parallel rank) per validation."""
+    """Batches (of training.local_batch_size samples per data-parallel rank) per validation. Validation data that
+    holds fewer is read again from its start, counting documents twice (a start-up warning says how many fit)."""
     dataset: str = ""
     """Validation data: a built-in or Hugging Face dataset; empty takes data.dataset."""
     path: str = ""
@@ -995,7 +1000,7 @@ def validate(cfg: Config, world_size: int = 1, machine: Optional[Machine] = None
 
     # metrics, debug
     _positive("metrics.log_freq", cfg.metrics.log_freq)
-    _choice("metrics.wandb_mode", cfg.metrics.wandb_mode, ["online", "offline", "disabled"])
+    _choice("metrics.wandb_mode", cfg.metrics.wandb_mode, ["auto", "online", "offline", "disabled"])
     if cfg.metrics.peak_flops != -1.0:
         _positive("metrics.peak_flops", cfg.metrics.peak_flops)
     if not 0 <= cfg.debug.seed <= 2**32 - 1:  # what torch.manual_seed and numpy take

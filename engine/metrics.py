@@ -5,7 +5,9 @@ The trainer calls ``MetricsLogger.log`` every ``metrics.log_freq`` steps with th
 training time since the previous call (wall time less validation and checkpoint saves, which print their own
 timings; the first step of a run, compile and warm-up included, is logged on its own); the logger derives the
 rates, prints one line on rank 0, appends one JSON object to ``<dump_folder>/metrics.jsonl`` and forwards the
-numbers to the enabled sinks.
+numbers to the enabled sinks. Each validation is recorded at its own step by ``MetricsLogger.log_validation``:
+in metrics.jsonl a record of its own, ``{"step", "validation_loss", "validation_s", "time"}`` (no ``loss``
+key: engine.plot.is_validation_record), written after the training record of the same step.
 
 Definitions (per logging window):
 
@@ -20,7 +22,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import resource
+import secrets
+import string
 import sys
 import time
 from typing import Any, Optional
@@ -167,15 +172,34 @@ def _fmt(value: Optional[float], spec: str, suffix: str = "") -> str:
     return f"{value:{spec}}{suffix}"
 
 
+_RANK_METRICS = re.compile(r"metrics_rank\d+\.jsonl")
+WANDB_RUN_ID_FILE = "wandb_run_id"
+"""The run folder's wandb run id (one line): a resumed run goes on in the same wandb run."""
+
+
 def set_aside_old_metrics(folder: str) -> None:
-    """A fresh run starts a fresh metrics.jsonl; an earlier run's file is kept as metrics.<n>.jsonl."""
-    path = os.path.join(folder, "metrics.jsonl")
-    if not os.path.exists(path):
+    """A fresh run starts fresh metrics: an earlier run's metrics.jsonl, metrics_rank<N>.jsonl files and tb/
+    folder are kept as metrics.<n>.jsonl, metrics_rank<N>.<n>.jsonl and tb.<n>, with one n for all of them (the
+    first that names none of them yet)."""
+    names = ["metrics.jsonl", *sorted(n for n in os.listdir(folder) if _RANK_METRICS.fullmatch(n)), "tb"]
+    names = [n for n in names if os.path.exists(os.path.join(folder, n))]
+    if not names:
         return
+
+    def aside(name: str, n: int) -> str:
+        stem, dot, ext = name.partition(".")
+        return os.path.join(folder, f"{stem}.{n}{dot}{ext}")
+
     n = 1
-    while os.path.exists(os.path.join(folder, f"metrics.{n}.jsonl")):
+    while any(os.path.exists(aside(name, n)) for name in names):
         n += 1
-    os.replace(path, os.path.join(folder, f"metrics.{n}.jsonl"))
+    for name in names:
+        os.replace(os.path.join(folder, name), aside(name, n))
+
+
+def _new_wandb_run_id() -> str:
+    """A wandb-style run id: 8 lower-case letters and digits."""
+    return "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))
 
 
 def end_torn_record(path: str) -> int:
@@ -222,9 +246,15 @@ class MetricsLogger:
     run (``<dump_folder>/wandb``). With ``metrics.save_for_all_ranks`` every rank N also writes
     ``metrics_rank<N>.jsonl`` (rank 0 included, next to metrics.jsonl) and ranks > 0 write tensorboard events
     to ``<dump_folder>/tb/rank_<N>``; wandb stays on rank 0 (one run per job). Other ranks create no files.
-    ``fresh``: a new run (not resumed), whose metrics.jsonl starts empty; an earlier run's is kept as
-    metrics.<n>.jsonl; a resumed run's goes on after its last whole record (end_torn_record). A sink that cannot
-    start (wandb without a login) is a ConfigError raised before any file is written.
+    ``fresh``: a new run (not resumed), whose metrics start empty: rank 0 sets the earlier run's metrics.jsonl,
+    metrics_rank<N>.jsonl and tb/ aside (set_aside_old_metrics). A resumed run's JSONL files go on after their
+    last whole record (end_torn_record), and its tensorboard hides the events of steps from ``first_step`` (the
+    first step this run trains) on that earlier runs wrote (SummaryWriter's purge_step: an abandoned continuation
+    after a rollback). The JSONL files and event files are opened at the first record, so that another rank's
+    never open before rank 0 has set the old ones aside (the trainer's ranks agree on their set-up in between).
+    The wandb run's id is kept in ``<dump_folder>/wandb_run_id``: new on a fresh run, the same wandb run resumed
+    on a resumed one. A sink that cannot start (wandb without a login) is a ConfigError raised before any file is
+    written.
     """
 
     def __init__(
@@ -236,6 +266,7 @@ class MetricsLogger:
         device: torch.device,
         fp8: bool = False,
         fresh: bool = False,
+        first_step: int = 1,
     ):
         self.cfg = cfg
         self.rank = rank
@@ -245,11 +276,14 @@ class MetricsLogger:
         self.peak_flops = peak_flops_per_device(self.device, fp8=fp8, override=cfg.metrics.peak_flops)
         self.dump_folder = cfg.job.dump_folder
         self.step_width = max(1, len(str(getattr(getattr(cfg, "training", None), "steps", 1))))
+        self.fresh = fresh
+        self.first_step = int(first_step)
 
         m = cfg.metrics
         self.is_main = rank == 0
         self.writes_files = self.is_main or m.save_for_all_ranks
         self._files: list = []
+        self._opened = False
         self.jsonl_paths: list[str] = []
         self._tb = None
         self._wandb_run = None
@@ -259,7 +293,7 @@ class MetricsLogger:
             return
         if m.enable_tensorboard:
             try:
-                from torch.utils.tensorboard import SummaryWriter
+                from torch.utils.tensorboard import SummaryWriter  # noqa: F401
             except ImportError as e:  # pragma: no cover - depends on the environment
                 raise ConfigError(
                     f"metrics.enable_tensorboard: tensorboard is not importable ({e}); pip install tensorboard"
@@ -284,32 +318,29 @@ class MetricsLogger:
         if m.save_for_all_ranks:
             names.append(f"metrics_rank{rank}.jsonl")
         self.jsonl_paths = [os.path.join(self.dump_folder, n) for n in names]
-        for path in self.jsonl_paths:
-            cut = end_torn_record(path)
-            if cut:
-                print(f"metrics: {path} ended in an unfinished record (a write cut short by a crash or a full disk); "
-                      f"cut off its {cut} bytes, appending after the last whole record", flush=True)
-        # Append mode: a resumed run continues the same file (engine.plot reads its segments).
-        self._files = [open(p, "a", encoding="utf-8") for p in self.jsonl_paths]
-        if m.enable_tensorboard:
-            tb_dir = os.path.join(self.dump_folder, "tb")
-            if not self.is_main:
-                tb_dir = os.path.join(tb_dir, f"rank_{rank}")
-            self._tb = SummaryWriter(log_dir=tb_dir)
 
     def _start_wandb(self, cfg) -> None:
         m = cfg.metrics
-        if not (m.enable_wandb and self.is_main and m.wandb_mode != "disabled"):
+        mode = m.wandb_mode if m.wandb_mode != "auto" else os.environ.get("WANDB_MODE", "").strip()
+        if not (m.enable_wandb and self.is_main and mode != "disabled"):
             return
         try:
             import wandb
         except ImportError as e:  # pragma: no cover - depends on the environment
             raise ConfigError(f"metrics.enable_wandb: wandb is not importable ({e}); pip install wandb") from None
+        id_path = os.path.join(self.dump_folder, WANDB_RUN_ID_FILE)
+        run_id = None
+        if not self.fresh and os.path.exists(id_path):
+            with open(id_path, encoding="utf-8") as f:
+                run_id = f.read().strip() or None
+        run_id = run_id or _new_wandb_run_id()
         try:
             self._wandb_run = wandb.init(
                 project=m.wandb_project,
                 dir=self.dump_folder,  # wandb writes under <dump_folder>/wandb
-                mode=m.wandb_mode,
+                mode=m.wandb_mode if m.wandb_mode != "auto" else None,  # None: wandb's own (WANDB_MODE), else online
+                id=run_id,
+                resume="allow",  # a resumed run goes on in the same wandb run; a new id starts one
                 config=cfg.to_dict(),
             )
         except Exception as e:
@@ -318,6 +349,44 @@ class MetricsLogger:
                 f"metrics.enable_wandb: wandb.init failed ({reason}); run `wandb login`, or set "
                 "metrics.wandb_mode = offline"
             ) from None
+        with open(id_path, "w", encoding="utf-8") as f:
+            f.write(run_id + "\n")
+
+    def _open(self) -> None:
+        """Open the JSONL files and the tensorboard writer (once, at the first record)."""
+        if self._opened or self._closed or not self.writes_files:
+            return
+        self._opened = True
+        for path in self.jsonl_paths:
+            cut = end_torn_record(path)
+            if cut:
+                print(f"metrics: {path} ended in an unfinished record (a write cut short by a crash or a full disk); "
+                      f"cut off its {cut} bytes, appending after the last whole record", flush=True)
+        # Append mode: a resumed run continues the same file (engine.plot reads its segments).
+        self._files = [open(p, "a", encoding="utf-8") for p in self.jsonl_paths]
+        if self.cfg.metrics.enable_tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            tb_dir = os.path.join(self.dump_folder, "tb")
+            if not self.is_main:
+                tb_dir = os.path.join(tb_dir, f"rank_{self.rank}")
+            # A resumed run: tensorboard hides the steps from first_step on that an earlier run logged.
+            self._tb = SummaryWriter(log_dir=tb_dir, purge_step=None if self.fresh else self.first_step)
+
+    def _write(self, record: dict) -> None:
+        """Append ``record`` to the JSONL files and its numbers (but step and time) to tensorboard and wandb."""
+        self._open()
+        if self._files:
+            line = json.dumps(record, default=_json_default) + "\n"
+            for f in self._files:
+                f.write(line)
+                f.flush()
+        scalars = {k: v for k, v in record.items() if k not in ("step", "time") and _is_number(v)}
+        if self._tb is not None:
+            for k, v in scalars.items():
+                self._tb.add_scalar(k, v, global_step=record["step"])
+        if self._wandb_run is not None:
+            self._wandb_run.log(scalars, step=record["step"])
 
     # ----------------------------------------------------------------------------------------------------
 
@@ -382,17 +451,19 @@ class MetricsLogger:
 
         if self.rank in log_ranks():
             print(self.format_line(record), flush=True)
-        if self._files:
-            line = json.dumps(record, default=_json_default) + "\n"
-            for f in self._files:
-                f.write(line)
-                f.flush()
-        scalars = {k: v for k, v in record.items() if k not in ("step", "time") and _is_number(v)}
-        if self._tb is not None:
-            for k, v in scalars.items():
-                self._tb.add_scalar(k, v, global_step=record["step"])
-        if self._wandb_run is not None:
-            self._wandb_run.log(scalars, step=record["step"])
+        self._write(record)
+        return record
+
+    def log_validation(self, step: int, loss: float, seconds: float) -> dict:
+        """Record the validation loss of ``step`` at that step, whether or not the step is a log step: one line
+        on the console, a record of its own in the JSONL files (step, validation_loss, validation_s: the seconds
+        it took, time) and validation_loss / validation_s at ``step`` in tensorboard and wandb. Call it after
+        ``log`` of the same step, so that the files keep their records in step order. Returns the record."""
+        record = {"step": int(step), "validation_loss": float(_to_builtin(loss)), "validation_s": float(seconds),
+                  "time": time.time()}
+        if self.rank in log_ranks():
+            print(f"validation: step {record['step']}  loss: {record['validation_loss']:.4f}", flush=True)
+        self._write(record)
         return record
 
     def format_line(self, r: dict) -> str:

@@ -2,9 +2,9 @@
 
     python -m engine.plot RUN_DIR_OR_JSONL [--out DIR]
 
-Writes ``loss.png`` (loss, grad norm and learning rate vs step) and ``throughput.png`` (tokens/s per GPU,
-MFU when known, peak memory vs step) and prints their paths. Uses matplotlib's Agg canvas directly, so no
-display and no global backend change are needed.
+Writes ``loss.png`` (loss, with the validation loss where the run validated, grad norm and learning rate vs
+step) and ``throughput.png`` (tokens/s per GPU, MFU when known, peak memory vs step) and prints their paths.
+Uses matplotlib's Agg canvas directly, so no display and no global backend change are needed.
 """
 
 from __future__ import annotations
@@ -25,16 +25,26 @@ class MetricsFileError(ValueError):
     """The metrics file is missing, empty or not valid JSONL; the message names the file (and line)."""
 
 
-def read_metrics(jsonl_path: str) -> list[dict]:
-    """Read a metrics JSONL file: one record per step, sorted by step. A resumed run appends to the file from
-    its checkpoint's step on: a record whose step is not after the one before it starts a new segment, which
-    replaces every earlier record from that step on (those of a run that went on past its last checkpoint, or
-    of a continuation abandoned for an earlier checkpoint). A last line without its newline that is not valid
-    JSON is a record whose write was cut short (the run crashed, or the disk was full) and is left out. Raises
-    MetricsFileError for a missing, empty or corrupt file."""
+def is_validation_record(rec: dict) -> bool:
+    """A validation result (engine.metrics.MetricsLogger.log_validation): step, validation_loss, validation_s and
+    time, without the training record's ``loss``."""
+    return "loss" not in rec and "validation_loss" in rec
+
+
+def read_run_metrics(jsonl_path: str) -> tuple[list[dict], list[dict]]:
+    """Read a metrics JSONL file: (the training records, one per logged step, and the validation records, one per
+    validation), each sorted by step. A resumed run appends to the file from its checkpoint's step on: a training
+    record whose step is not after the record before it (a validation record: one whose step is before it) starts
+    a new segment, which replaces every earlier record, of both kinds, from that step on (those of a run that went
+    on past its last checkpoint, or of a continuation abandoned for an earlier checkpoint). A training record
+    that carries validation_loss (files of older versions) also gives a validation record, at its
+    ``validation_step``. A last line without its newline that is not valid JSON is a record whose write was cut
+    short (the run crashed, or the disk was full) and is left out. Raises MetricsFileError for a missing, empty
+    or corrupt file, or one with no training record."""
     if not os.path.isfile(jsonl_path):
         raise MetricsFileError(f"{jsonl_path}: file not found")
-    by_step: dict[int, dict] = {}
+    train: dict[int, dict] = {}
+    validation: dict[int, dict] = {}
     previous = None
     try:
         with open(jsonl_path, encoding="utf-8") as f:
@@ -55,13 +65,26 @@ def read_metrics(jsonl_path: str) -> list[dict]:
         step = rec.get("step")
         if not isinstance(step, int) or isinstance(step, bool):
             raise MetricsFileError(f"{jsonl_path}:{lineno}: record has no integer 'step'")
-        if previous is not None and step <= previous:  # a resumed run's first record
-            by_step = {k: v for k, v in by_step.items() if k < step}
-        by_step[step] = rec
+        is_validation = is_validation_record(rec)
+        if previous is not None and (step < previous or (step == previous and not is_validation)):
+            train = {k: v for k, v in train.items() if k < step}  # a resumed run's first record
+            validation = {k: v for k, v in validation.items() if k < step}
+        if is_validation:
+            validation[step] = rec
+        else:
+            train[step] = rec
+            if "validation_loss" in rec:  # older files: the last validation rode on the next log's record
+                at = rec.get("validation_step", step)
+                validation[at] = {"step": at, "validation_loss": rec["validation_loss"]}
         previous = step
-    if not by_step:
+    if not train:
         raise MetricsFileError(f"{jsonl_path}: no metrics records (empty file)")
-    return [by_step[s] for s in sorted(by_step)]
+    return [train[s] for s in sorted(train)], [validation[s] for s in sorted(validation)]
+
+
+def read_metrics(jsonl_path: str) -> list[dict]:
+    """The training records of a metrics JSONL file, one per logged step, sorted by step (read_run_metrics)."""
+    return read_run_metrics(jsonl_path)[0]
 
 
 def _series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
@@ -75,20 +98,21 @@ def _series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
     return xs, ys
 
 
-def _panel(ax, records: list[dict], keys: list[tuple[str, str]], ylabel: str, logy: bool = False) -> bool:
+def _panel(ax, series: list[tuple[list[dict], str, str]], ylabel: str, logy: bool = False) -> bool:
+    """Draw each (records, key, label) of ``series`` on ``ax``; "no data" where none has a number."""
     drawn = False
-    for key, label in keys:
+    for records, key, label in series:
         xs, ys = _series(records, key)
         if xs:
             ax.plot(xs, ys, marker="." if len(xs) < 50 else None, label=label)
             drawn = True
     if not drawn:
         ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes)
-    elif logy and all(y > 0 for k, _ in keys for y in _series(records, k)[1] if math.isfinite(y)):
+    elif logy and all(y > 0 for records, k, _ in series for y in _series(records, k)[1] if math.isfinite(y)):
         ax.set_yscale("log")
     ax.set_ylabel(ylabel)
     ax.grid(True, alpha=0.3)
-    if drawn and len(keys) > 1:
+    if drawn and len(series) > 1:
         ax.legend(loc="best", fontsize="small")
     return drawn
 
@@ -106,16 +130,19 @@ def _save(fig: Figure, path: str) -> str:
 
 def plot_metrics(jsonl_path: str, out_dir: str) -> list[str]:
     """Draw loss.png and throughput.png from ``jsonl_path`` into ``out_dir``; return the PNG paths."""
-    records = read_metrics(jsonl_path)
+    records, validation = read_run_metrics(jsonl_path)
     os.makedirs(out_dir, exist_ok=True)
     title = os.path.basename(os.path.dirname(os.path.abspath(jsonl_path))) or jsonl_path
     paths = []
 
     fig = Figure(figsize=(8, 9))
     axes = fig.subplots(3, 1, sharex=True)
-    _panel(axes[0], records, [("loss", "loss")], "loss")
-    _panel(axes[1], records, [("grad_norm", "grad norm")], "grad norm", logy=True)
-    _panel(axes[2], records, [("lr", "lr")], "learning rate")
+    loss_series = [(records, "loss", "training loss")]
+    if _has(validation, "validation_loss"):
+        loss_series.append((validation, "validation_loss", "validation loss"))
+    _panel(axes[0], loss_series, "loss")
+    _panel(axes[1], [(records, "grad_norm", "grad norm")], "grad norm", logy=True)
+    _panel(axes[2], [(records, "lr", "lr")], "learning rate")
     axes[-1].set_xlabel("step")
     fig.suptitle(f"{title}: loss")
     paths.append(_save(fig, os.path.join(out_dir, "loss.png")))
@@ -127,7 +154,7 @@ def plot_metrics(jsonl_path: str, out_dir: str) -> list[str]:
     fig = Figure(figsize=(8, 3 * len(panels)))
     axes = fig.subplots(len(panels), 1, sharex=True, squeeze=False)[:, 0]
     for ax, (_, keys, ylabel) in zip(axes, panels):
-        _panel(ax, records, keys, ylabel)
+        _panel(ax, [(records, key, label) for key, label in keys], ylabel)
     axes[-1].set_xlabel("step")
     fig.suptitle(f"{title}: throughput")
     paths.append(_save(fig, os.path.join(out_dir, "throughput.png")))

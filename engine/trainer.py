@@ -38,7 +38,7 @@ from parallelize import pipeline
 from parallelize.compile import compile_loss, tag_compile_caches
 from parallelize.context import shard_sequence
 from parallelize.data import gradient_divide_factor, set_replica_all_reduce
-from parallelize.float8 import float8_after_optimizer_step
+from parallelize.float8 import check_float8_layers, float8_after_optimizer_step
 from parallelize.init import materialize
 from parallelize.mesh import ParallelDims
 from parallelize.tensor import loss_context, reduce_partial_grads, to_local_scalar
@@ -189,8 +189,11 @@ class Trainer:
                 vcfg, fields = validation_data(cfg)
                 self._val_loader = build_dataloader(vcfg, self.tokenizer, self.dp_rank, self.dp_size, fields=fields)
                 self._val_start = self._val_loader.state_dict()  # every validation reads from here
+                val_fit = self._validation_batches_that_fit()  # reads them now: a bad record is a user error now
             if self.resume_from is not None:  # its data position must belong to this data
                 check_data_source(self.resume_from, self.dataloader.source, cfg)
+        if cfg.validation.enable:
+            self._warn_small_validation_data(val_fit)
 
         # Model on the meta device: shapes and FLOPs without memory; the attention kernel SDPA may use.
         sdpa_choice = select_sdpa_backend(cfg.model.sdpa_backend)
@@ -205,11 +208,14 @@ class Trainer:
         if self.device.type == "cpu":
             check_host_memory(cfg.model.flavor, self.num_params, self.dims, world.world_size)
         with agree_on_user_errors():  # the checkpoint to load holds this model's tensors, with its shapes
+            if cfg.float8.enable:  # float8.filter_fqns names layers of this model, and leaves some in float8
+                self.float8_layers = check_float8_layers(model, cfg.float8, self.dims.tp)
             check_fits_model(cfg, model, self.model_args, self.resume_from, self.dp_size)
             # The metrics sinks start (wandb may refuse) before anything is written. A resumed run appends to the
             # run's metrics.jsonl (engine.plot reads its segments).
             self.metrics = MetricsLogger(cfg, world.rank, world.world_size, self.num_flops_per_token, self.device,
-                                         fresh=self.resume_from is None)
+                                         fresh=self.resume_from is None,
+                                         first_step=1 if self.resume_from is None else self.resume_from.step + 1)
 
         # Every check has passed: from here on the run writes to its dump folder.
         if world.is_main:
@@ -262,7 +268,9 @@ class Trainer:
                 f"model {cfg.model.name}/{cfg.model.flavor}: {self.num_params:,} parameters, "
                 f"{self.num_flops_per_token / 1e9:.3f} GFLOP per token; device {self.device}; "
                 f"grad accumulation {self.grad_accum}; layout {self.dims.describe()}; attention {cfg.model.attn}"
-                + (f" ({sdpa_choice})" if cfg.model.attn == "sdpa" else ""),
+                + (f" ({sdpa_choice})" if cfg.model.attn == "sdpa" else "")
+                + (f"; float8 {cfg.float8.recipe}{' (emulated)' if cfg.float8.emulate else ''}: "
+                   f"{self.float8_layers[0]} of {self.float8_layers[1]} linear layers" if cfg.float8.enable else ""),
                 flush=True,
             )
             source = self.dataloader.source
@@ -437,6 +445,37 @@ class Trainer:
         batches = [next(self._val_loader) for _ in range(self.cfg.validation.steps)]
         return float(self.evaluate(batches))
 
+    def _validation_batches_that_fit(self) -> int:
+        """How many of the validation.steps batches this rank draws before its validation data runs out and is
+        read again from its start (the loader goes on into a second epoch): validation.steps when it never does."""
+        steps = self.cfg.validation.steps
+        start = {s: state["epoch"] for s, state in self._val_start["shards"].items()}
+        self._val_loader.load_state_dict(self._val_start)
+        for i in range(steps):
+            next(self._val_loader)
+            shards = self._val_loader.state_dict()["shards"]
+            if any(shards[s]["epoch"] > epoch for s, epoch in start.items()):
+                return i
+        return steps
+
+    def _warn_small_validation_data(self, fit: int) -> None:
+        """One warning line when some rank's validation data holds fewer than validation.steps batches (``fit``:
+        this rank's count): the loader would read it again, and validation_loss would count those documents twice."""
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            fewest = torch.tensor(fit, dtype=torch.int64, device=self.device)
+            dist.all_reduce(fewest, op=dist.ReduceOp.MIN)
+            fit = int(fewest)
+        steps = self.cfg.validation.steps
+        if fit >= steps or not self.world.logs:
+            return
+        source = self._val_loader.source
+        holds = (f"only {fit} whole batch{'es' if fit != 1 else ''}" if fit else
+                 "less than one batch (training.local_batch_size samples of training.seq_len tokens)")
+        advice = f"set validation.steps to at most {fit}, or give" if fit else "give"
+        print(f"warning: validation.steps: {steps} batches per validation, but the validation data, {source.field} = "
+              f"{source.describe()}, holds {holds} per data-parallel rank, so it is read again from its start and "
+              f"validation_loss counts those documents twice; {advice} more validation data", flush=True)
+
     def _should_log(self, step: int) -> bool:
         """Every metrics.log_freq steps, the last step, and a run's first step (alone: compile and warm-up)."""
         return (step == self._first_step or step % self.cfg.metrics.log_freq == 0
@@ -461,7 +500,6 @@ class Trainer:
         window_tokens, window_data_wait, window_steps = 0, 0.0, 0
         window_loss = torch.zeros((), device=self.device)
         window_nonfinite = torch.zeros((), device=self.device)  # steps whose gradient norm was nan or inf
-        validation: dict = {}
         first_step = self._first_step = self.step + 1
         try:
             with StepProfiler(cfg, self.world.rank, self.step, self.device) as profiler, \
@@ -481,13 +519,6 @@ class Trainer:
                     window_loss += loss
                     window_nonfinite += ~torch.isfinite(grad_norm)
                     window_steps += 1
-                    if cfg.validation.enable and self.step % cfg.validation.freq == 0:
-                        t_val = time.perf_counter()
-                        validation = {"validation_loss": self._validate(), "validation_step": self.step}
-                        window_start += time.perf_counter() - t_val  # not training time
-                        if self.world.logs:
-                            print(f"validation: step {self.step}  loss: {validation['validation_loss']:.4f}",
-                                  flush=True)
 
                     logging_now, saving_now = self._should_log(self.step), ckpt.should_save(self.step)
                     if logging_now or saving_now:
@@ -499,14 +530,13 @@ class Trainer:
                             logged.append(
                                 self.metrics.log(
                                     self.step, loss_value, grad_norm_value, lr, window_tokens, elapsed,
-                                    window_data_wait, extra=validation,
+                                    window_data_wait,
                                 )
                             )
                             window_start = time.perf_counter()
                             window_tokens, window_data_wait, window_steps = 0, 0.0, 0
                             window_loss.zero_()
                             window_nonfinite.zero_()
-                            validation = {}
                         if nonfinite or not math.isfinite(loss_value):  # every rank holds the same values
                             raise TrainingDiverged(
                                 f"optimizer.lr: training diverged by step {self.step} (loss {loss_value:.4g}, gradient "
@@ -514,6 +544,13 @@ class Trainer:
                                 "last checkpoint with a lower optimizer.lr, more lr_scheduler.warmup_steps or a "
                                 "smaller training.max_norm"
                             )
+
+                    # Validation, recorded at its own step (after the step's training record); not training time.
+                    if cfg.validation.enable and self.step % cfg.validation.freq == 0:
+                        t_val = time.perf_counter()
+                        val_loss = self._validate()
+                        self.metrics.log_validation(self.step, val_loss, time.perf_counter() - t_val)
+                        window_start += time.perf_counter() - t_val
 
                     # Checkpoints: commit a finished background save; save on the interval; on SIGTERM save, stop.
                     # Not training time: the window's clock skips it (the save logs its own timing).

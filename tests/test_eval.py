@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -57,14 +58,66 @@ def test_evaluation_matches_the_single_process_on_every_layout(tmp_path):
             assert loss == pytest.approx(reference, rel=1e-5), name  # the same samples
 
 
-def test_validation_during_training_is_logged(tmp_path):
+def test_validation_is_logged_at_every_step_it_runs(tmp_path):
+    """Validation every step, logs every 3: each result is in metrics.jsonl at its own step (none lost between
+    logs), as records of their own that the readers of metrics.jsonl keep apart from the training records."""
     proc = subprocess.run(["./run_train.sh", *BASE, "--job.dump_folder", str(tmp_path), "--training.steps", "4",
-                           "--metrics.log_freq", "2", "--validation.enable", "--validation.freq", "2",
+                           "--metrics.log_freq", "3", "--validation.enable", "--validation.freq", "1",
                            "--validation.steps", "2"],
                           cwd=ROOT, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "PYTHON": sys.executable})
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], "loss" in r) for r in records] == [(1, True), (1, False), (2, False), (3, True), (3, False),
+                                                           (4, True), (4, False)]
     val = {r["step"]: r["validation_loss"] for r in records if "validation_loss" in r}
-    assert sorted(val) == [2, 4] and val[4] < val[2]  # the same batches each time: the model learned
-    assert "validation: step 4" in proc.stdout
+    assert sorted(val) == [1, 2, 3, 4] and val[4] < val[1]  # the same batches each time: the model learned
+    for step in (1, 2, 3, 4):
+        assert f"validation: step {step}  loss: {val[step]:.4f}" in proc.stdout
+    assert "warning" not in proc.stdout
+
+    # The readers of metrics.jsonl: the training records only, the last one's loss the run's last loss.
+    from engine.plot import read_metrics
+    from engine.tools.sweep import summarize_run
+
+    train = [r for r in records if "loss" in r]
+    assert read_metrics(str(tmp_path / "metrics.jsonl")) == train
+    assert summarize_run(str(tmp_path), warmup=0)["last_loss"] == train[-1]["loss"]
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        from summarize import summarize
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    summary = summarize(str(tmp_path), skip=0, steps=4)
+    assert summary["steps"] == "1-4" and summary["last_loss"] == train[-1]["loss"] and not summary["partial"]
+
+
+def test_validation_data_smaller_than_validation_steps_is_one_warning(tmp_path, capsys):
+    """A validation set that holds fewer than validation.steps batches would be read again (the loader loops over
+    its epochs): one warning line at start-up says how many batches it holds; that many give no warning."""
+    from engine.config import parse_args, validate
+    from engine.distributed import init_distributed
+    from engine.trainer import Trainer
+
+    data = tmp_path / "val.jsonl"
+    data.write_text("".join(json.dumps({"text": f"Validation document {i} of a small set, read once."}) + "\n"
+                            for i in range(12)))
+
+    def warning(steps: int) -> str:
+        cfg = parse_args([*BASE, "--data.num_shards", "1", "--job.dump_folder", str(tmp_path / f"run{steps}"),
+                          "--validation.enable", "--validation.freq", "1", "--validation.path", str(data),
+                          "--validation.steps", str(steps)])
+        validate(cfg, 1)
+        Trainer(cfg, init_distributed()).metrics.close()
+        return "\n".join(line for line in capsys.readouterr().out.splitlines() if line.startswith("warning"))
+
+    line = warning(20)
+    match = re.fullmatch(r"warning: validation\.steps: 20 batches per validation, but the validation data, "
+                         r"validation\.path = '.*val\.jsonl' \(1 json file\), holds only (\d+) whole batch(es)? per "
+                         r"data-parallel rank, so it is read again from its start and validation_loss counts those "
+                         r"documents twice; set validation\.steps to at most \1, or give more validation data", line)
+    assert match, line
+    fit = int(match.group(1))
+    assert 0 < fit < 20
+    assert warning(fit) == ""
+    assert warning(fit + 1) != ""

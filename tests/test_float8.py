@@ -124,6 +124,10 @@ BAD_FLOAT8 = [
     (["--float8.recipe", "blockwise"], "float8.recipe"),
     ([*F8, "--float8.recipe", "rowwise", "--float8.fsdp_float8_all_gather"], "float8.fsdp_float8_all_gather"),
     ([*F8, "--float8.precompute_scale"], "float8.precompute_scale"),
+    # checked against the model's layers before anything is written: a misspelled layer name, and a filter
+    # that leaves nothing in float8 (a silent no-op otherwise)
+    ([*F8, "--float8.filter_fqns", "attention.wkk"], "float8.filter_fqns: 'attention.wkk' names no linear layer"),
+    ([*F8, "--float8.filter_fqns", "layers"], "float8.filter_fqns: no linear layer would run in float8"),
 ]
 if not torch.cuda.is_available():
     BAD_FLOAT8.append((["--float8.enable"], "float8.emulate"))

@@ -171,16 +171,30 @@ def test_tensorboard_event_file(tmp_path, capsys):
     assert [(e.step, pytest.approx(e.value)) for e in acc.Scalars("loss")] == [(1, 3.0), (2, 1.5)]
 
 
-def test_wandb_offline(tmp_path, monkeypatch):
-    """Offline wandb works with no login and an unreachable server, and finishes quickly. Run in a child
-    process so wandb's service and console hooks never touch the test process, and a hang hits the timeout."""
+def no_wandb_login(tmp_path, monkeypatch):
+    """wandb with no login, no WANDB_MODE and an unreachable server, its own folders under ``tmp_path``."""
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.setenv("WANDB_BASE_URL", "http://127.0.0.1:9")  # nothing listens: any network use would fail
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # no ~/.netrc login
     monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb_config"))
     monkeypatch.setenv("WANDB_CACHE_DIR", str(tmp_path / "wandb_cache"))
     monkeypatch.setenv("WANDB_DATA_DIR", str(tmp_path / "wandb_data"))
+
+
+def run_script(script: str) -> subprocess.CompletedProcess:
+    """``script`` in a child process (wandb's service and console hooks never touch the test process)."""
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def test_wandb_offline(tmp_path, monkeypatch):
+    """Offline wandb works with no login and an unreachable server, and finishes quickly. Run in a child
+    process so wandb's service and console hooks never touch the test process, and a hang hits the timeout."""
+    no_wandb_login(tmp_path, monkeypatch)
     dump = tmp_path / "run"
     script = textwrap.dedent(
         f"""
@@ -207,6 +221,55 @@ def test_wandb_offline(tmp_path, monkeypatch):
     assert len(runs) == 1, os.listdir(dump)
     assert glob.glob(os.path.join(runs[0], "run-*.wandb"))
     assert len((dump / "metrics.jsonl").read_text().splitlines()) == 2
+
+
+WANDB_RUN = """
+import sys, torch
+from engine.config import Config
+from engine.metrics import MetricsLogger
+def run(dump, mode, fresh):
+    cfg = Config()
+    cfg.job.dump_folder = dump
+    cfg.metrics.enable_wandb = True
+    cfg.metrics.wandb_project = "tessera-test"
+    if mode:
+        cfg.metrics.wandb_mode = mode
+    with MetricsLogger(cfg, rank=0, world_size=1, num_flops_per_token=100, device=torch.device("cpu"),
+                       fresh=fresh) as logger:
+        logger.log(step=1, loss=1.0, grad_norm=1.0, lr=1e-3, tokens=100, elapsed=1.0, data_wait=0.0)
+"""
+
+
+def test_wandb_mode_auto_follows_the_wandb_mode_environment_variable(tmp_path, monkeypatch):
+    """WANDB_MODE=offline with metrics.wandb_mode left at its default: an offline run, not wandb's no-login error;
+    WANDB_MODE=disabled: no wandb run. A mode set in the config wins over the variable."""
+    no_wandb_login(tmp_path, monkeypatch)
+    assert Config().metrics.wandb_mode == "auto"
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    run_script(WANDB_RUN + f"run({str(tmp_path / 'env_offline')!r}, '', True)")
+    assert len(glob.glob(str(tmp_path / "env_offline" / "wandb" / "offline-run-*"))) == 1
+
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    run_script(WANDB_RUN + f"run({str(tmp_path / 'env_disabled')!r}, '', True)\n"
+               f"run({str(tmp_path / 'field_offline')!r}, 'offline', True)")
+    assert os.listdir(tmp_path / "env_disabled") == ["metrics.jsonl"]
+    assert len(glob.glob(str(tmp_path / "field_offline" / "wandb" / "offline-run-*"))) == 1
+
+
+def test_a_resumed_run_goes_on_in_the_same_wandb_run(tmp_path, monkeypatch):
+    """The run folder keeps its wandb run id: a resumed run logs to the same wandb run (the offline runs share the
+    id, so wandb sync joins them); a fresh run in the folder starts a new one."""
+    no_wandb_login(tmp_path, monkeypatch)
+    dump = tmp_path / "run"
+    ids = []
+    for fresh in (True, False, True):
+        run_script(WANDB_RUN + f"run({str(dump)!r}, 'offline', {fresh})")
+        ids.append((dump / "wandb_run_id").read_text().strip())
+    assert ids[0] == ids[1] != ids[2] and all(len(i) == 8 for i in ids)
+    runs = sorted(glob.glob(str(dump / "wandb" / "offline-run-*")))
+    assert len(runs) == 3
+    names = [os.path.basename(r) for r in runs]  # offline-run-<time>-<id>[-<n>]
+    assert sum(ids[0] in name for name in names) == 2 and sum(ids[2] in name for name in names) == 1
 
 
 # ------------------------------------------------------------------------------------------------ plot
@@ -371,3 +434,177 @@ def test_plot_run_failure_is_one_warning_line(tmp_path, capsys):
     assert plot_run(str(tmp_path)) == []
     assert capsys.readouterr().out == (f"warning: plots not drawn ({tmp_path / 'metrics.jsonl'}:1: not valid JSON "
                                        "(Expecting value)); the run itself is complete\n")
+
+
+# ------------------------------------------------------------------------------------------------ validation
+
+
+class FakeWandbRun:
+    """Stands in for a wandb run: records what log() was given."""
+
+    def __init__(self):
+        self.logged = []
+
+    def log(self, data, step):
+        self.logged.append((step, dict(data)))
+
+    def finish(self):
+        pass
+
+
+def test_validation_is_recorded_at_its_own_step_in_every_sink(tmp_path, capsys):
+    """Validation at steps 2, 3 and 4 with logs at 1, 3 and 6: every result is in metrics.jsonl, tensorboard and
+    wandb at the step it ran, none is lost between logs or moved to the next log's step; the readers keep the
+    training records apart (one per logged step, as before)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from engine.plot import read_metrics, read_run_metrics
+
+    cfg = make_cfg(tmp_path, enable_tensorboard=True)
+    wandb_run = FakeWandbRun()
+    with MetricsLogger(cfg, rank=0, world_size=1, num_flops_per_token=10, device=CPU, fresh=True) as logger:
+        logger._wandb_run = wandb_run
+        logger.log(step=1, loss=3.0, grad_norm=1.0, lr=1e-3, tokens=100, elapsed=1.0, data_wait=0.0)
+        logger.log_validation(2, 2.5, seconds=0.1)
+        logger.log(step=3, loss=2.0, grad_norm=1.0, lr=1e-3, tokens=100, elapsed=1.0, data_wait=0.0)
+        logger.log_validation(3, 2.25, seconds=0.1)
+        logger.log_validation(4, torch.tensor(2.0), seconds=0.1)
+        logger.log(step=6, loss=1.0, grad_norm=1.0, lr=1e-3, tokens=100, elapsed=1.0, data_wait=0.0)
+    out = capsys.readouterr().out
+    assert "validation: step 2  loss: 2.5000" in out and "validation: step 4  loss: 2.0000" in out
+
+    path = tmp_path / "run" / "metrics.jsonl"
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [(r["step"], "loss" in r, r.get("validation_loss")) for r in records] == [
+        (1, True, None), (2, False, 2.5), (3, True, None), (3, False, 2.25), (4, False, 2.0), (6, True, None)]
+    assert set(records[1]) == {"step", "validation_loss", "validation_s", "time"}
+
+    train, validation = read_run_metrics(str(path))
+    assert [r["step"] for r in train] == [r["step"] for r in read_metrics(str(path))] == [1, 3, 6]
+    assert [(r["step"], r["validation_loss"]) for r in validation] == [(2, 2.5), (3, 2.25), (4, 2.0)]
+
+    acc = EventAccumulator(str(tmp_path / "run" / "tb"))
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("validation_loss")] == [(2, 2.5), (3, 2.25), (4, 2.0)]
+    assert [e.step for e in acc.Scalars("loss")] == [1, 3, 6]
+    assert [(step, data["validation_loss"]) for step, data in wandb_run.logged if "validation_loss" in data] == [
+        (2, 2.5), (3, 2.25), (4, 2.0)]
+    assert all("validation_loss" not in data for _, data in wandb_run.logged if "loss" in data)
+
+
+def test_read_run_metrics_segments_keep_validation_of_the_kept_steps(tmp_path):
+    """A run logged 1-6 and validated at 2, 4, 5 (its last records: log 4, validation 4 and 5 after its step-4
+    checkpoint; then it crashed). Resumed from step 4: the new records from step 5 on replace the old ones; an
+    abandoned validation (5) goes, whether or not the resumed run validates there. An older file's validation_loss
+    riding on a training record counts at its validation_step."""
+    from engine.plot import read_run_metrics
+
+    def rec(step, loss=None, val=None, **more):
+        r = {"step": step}
+        if loss is not None:
+            r["loss"] = loss
+        if val is not None:
+            r["validation_loss"] = val
+        return json.dumps({**r, **more}) + "\n"
+
+    jsonl = tmp_path / "metrics.jsonl"
+    jsonl.write_text(rec(1, 1.0) + rec(2, 1.0) + rec(2, val=9.0) + rec(4, 1.0) + rec(4, val=8.0) + rec(5, val=7.0)
+                     + rec(5, 2.0) + rec(6, 2.0) + rec(6, val=6.0))
+    train, validation = read_run_metrics(str(jsonl))
+    assert [(r["step"], r["loss"]) for r in train] == [(1, 1.0), (2, 1.0), (4, 1.0), (5, 2.0), (6, 2.0)]
+    assert [(r["step"], r["validation_loss"]) for r in validation] == [(2, 9.0), (4, 8.0), (6, 6.0)]
+
+    jsonl.write_text(rec(3, 1.0, val=5.0, validation_step=2) + rec(6, 0.5))
+    assert [(r["step"], r["validation_loss"]) for r in read_run_metrics(str(jsonl))[1]] == [(2, 5.0)]
+
+
+def test_plot_draws_the_validation_loss_beside_the_training_loss(tmp_path, monkeypatch):
+    import engine.plot as plot
+
+    figures = []
+    real_save = plot._save
+    monkeypatch.setattr(plot, "_save", lambda fig, path: (figures.append(fig), real_save(fig, path))[1])
+    jsonl = tmp_path / "metrics.jsonl"
+    write_synthetic(jsonl, n=5)
+    lines = jsonl.read_text().splitlines(keepends=True)
+    validation = {20: 6.0, 40: 5.0}  # each after the training record of its step
+    with open(jsonl, "w") as f:
+        for line, step in zip(lines, (10, 20, 30, 40, 50)):
+            f.write(line)
+            if step in validation:
+                f.write(json.dumps({"step": step, "validation_loss": validation[step], "validation_s": 0.1}) + "\n")
+    plot_metrics(str(jsonl), str(tmp_path))
+    lines = figures[0].axes[0].get_lines()
+    assert [line.get_label() for line in lines] == ["training loss", "validation loss"]
+    assert list(lines[1].get_xdata()) == [20, 40] and list(lines[1].get_ydata()) == [6.0, 5.0]
+    assert list(lines[0].get_xdata()) == [10, 20, 30, 40, 50]
+
+    write_synthetic(jsonl, n=5)  # no validation: the training loss alone
+    figures.clear()
+    plot_metrics(str(jsonl), str(tmp_path))
+    assert [line.get_label() for line in figures[0].axes[0].get_lines()] == ["training loss"]
+
+
+# ------------------------------------------------------------------------------------------------ fresh, resumed
+
+
+def tb_scalars(folder, tag="loss"):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(folder))
+    acc.Reload()
+    return [(e.step, e.value) for e in acc.Scalars(tag)]
+
+
+def log_steps(cfg, steps, loss, fresh, first_step=1, rank=0):
+    with MetricsLogger(cfg, rank=rank, world_size=2, num_flops_per_token=10, device=CPU, fresh=fresh,
+                       first_step=first_step) as logger:
+        for step in steps:
+            logger.log(step=step, loss=loss, grad_norm=1.0, lr=1e-3, tokens=100, elapsed=1.0, data_wait=0.0)
+
+
+def test_a_fresh_run_sets_the_earlier_tensorboard_folder_aside(tmp_path, capsys):
+    """A fresh run in a folder that holds an earlier run's tb/: that one becomes tb.<n> (with metrics.<n>.jsonl,
+    the same n), and the new tb/ holds only the new run's events."""
+    cfg = make_cfg(tmp_path, enable_tensorboard=True)
+    run = tmp_path / "run"
+    log_steps(cfg, [1, 2, 3], 3.0, fresh=True)
+    log_steps(cfg, [1, 2], 2.0, fresh=True)
+    assert tb_scalars(run / "tb") == [(1, 2.0), (2, 2.0)]
+    assert tb_scalars(run / "tb.1") == [(1, 3.0), (2, 3.0), (3, 3.0)]
+    (run / "metrics.2.jsonl").write_text("")  # the next n must name none of them: 2 is taken by a metrics file
+    log_steps(cfg, [1], 1.0, fresh=True)
+    assert sorted(os.listdir(run)) == ["metrics.1.jsonl", "metrics.2.jsonl", "metrics.3.jsonl", "metrics.jsonl",
+                                       "tb", "tb.1", "tb.3"]
+    assert tb_scalars(run / "tb") == [(1, 1.0)] and tb_scalars(run / "tb.3") == [(1, 2.0), (2, 2.0)]
+
+
+def test_a_resumed_run_hides_the_steps_it_trains_again_in_tensorboard(tmp_path, capsys):
+    """A run logged 1-6; resumed from its step-3 checkpoint (a rollback, or a crash after step 6), the new run
+    logs 4-5: tensorboard shows 1-3 of the first run and 4-5 of the new one, not the abandoned 6."""
+    cfg = make_cfg(tmp_path, enable_tensorboard=True)
+    log_steps(cfg, range(1, 7), 3.0, fresh=True)
+    log_steps(cfg, [4, 5], 2.0, fresh=False, first_step=4)
+    assert tb_scalars(tmp_path / "run" / "tb") == [(1, 3.0), (2, 3.0), (3, 3.0), (4, 2.0), (5, 2.0)]
+
+
+def test_a_fresh_run_sets_every_rank_metrics_file_aside(tmp_path, capsys):
+    """metrics.save_for_all_ranks: a fresh run sets the earlier run's metrics_rank<N>.jsonl aside with
+    metrics.jsonl (rank 0 does it for every rank, a rank of the earlier run that this one lacks too), so no file
+    mixes two runs; the other ranks open their files at their first record, after that."""
+    cfg = make_cfg(tmp_path, save_for_all_ranks=True)
+    run = tmp_path / "run"
+    for rank in (0, 1, 2):
+        log_steps(cfg, [1, 2], 3.0, fresh=True, rank=rank)
+    loggers = [MetricsLogger(cfg, rank=rank, world_size=2, num_flops_per_token=10, device=CPU, fresh=True)
+               for rank in (1, 0)]  # rank 1 starts first: it must not open its file before rank 0 sets it aside
+    for logger in loggers:
+        logger.log(step=1, loss=1.0, grad_norm=1.0, lr=1e-3, tokens=100, elapsed=1.0, data_wait=0.0)
+        logger.close()
+    assert sorted(os.listdir(run)) == ["metrics.1.jsonl", "metrics.jsonl", "metrics_rank0.1.jsonl",
+                                       "metrics_rank0.jsonl", "metrics_rank1.1.jsonl", "metrics_rank1.jsonl",
+                                       "metrics_rank2.1.jsonl"]
+    for rank in (0, 1):
+        assert [json.loads(line)["loss"] for line in (run / f"metrics_rank{rank}.jsonl").read_text().splitlines()] \
+            == [1.0]
+        assert len((run / f"metrics_rank{rank}.1.jsonl").read_text().splitlines()) == 2
