@@ -628,7 +628,7 @@ TORCHTITAN_NAMES: dict[str, str] = {
 # Where Tessera's option takes another kind of value than torchtitan's.
 _TORCHTITAN_NOTES = {
     "job.config_file": "a command-line option, not a config key",
-    "model.tokenizer_path": "the folder with tokenizer.json; data.tokenizer takes the file",
+    "model.tokenizer_path": "the folder with tokenizer.json; data.tokenizer takes it too, or the file",
     "model.converters": "converters = [\"float8\"] is float8.enable = true",
     "parallelism.pipeline_parallel_microbatch_size": "the number of microbatches: training.local_batch_size / "
                                                      "the microbatch size",
@@ -883,8 +883,9 @@ def validate(cfg: Config, world_size: int = 1, machine: Optional[Machine] = None
             raise ConfigError(f"data.path: '{cfg.data.path}' not found; give a json, jsonl, parquet or txt file or folder")
     elif not cfg.data.dataset:
         raise ConfigError("data.dataset: empty; name a built-in dataset (tessera_docs), a Hugging Face dataset, or set data.path")
-    if cfg.data.tokenizer and not os.path.isfile(cfg.data.tokenizer):
-        raise ConfigError(f"data.tokenizer: file '{cfg.data.tokenizer}' not found; give a Hugging Face tokenizer.json")
+    if cfg.data.tokenizer and not os.path.exists(cfg.data.tokenizer):  # a folder: its tokenizer.json is checked later
+        raise ConfigError(f"data.tokenizer: '{cfg.data.tokenizer}' not found; give a Hugging Face tokenizer.json or "
+                          "the folder holding one")
     if not cfg.data.text_field:
         raise ConfigError("data.text_field: must not be empty")
 

@@ -183,6 +183,9 @@ def test_build_tokenizer_sources_and_errors(tmp_path):
     assert build_tokenizer(cfg).path == BUILTIN_TOKENIZER
     cfg.data.tokenizer = os.path.dirname(BUILTIN_TOKENIZER)  # or a folder holding tokenizer.json
     assert build_tokenizer(cfg).path == os.path.join(os.path.dirname(BUILTIN_TOKENIZER), "tokenizer.json")
+    from engine.config import validate
+
+    validate(cfg)  # the config's own check takes the folder too (it asked for a file)
     cfg.data.tokenizer = str(tmp_path)  # a folder without one
     with pytest.raises(ConfigError, match=rf"^data\.tokenizer: tokenizer file '{tmp_path}/tokenizer\.json' not"):
         build_tokenizer(cfg)
