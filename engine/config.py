@@ -1184,24 +1184,28 @@ def _validate_pipeline(cfg: Config, dims, args) -> None:
     if splits_backward(p.pp_schedule, p.pp_schedule_csv):
         _check_split_backward(cfg)
     micro = p.pp_microbatches if p.pp_microbatches != -1 else stages
-    if micro < dims.pp:
+    # One schedule step runs the microbatches of every gradient-accumulation batch of the optimizer step.
+    accum = grad_accumulation_steps(cfg, dims.dp)
+    total = micro * accum
+    got = f"{total} ({micro} x {accum} gradient accumulation batches)" if accum > 1 else f"{total}"
+    if total < dims.pp:
         raise ConfigError(
-            f"parallelism.pp_microbatches: {micro} microbatches cannot keep {dims.pp} pipeline ranks busy; use at "
-            f"least {dims.pp}"
+            f"parallelism.pp_microbatches: {got} microbatches per step cannot keep {dims.pp} pipeline ranks busy; "
+            f"use at least {-(-dims.pp // accum)}"
         )
-    if p.pp_schedule in ("Interleaved1F1B", "InterleavedZeroBubble", "LoopedBFS") and micro % dims.pp:
+    if p.pp_schedule in ("Interleaved1F1B", "InterleavedZeroBubble", "LoopedBFS") and total % dims.pp:
         raise ConfigError(
-            f"parallelism.pp_microbatches: {p.pp_schedule} needs a multiple of pp = {dims.pp}, got {micro}"
+            f"parallelism.pp_microbatches: {p.pp_schedule} needs a multiple of pp = {dims.pp} microbatches per "
+            f"step, got {got}"
         )
-    if p.pp_schedule == "DualPipeV" and not p.pp_schedule_csv and micro < stages:
+    if p.pp_schedule == "DualPipeV" and not p.pp_schedule_csv and total < stages:
         raise ConfigError(
-            f"parallelism.pp_microbatches: DualPipeV needs at least as many microbatches as stages ({stages} on "
-            f"pp = {dims.pp}), got {micro}"
+            f"parallelism.pp_microbatches: DualPipeV needs at least as many microbatches per step as stages "
+            f"({stages} on pp = {dims.pp}), got {got}"
         )
     if p.pp_schedule_csv:
         from parallelize.pipeline import check_schedule_csv
 
-        accum = grad_accumulation_steps(cfg, dims.dp)  # one schedule step takes every accumulation batch
         try:
             check_schedule_csv(p.pp_schedule_csv, dims.pp, p.pp_schedule, p.pp_virtual_stages, micro, accum)
         except ValueError as e:

@@ -86,7 +86,9 @@ def schedule_class(schedule: str) -> type:
 
 
 def is_multi_stage(schedule: str, csv: str = "") -> bool:
-    return bool(csv) or SCHEDULES[schedule][1]
+    """Whether ``schedule``'s placement puts several stages on a rank. A CSV schedule follows the placement of
+    the schedule it is given with (parallelism.pp_schedule: GPipe or 1F1B, one stage per rank)."""
+    return SCHEDULES[schedule][1]
 
 
 def num_stages(pp: int, schedule: str, virtual_stages: int, csv: str = "") -> int:
@@ -117,6 +119,8 @@ def check_schedule_csv(csv: str, pp: int, schedule: str, virtual_stages: int, mi
 
     from torch.distributed.pipelining.schedules import _Action, _ComputationType
 
+    from collections import Counter
+
     field = f"parallelism.pp_schedule_csv: '{csv}'"
     with open(csv, newline="") as f:
         rows = [row for row in csv_module.reader(f) if any(cell.strip() for cell in row)]
@@ -125,6 +129,9 @@ def check_schedule_csv(csv: str, pp: int, schedule: str, virtual_stages: int, mi
                          f"(parallelism.pp = {pp})")
     n_stages = num_stages(pp, schedule, virtual_stages, csv)
     forwards: dict[int, set[int]] = {s: set() for s in range(n_stages)}
+    runs: Counter = Counter()  # (stage, microbatch, F / B / I / W) -> times the CSV runs it
+    kinds = {_ComputationType.FORWARD: "F", _ComputationType.FULL_BACKWARD: "B",
+             _ComputationType.BACKWARD_INPUT: "I", _ComputationType.BACKWARD_WEIGHT: "W"}
     for rank, row in enumerate(rows):
         held = stage_ids(rank, pp, schedule, virtual_stages, csv)
         for cell in row:
@@ -140,8 +147,11 @@ def check_schedule_csv(csv: str, pp: int, schedule: str, virtual_stages: int, mi
                     f"stages {held} ({schedule} placement with parallelism.pp_virtual_stages = {virtual_stages}); "
                     "set parallelism.pp_schedule to the schedule whose placement the CSV follows"
                 )
-            if action.computation_type == _ComputationType.FORWARD:
-                forwards[action.stage_index].add(action.microbatch_index)
+            for part in getattr(action, "sub_actions", None) or [action]:  # OVERLAP_F_B: a forward and a backward
+                if part.computation_type in kinds:
+                    runs[part.stage_index, part.microbatch_index, kinds[part.computation_type]] += 1
+                if part.computation_type == _ComputationType.FORWARD:
+                    forwards[part.stage_index].add(part.microbatch_index)
     n_microbatches = microbatches * accumulation
     expected = set(range(n_microbatches))
     count = (f"{n_microbatches} (parallelism.pp_microbatches = {microbatches} x {accumulation} gradient "
@@ -152,6 +162,17 @@ def check_schedule_csv(csv: str, pp: int, schedule: str, virtual_stages: int, mi
                 f"{field}: stage {stage} runs forwards of microbatches {sorted(seen)}, but the step has {count}; "
                 "make them agree"
             )
+    # Each stage runs every microbatch's forward once and its backward once: whole (B), or split into its input
+    # and weight halves (I, then W). torch checks the backwards only once the model is built, with a traceback.
+    for stage in range(n_stages):
+        for mb in range(n_microbatches):
+            f, b, i, w = (runs[stage, mb, k] for k in "FBIW")
+            if f != 1 or not ((b, i, w) == (1, 0, 0) or (b, i, w) == (0, 1, 1)):
+                raise ValueError(
+                    f"{field}: stage {stage}, microbatch {mb}: {f} forward(s) (F), {b} whole backward(s) (B), {i} "
+                    f"input backward(s) (I) and {w} weight backward(s) (W); a stage runs each microbatch's forward "
+                    "once and its backward once, as B or as I and W"
+                )
 
 
 def split_layers(n_layers: int, n_stages: int, layers_per_stage: list[int] | None = None) -> list[range]:

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from engine import train
-from engine.config import parse_args
+from engine.config import ConfigError, parse_args
 from parallelize.mesh import ParallelDims
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -102,6 +102,11 @@ def test_schedule_csv_that_does_not_fit_the_layout_is_one_error_line(tmp_path, c
         # One schedule step runs every gradient-accumulation batch: the CSV must list all their microbatches.
         "accumulation": (looped, ["--training.local_batch_size", "4", "--training.global_batch_size", "8"],
                          "but the step has 8 (parallelism.pp_microbatches = 4 x 2 gradient accumulation batches)"),
+        # Each microbatch's backward, whole or as input and weight halves, once (torch asserted mid-build).
+        "no_backward": (looped.replace(",0B3", ""), [], "stage 0, microbatch 3: 1 forward(s) (F), 0 whole"),
+        "twice": (looped.replace("2F3,", "2F3,2F3,"), [], "stage 2, microbatch 3: 2 forward(s) (F)"),
+        "half_backward": (looped.replace("0B3", "0I3"), [], "0 whole backward(s) (B), 1 input backward(s) (I) and "
+                          "0 weight"),
     }
     for name, (text, extra, message) in cases.items():
         path = tmp_path / f"{name}.csv"
@@ -117,6 +122,22 @@ def test_schedule_csv_that_does_not_fit_the_layout_is_one_error_line(tmp_path, c
     train.check(["--parallelism.pp", "2", "--parallelism.pp_schedule", "Interleaved1F1B",
                  "--parallelism.pp_schedule_csv", os.path.join(ROOT, "tests", "data", "pp2_looped_bfs.csv"),
                  "--job.dump_folder", str(tmp_path / "good")])
+    # A CSV given with a single-stage schedule (1F1B, the default) places one stage on each rank.
+    train.check(["--parallelism.pp", "2", "--parallelism.pp_schedule_csv",
+                 os.path.join(ROOT, "tests", "data", "pp2_1f1b.csv"), "--job.dump_folder", str(tmp_path / "good")])
+
+
+def test_pipeline_microbatch_rules_count_every_accumulation_batch(tmp_path, monkeypatch):
+    """One schedule step runs pp_microbatches x accumulation microbatches: the rules on their number count
+    them all (they refused layouts that run, tests/test_parallel.py's pp2_DualPipeV_accum2)."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    accum2 = ["--training.local_batch_size", "4", "--training.global_batch_size", "8"]
+    for schedule, micro in (("DualPipeV", "2"), ("1F1B", "1"), ("Interleaved1F1B", "1")):
+        train.check(["--parallelism.pp", "2", "--parallelism.pp_schedule", schedule, "--parallelism.pp_microbatches",
+                     micro, *accum2, "--job.dump_folder", str(tmp_path / "run")])
+    with pytest.raises(ConfigError, match=r"^parallelism\.pp_microbatches: DualPipeV needs .* got 2 \(1 x 2 gradient"):
+        train.check(["--parallelism.pp", "2", "--parallelism.pp_schedule", "DualPipeV", "--parallelism.pp_microbatches",
+                     "1", *accum2, "--job.dump_folder", str(tmp_path / "run")])
 
 
 @pytest.mark.parametrize("world, argv, field", BAD_LAYOUTS, ids=[" ".join(b[1]) for b in BAD_LAYOUTS])
@@ -142,7 +163,7 @@ def test_mesh_views_on_fake_world():
     code = """
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
-from engine.config import parse_args
+from engine.config import ConfigError, parse_args
 from parallelize.mesh import ParallelDims
 dist.init_process_group("fake", store=FakeStore(), rank=5, world_size=8192)
 cfg = parse_args(["--parallelism.dp_replicate", "4", "--parallelism.tp", "8"])
@@ -168,7 +189,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.testing._internal.distributed.fake_pg import FakeStore
-from engine.config import parse_args
+from engine.config import ConfigError, parse_args
 from parallelize.mesh import ParallelDims
 
 records = []

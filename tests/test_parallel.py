@@ -58,6 +58,11 @@ LAYOUTS = {
         **_pipelines(2),
         "pp2_csv": _layout(8, "--parallelism.pp", "2", "--parallelism.pp_schedule", "Interleaved1F1B",
                            "--parallelism.pp_schedule_csv", "tests/data/pp2_looped_bfs.csv"),
+        # A CSV with 1F1B's placement (one stage per rank), and DualPipeV's 4 stages fed by 2 microbatches of
+        # each of 2 accumulation batches (one schedule step runs all 4).
+        "pp2_csv_1f1b": _layout(8, "--parallelism.pp", "2", "--parallelism.pp_schedule_csv", "tests/data/pp2_1f1b.csv"),
+        "pp2_DualPipeV_accum2": _layout(4, "--parallelism.pp", "2", "--parallelism.pp_schedule", "DualPipeV",
+                                        "--parallelism.pp_microbatches", "2", "--training.global_batch_size", "8"),
         "cp2": _layout(8, "--parallelism.cp", "2"),
         "cp2_alltoall_fused_loss": _layout(8, "--parallelism.cp", "2", "--parallelism.cp_rotate", "alltoall",
                                            "--training.loss_chunk_tokens", "100"),
