@@ -193,12 +193,19 @@ VALIDATE = ("[titan] 2026-11-22 10:00:01,000 - root - INFO - \x1b[33mvalidate st
             "\x1b[36mmemory: 70.00GiB(88.00%)  \x1b[34mtps: 99,999\x1b[39m\n")
 
 
-def test_compare_reference_reads_both_trainers(tmp_path):
+def _bench_module(name: str):
+    """A module of bench/ (a folder of scripts, not a package)."""
+    import importlib
+
     sys.path.insert(0, os.path.join(ROOT, "bench"))
     try:
-        import compare_reference
+        return importlib.import_module(name)
     finally:
         sys.path.pop(0)
+
+
+def test_compare_reference_reads_both_trainers(tmp_path):
+    compare_reference = _bench_module("compare_reference")
     anchor = tmp_path / "anchor"
     anchor.mkdir()
     log = "".join(ANCHOR_LOG.format(step=s, mem=40.0 + s / 10, tps=t)
@@ -227,11 +234,7 @@ def test_compare_reference_reads_both_trainers(tmp_path):
 
 def test_compare_reference_gives_no_ratio_for_a_run_that_stopped_early(tmp_path):
     """A run cut by the time budget (or out of memory) has medians over fewer windows: marked, no ratio."""
-    sys.path.insert(0, os.path.join(ROOT, "bench"))
-    try:
-        import compare_reference
-    finally:
-        sys.path.pop(0)
+    compare_reference = _bench_module("compare_reference")
     anchor = tmp_path / "anchor"
     anchor.mkdir()
     (anchor / "anchor_bf16_compile.log").write_text("".join(
