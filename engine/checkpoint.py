@@ -751,18 +751,20 @@ class Checkpointer:
                                   f"{shape}; was it saved for another flavor or vocabulary?")
 
     def _load_dataloader(self, info: CheckpointInfo) -> None:
-        """Every shard of this rank's loader from the file of the dp rank that held it when saved."""
+        """Every shard of this rank's loader from the file of the dp rank that held it when saved. On the same dp
+        degree, that rank's turn goes on; on another, the loader derives this rank's turn from its shards'
+        positions (ShardedDataLoader.load_state_dict)."""
         t = self.trainer
         num_shards, old_dp = int(info.train_state["num_shards"]), int(info.train_state["dp"])
         if num_shards != t.dataloader.num_shards:
             t.rebuild_dataloader(num_shards)  # raises naming data.num_shards when dp does not divide it
-        shards: dict[str, dict] = {}
-        turn = 0
+        state: dict = {"version": 1, "num_shards": num_shards, "shards": {}}
         for old_rank in sorted({s % old_dp for s in t.dataloader.shard_ids}):
             saved = read_json_object(os.path.join(info.folder, "dataloader", f"dp-{old_rank:05d}.json"), "checkpoint.folder")
-            shards.update(saved["shards"])
-            turn = saved.get("turn", 0)
-        t.dataloader.load_state_dict({"version": 1, "num_shards": num_shards, "turn": turn, "shards": shards})
+            state["shards"].update(saved["shards"])
+            if old_dp == t.dataloader.dp_world_size:  # the same shards, read in the same round robin
+                state["turn"] = saved.get("turn", 0)
+        t.dataloader.load_state_dict(state)
 
     # -- helpers -----------------------------------------------------------------------------------------------
     def _barrier(self) -> None:

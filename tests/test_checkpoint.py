@@ -371,6 +371,22 @@ def test_resume_fsdp4_checkpoint_on_other_layouts(tmp_path):
             assert got == expected, name  # the same samples: none repeated, none skipped
 
 
+def test_resume_on_one_rank_when_the_batch_is_not_a_multiple_of_the_shards_per_rank(tmp_path):
+    """4 data shards read 1 sample a step by each of 2 ranks (2 shards each), saved after step 1 with shards 0
+    and 1 a sample ahead of 2 and 3: resumed on one rank reading 2 samples a step, the run reads shards 2 and 3
+    next, as the uninterrupted run does, and gives its losses (it used to read 0 and 1 again)."""
+    args = ["--training.steps", "3", "--checkpoint.interval", "1", "--data.num_shards", "4", *FOR_LOOP]
+    saved = tmp_path / "dp2"
+    train(saved, *args, "--training.local_batch_size", "1", ngpu=2)
+    resumed = tmp_path / "dp1"
+    shutil.copytree(saved / "checkpoint" / "step-000001", resumed / "checkpoint" / "step-000001")
+    train(resumed, *args, "--training.local_batch_size", "2")
+    whole, again = metrics(saved), metrics(resumed)
+    assert sorted(again) == [2, 3]
+    for step in (2, 3):
+        assert again[step]["loss"] == pytest.approx(whole[step]["loss"], rel=1e-5), step
+
+
 # ------------------------------------------------------------------------------------------------------------
 # Async save
 # ------------------------------------------------------------------------------------------------------------

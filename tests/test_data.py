@@ -4,6 +4,7 @@ import collections
 import gzip
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -392,6 +393,59 @@ def test_resume_on_another_dp_degree_neither_repeats_nor_skips(tmp_path, tok, st
         build_dataloader(cfg, tok, 0, 8, num_shards=4)
 
 
+def _steps_by_rank(cfg, tok, dp, num_shards, steps, states=None):
+    """``steps`` steps of ``dp`` ranks' loaders (resumed from the saved ``states`` of any degree, gathered as
+    engine/checkpoint.py's _load_dataloader does): per step, each rank's samples in its order as (sample id,
+    tokens); and the ranks' states after them."""
+    loaders = [build_dataloader(cfg, tok, r, dp, num_shards=num_shards) for r in range(dp)]
+    if states is not None:
+        old_dp = len(states)
+        for loader in loaders:
+            state = {"version": 1, "num_shards": num_shards, "shards": {}}
+            for old_rank in sorted({s % old_dp for s in loader.shard_ids}):
+                state["shards"].update(states[old_rank]["shards"])
+                if old_dp == dp:
+                    state["turn"] = states[old_rank]["turn"]
+            loader.load_state_dict(json.loads(json.dumps(state)))
+    seen = []
+    for _ in range(steps):
+        batches = [next(loader) for loader in loaders]
+        seen.append([[(int(i), t.tolist()) for i, t in zip(b["sample_ids"], b["input_ids"])] for b in batches])
+    return seen, [loader.state_dict() for loader in loaders]
+
+
+@pytest.mark.parametrize("num_shards,dp_before,dp_after,global_batch", [
+    (4, 2, 1, 2),  # the user's case: 1 sample a step from 2 shards per rank, then 2 from 4
+    (4, 1, 2, 2),
+    (6, 3, 1, 3),
+    (6, 2, 1, 4),
+    (8, 4, 2, 4),
+    (8, 2, 4, 4),
+    (12, 2, 3, 6),
+])
+def test_resume_on_another_dp_degree_when_the_batch_is_not_a_multiple_of_the_shards_per_rank(
+        tmp_path, tok, num_shards, dp_before, dp_after, global_batch):
+    """A local batch that is not a multiple of a rank's shards leaves some shards a sample ahead of the others
+    at a save. Resumed on another degree, every rank goes on from the right shard: the next global batches are
+    exactly the uninterrupted run's on the new degree (each rank's samples, in order, with their tokens), so the
+    same samples as the run on the old degree would have read."""
+    path = write_jsonl(tmp_path / "d.jsonl", docs_of(48))
+    cfg = make_cfg(path, seq_len=8, batch=global_batch // dp_before, streaming=False)
+    after = 4  # steps after the save
+    whole_before, _ = _steps_by_rank(cfg, tok, dp_before, num_shards, 3 + after)
+    saved = {k: _steps_by_rank(cfg, tok, dp_before, num_shards, k)[1] for k in (1, 3)}  # saves after 1 and 3 steps
+    cfg.training.local_batch_size = global_batch // dp_after
+    whole_after, _ = _steps_by_rank(cfg, tok, dp_after, num_shards, 3 + after)
+    for k, states in saved.items():
+        if k == 1:  # some shards a sample ahead of others (after 3 steps too, but for (6, 2, 1, 4))
+            assert all(len({st["samples"] for st in state["shards"].values()}) == 2 for state in states)
+        resumed, _ = _steps_by_rank(cfg, tok, dp_after, num_shards, after, states)
+        assert resumed == whole_after[k:k + after], k
+        # The global batch of each step holds the same samples on either degree.
+        assert ([sorted(s for rank in step for s in rank) for step in resumed]
+                == [sorted(s for rank in step for s in rank) for step in whole_before[k:k + after]]), k
+
+
 # ------------------------------------------------------------------------------------------------------
 # Rank sharding
 # ------------------------------------------------------------------------------------------------------
@@ -500,6 +554,95 @@ def test_bad_data_inputs_name_the_field(tmp_path, tok):
     one = write_jsonl(tmp_path / "one.jsonl", docs_of(1))
     with pytest.raises(ConfigError, match=r"^data\.path: .*rank 1"):
         build_dataset(make_cfg(one, streaming=False), 1, 2)
+
+
+def test_a_bad_file_among_several_is_named(tmp_path, tok):
+    """An empty file, a parquet file that is not one (cut short) or has no rows, in a folder: one line naming the
+    file, found by the cheap checks (file sizes, parquet footers, the first file's first lines), whether streaming
+    or not. A folder whose files hold no records at all says so; a malformed record found by the full read names
+    its file."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    def fails(path, pattern, streaming=(True, False)):
+        for s in streaming:
+            cfg = make_cfg(path, streaming=s)
+            with pytest.raises(ConfigError, match=rf"^data\.path: {pattern}") as info:
+                check_data_config(cfg)
+                build_dataloader(cfg, tok, 0, 1)
+            assert "\n" not in str(info.value)
+
+    def folder(name, files):
+        """A folder of ``files`` (name -> writer); and its path as a regular expression."""
+        path = tmp_path / name
+        path.mkdir()
+        for file, write in files.items():
+            write(path / file)
+        return path, re.escape(str(path))
+
+    def good_jsonl(p):
+        write_jsonl(p, docs_of(4))
+
+    def empty(p):
+        p.write_bytes(b"")
+
+    def good_parquet(p):
+        write_parquet(p, docs_of(4))
+
+    def cut_parquet(p):
+        write_parquet(p, docs_of(4))
+        p.write_bytes(p.read_bytes()[:100])
+
+    def no_rows(p):
+        pq.write_table(pa.table({"text": pa.array([], pa.string())}), str(p))
+
+    def gz(text):
+        def write(p):
+            with gzip.open(p, "wt") as f:
+                f.write(text)
+        return write
+
+    path, rx = folder("two_empty", {"a.jsonl": empty, "b.jsonl": empty})
+    fails(path, rf"'{rx}/a\.jsonl' is empty; remove it from '{rx}'$")
+    path, rx = folder("one_empty", {"a.jsonl": good_jsonl, "b.jsonl": empty})
+    fails(path, rf"'{rx}/b\.jsonl' is empty; remove it from '{rx}'$")
+    path, rx = folder("cut", {"a.parquet": good_parquet, "b.parquet": cut_parquet})
+    fails(path, rf"'{rx}/b\.parquet' is not a valid parquet file \(ArrowInvalid: .*magic bytes.*\); remove it from")
+    path, rx = folder("no_rows", {"a.parquet": good_parquet, "b.parquet": no_rows})
+    fails(path, rf"'{rx}/b\.parquet' has no documents \(0 rows\); remove it from '{rx}'$")
+    path, rx = folder("one_file", {"no_rows.parquet": no_rows})
+    fails(path / "no_rows.parquet", rf"'{rx}/no_rows\.parquet' has no documents \(0 rows\)$")
+
+    # More than 0 bytes but no records: blank lines, an empty compressed file (in the first file, whose records
+    # give the json reader its columns: it failed to cast the next files'), or every file an empty JSON array.
+    path, rx = folder("blank_first", {"a.jsonl": lambda p: p.write_text("\n\n  \n"), "b.jsonl": good_jsonl})
+    fails(path, rf"'{rx}/a\.jsonl' has no documents \(nothing but blank lines\); remove it from '{rx}'$")
+    path, rx = folder("gz", {"a.jsonl.gz": gz(""), "b.jsonl.gz": gz(json.dumps({"text": "a document"}) + "\n")})
+    fails(path, rf"'{rx}/a\.jsonl\.gz' has no documents \(nothing but blank lines\); remove it from '{rx}'$")
+    path, rx = folder("arrays", {"a.json": lambda p: p.write_text("[]"), "b.json": lambda p: p.write_text("[]\n")})
+    fails(path, rf"'{rx}' \(2 json files\) has no documents$")
+    # A malformed record in the second file: the full read's error names that file.
+    path, rx = folder("bad_record", {"a.jsonl": good_jsonl,
+                                     "b.jsonl": lambda p: p.write_text('{"text": "fine"}\n{"text": broken\n')})
+    fails(path, rf"cannot load .*: Failed to load JSON from file '{rx}/b\.jsonl' with error ArrowInvalid: ",
+          streaming=[False])
+
+
+def test_too_many_data_shards_for_the_data_name_data_num_shards(tmp_path, tok):
+    """20 documents split into 64 shards by data.num_shards: the error names data.num_shards and speaks of shards;
+    split by 64 data-parallel ranks, it names data.path and speaks of ranks."""
+    path = write_jsonl(tmp_path / "d.jsonl", docs_of(20))
+    with pytest.raises(ConfigError, match=r"^data\.num_shards: .* has 20 documents, too few for 64 data shards "
+                                          r"\(shards 20 to 63 would get none\); set data\.num_shards to 20 or fewer"):
+        build_dataloader(make_cfg(path, streaming=False, num_shards=64), tok, 0, 1)
+    with pytest.raises(ConfigError, match=r"^data\.num_shards: .* has no documents for data shard 20 of 64; set "
+                                          r"data\.num_shards lower"):
+        build_dataloader(make_cfg(path, streaming=True, num_shards=64), tok, 0, 1)
+    with pytest.raises(ConfigError, match=r"^data\.path: .* has 20 documents, too few for 64 data-parallel ranks "
+                                          r"\(ranks 20 to 63 would get none\)"):
+        build_dataloader(make_cfg(path, streaming=False), tok, 0, 64)
+    with pytest.raises(ConfigError, match=r"^data\.path: .* has no documents for data-parallel rank 20 of 64$"):
+        build_dataloader(make_cfg(path, streaming=True), tok, 20, 64)
 
 
 def test_bad_validation_data_names_the_validation_field(tmp_path, tok):

@@ -26,9 +26,9 @@ else every world_size-th document.
 The validation data (``validation.*``) goes through the same functions: ``validation_data(cfg)`` gives the
 config to read it with and the fields its errors name (``DataFields``).
 
-``check_data_config(cfg)`` runs every check that needs no data loaded (files exist, extension known,
-split name, the text column of the first record, tokenizer file), for the training data and, when
-validation.enable, the validation data; ``build_dataset`` loads.
+``check_data_config(cfg)`` runs every check that needs no data loaded (files exist, extension known, none
+empty, parquet footers with rows, split name, the text column of the first record, tokenizer file), for the
+training data and, when validation.enable, the validation data; ``build_dataset`` loads.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ import json
 import logging
 import lzma
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -204,19 +205,17 @@ def _first_record_columns(source: DataSource) -> list[str] | None:
     if source.builder == "text":
         return ["text"]
     path = source.files[0]
-    if source.builder == "parquet":
+    if source.builder == "parquet":  # (_check_files has read its footer)
         import pyarrow.parquet as pq
 
-        try:
-            return list(pq.read_schema(path).names)
-        except Exception as e:
-            raise ConfigError(f"{source.field}: '{path}' is not a readable parquet file ({' '.join(str(e).split())})") from None
+        return list(pq.read_schema(path).names)
     try:
         with _open_text(path) as f:
             for _ in range(1000):  # skip leading blank lines, but never scan a whole file
                 line = f.readline(1 << 20)
-                if not line:
-                    return None
+                if not line:  # (the json reader takes its columns from this file: it would find none)
+                    remove = f"; remove it from '{source.name}'" if len(source.files) > 1 else ""
+                    raise ConfigError(f"{source.field}: '{path}' has no documents (nothing but blank lines){remove}")
                 if line.strip():
                     break
             else:
@@ -236,6 +235,26 @@ def _missing_field_error(text_field: str, columns, source: DataSource) -> Config
                        f"found: {found}")
 
 
+def _check_files(source: DataSource) -> None:
+    """Every file of a local source holds something: not 0 bytes, and a parquet file has a readable footer with
+    rows (its metadata only; nothing else is read). The error names the file."""
+    import pyarrow.parquet as pq
+
+    remove = f"; remove it from '{source.name}'" if len(source.files) > 1 else ""
+    for path in source.files:
+        if os.path.getsize(path) == 0:
+            raise ConfigError(f"{source.field}: '{path}' is empty{remove}")
+        if source.builder == "parquet":
+            try:
+                rows = pq.read_metadata(path).num_rows
+            except Exception as e:
+                raise ConfigError(
+                    f"{source.field}: '{path}' is not a valid parquet file ({one_line(e)}){remove}"
+                ) from None
+            if rows == 0:
+                raise ConfigError(f"{source.field}: '{path}' has no documents (0 rows){remove}")
+
+
 def check_dataset_config(cfg: Config, fields: DataFields = TRAINING_FIELDS) -> DataSource:
     """The data checks that need no data loaded (no tokenizer check); returns the resolved source, whose errors
     name ``fields``."""
@@ -244,8 +263,7 @@ def check_dataset_config(cfg: Config, fields: DataFields = TRAINING_FIELDS) -> D
     source = resolve_source(cfg, fields)
     _check_split(cfg, source)
     if source.kind != "hub":
-        if len(source.files) == 1 and os.path.getsize(source.files[0]) == 0:
-            raise ConfigError(f"{source.field}: '{source.files[0]}' is empty")
+        _check_files(source)
         columns = _first_record_columns(source)
         if columns is not None and cfg.data.text_field not in columns:
             raise _missing_field_error(cfg.data.text_field, columns, source)
@@ -278,10 +296,16 @@ def _datasets_quiet():
     bars_were_on = datasets.is_progress_bar_enabled()
     for logger in loggers:
         logger.setLevel(logging.CRITICAL)
+    # The file readers' error line (it names the file) still reaches capture_reader_errors' holder, not the screen.
+    readers = logging.getLogger("datasets.packaged_modules")
+    readers_level = readers.level
+    capture_reader_errors().pop()
+    readers.setLevel(logging.ERROR)
     datasets.disable_progress_bars()
     try:
         yield
     finally:
+        readers.setLevel(readers_level)
         for logger, level in zip(loggers, levels):
             logger.setLevel(level)
         if bars_were_on:
@@ -339,6 +363,12 @@ def one_line_text(text: str, limit: int = 300) -> str:
     return text[: limit - 3] + "..." if len(text) > limit else text
 
 
+def reader_error_text(text: str) -> str:
+    """A file reader's error line (capture_reader_errors) on one line, "<class 'pyarrow.lib.ArrowInvalid'>" as
+    "ArrowInvalid"."""
+    return one_line_text(re.sub(r"<class '(?:\w+\.)*(\w+)'>", r"\1", text))
+
+
 def load_full_dataset(cfg: Config, source: DataSource | None = None):
     """The whole dataset (every rank's documents): a ``datasets.Dataset`` or ``IterableDataset``."""
     import datasets
@@ -360,11 +390,22 @@ def load_full_dataset(cfg: Config, source: DataSource | None = None):
         what = f"'{d.dataset}'" + (f" (config '{d.dataset_config}')" if d.dataset_config else "")
         if source.kind != "hub":
             what = source.describe()
+            if _no_data(e):  # every file empty (compressed or blank lines: more than 0 bytes)
+                raise ConfigError(f"{source.field}: {what} has no documents") from None
         advice = ""
         if source.kind == "hub" and isinstance(e, ConnectionError):  # no network here (a compute node), or offline
             advice = (f"; without network here, download its files where there is (hf download --repo-type dataset "
                       f"{d.dataset} --local-dir DIR) and give them with {source.fields.path}")
-        raise ConfigError(f"{source.field}: cannot load {what}: {one_line(e)}{advice}") from None
+        detail = reader_error_text(capture_reader_errors().pop()) or one_line(e)  # the reader's line names the file
+        raise ConfigError(f"{source.field}: cannot load {what}: {detail}{advice}") from None
+
+
+def _no_data(e: BaseException) -> bool:
+    """Whether ``datasets.load_dataset`` failed because its files hold no records at all: the json builder's
+    feature inference finds no first record (a StopIteration), or the split comes out empty."""
+    while e.__cause__ is not None and type(e).__name__ == "DatasetGenerationError":
+        e = e.__cause__
+    return isinstance(e, StopIteration) or "corresponds to no data" in str(e)
 
 
 class DatasetShard(NamedTuple):
@@ -413,9 +454,18 @@ def build_dataset_shard(cfg: Config, dp_rank: int = 0, dp_world_size: int = 1,
     if isinstance(full, datasets.Dataset) and len(full) == 0:
         raise ConfigError(f"{source.field}: {source.describe()} has no documents")
     if isinstance(full, datasets.Dataset) and len(full) < dp_world_size:
+        n, last = len(full), dp_world_size - 1
+        unit = "shard" if cfg.data.num_shards > 0 else "rank"
+        none = f"{unit} {n}" if n == last else f"{unit}s {n} to {last}"
+        if cfg.data.num_shards > 0:
+            raise ConfigError(
+                f"data.num_shards: {source.describe()} has {n} documents, too few for {dp_world_size} data shards "
+                f"({none} would get none); set data.num_shards to {n} or fewer (a multiple of the data-parallel "
+                "degree), or give more documents"
+            )
         raise ConfigError(
-            f"{source.field}: {source.describe()} has {len(full)} documents, too few for "
-            f"{dp_world_size} data-parallel ranks (rank {dp_rank} would get none)"
+            f"{source.field}: {source.describe()} has {n} documents, too few for {dp_world_size} data-parallel "
+            f"ranks ({none} would get none); give more documents, or train on fewer data-parallel ranks"
         )
     ds = split_dataset_by_node(full, rank=dp_rank, world_size=dp_world_size) if dp_world_size > 1 else full
     if isinstance(ds, datasets.Dataset):
@@ -427,13 +477,25 @@ def build_dataset_shard(cfg: Config, dp_rank: int = 0, dp_world_size: int = 1,
     except ConfigError:
         raise
     except Exception as e:
-        raise ConfigError(f"{source.field}: cannot read {source.describe()}: {one_line(e)}") from None
+        detail = reader_error_text(capture_reader_errors().pop()) or one_line(e)  # the reader's line names the file
+        raise ConfigError(f"{source.field}: cannot read {source.describe()}: {detail}") from None
     if first is None:
-        extra = "" if dp_world_size == 1 else f" for data-parallel rank {dp_rank} of {dp_world_size}"
-        raise ConfigError(f"{source.field}: {source.describe()} has no documents{extra}")
+        raise ConfigError(no_documents_message(cfg, source, dp_rank, dp_world_size))
     if text_field not in first:
         raise _missing_field_error(text_field, list(first), source)
     return DatasetShard(ds, full.n_shards)
+
+
+def no_documents_message(cfg: Config, source: DataSource, shard: int, num_shards: int,
+                         documents: str = "documents") -> str:
+    """The error for data shard ``shard`` of ``num_shards`` finding no ``documents``: it names data.num_shards
+    when that setting made the split (else the shards are the data-parallel ranks, and the data's field)."""
+    if num_shards == 1:
+        return f"{source.field}: {source.describe()} has no {documents}"
+    if cfg.data.num_shards > 0:
+        return (f"data.num_shards: {source.describe()} has no {documents} for data shard {shard} of {num_shards}; "
+                "set data.num_shards lower, or give more documents")
+    return f"{source.field}: {source.describe()} has no {documents} for data-parallel rank {shard} of {num_shards}"
 
 
 def document_text(example: dict, text_field: str, source_field: str = "data.text_field") -> str | None:

@@ -31,7 +31,8 @@ import torch
 
 from engine.config import Config, ConfigError, check_shard_split
 from engine.data.datasets import (TRAINING_FIELDS, DataError, DataFields, build_dataset_shard, capture_reader_errors,
-                                  document_text, one_line, one_line_text, resolve_source, split_note)
+                                  document_text, no_documents_message, one_line, reader_error_text, resolve_source,
+                                  split_note)
 
 STATE_VERSION = 1
 READ_AHEAD = 64  # records read and tokenized together
@@ -121,6 +122,7 @@ class DataLoader:
             ds.load_state_dict(copy.deepcopy(ds_state) if ds_state is not None else None)
             before = ds_state
             reader_errors = capture_reader_errors()
+            reader_errors.pop()  # (nothing left from an earlier read)
             records = iter(ds)
             while True:
                 try:
@@ -128,7 +130,7 @@ class DataLoader:
                 except StopIteration:
                     break
                 except Exception as e:  # a malformed record beyond what the start-up checks read
-                    detail = one_line_text(reader_errors.pop()) or one_line(e)  # the reader's line names the file
+                    detail = reader_error_text(reader_errors.pop()) or one_line(e)  # the reader's line names the file
                     raise DataError(
                         f"{self.source.field}: cannot read {self.source.describe()} past record {index} of shard "
                         f"{self.dp_rank} of {self.dp_world_size} (epoch {epoch}): {detail}; fix or remove the "
@@ -179,10 +181,9 @@ class DataLoader:
                 if record is None:
                     break
             if whole_epoch and not yielded:  # (an epoch after the first: the data changed under the run)
-                raise (ConfigError if at_start else DataError)(
-                    f"{self.source.field}: {self.source.describe()} has no non-empty '{self.text_field}' "
-                    f"documents for data-parallel rank {self.dp_rank} of {self.dp_world_size}"
-                )
+                raise (ConfigError if at_start else DataError)(no_documents_message(
+                    self.cfg, self.source, self.dp_rank, self.dp_world_size,
+                    f"non-empty '{self.text_field}' documents"))
             epoch, index, ds_state = epoch + 1, 0, None
 
     def _current_doc(self) -> _Doc:
@@ -329,8 +330,17 @@ class ShardedDataLoader:
     the same samples whatever the degree, and a sample is never read twice or skipped. Batches carry
     ``sample_ids`` (shard * 2**36 + index in the shard) to prove it.
 
+    Why the degree does not matter: number the samples of a run in reading order over all shards, 0, 1, 2, ...,
+    sample i coming from shard i % num_shards. Rank r holds the shards s with s % dp == r, so it reads exactly
+    the samples i with i % dp == r, in that order (its round robin over its shards); every rank reading as many
+    samples a step, the global batch of a step is the next G samples of that order (G = dp x local_batch_size x
+    gradient-accumulation batches), on any degree. After P samples in all, shard s has read P // num_shards
+    samples, plus one when s < P % num_shards; a rank's next shard is then its first shard that has read the
+    fewest, whatever the degree the first P were read on.
+
     ``state_dict()`` is JSON data: every shard's position. ``load_state_dict`` takes the positions of this
-    rank's shards, wherever they were saved (engine/checkpoint.py gathers them).
+    rank's shards, wherever they were saved (engine/checkpoint.py gathers them); saved on another degree, the
+    rank's turn comes from those positions (``_turn_from_positions``).
     """
 
     def __init__(self, cfg: Config, tokenizer, dp_rank: int, dp_world_size: int, num_shards: int = -1,
@@ -402,7 +412,17 @@ class ShardedDataLoader:
         for s in self.shard_ids:
             self.shards[s].load_state_dict(shards[str(s)])
         same_layout = sorted(int(s) for s in shards) == self.shard_ids
-        self.turn = int(state.get("turn", 0)) % len(self.shard_ids) if same_layout else 0
+        if same_layout and "turn" in state:
+            self.turn = int(state["turn"]) % len(self.shard_ids)
+        else:  # saved on another dp degree: its turn was over other shards
+            self.turn = self._turn_from_positions()
+
+    def _turn_from_positions(self) -> int:
+        """The position in shard_ids of this rank's first shard that has read the fewest samples: the shard the
+        uninterrupted run reads next (see the class docstring), so the global batches go on exactly as they
+        would have. (0 when all have read as many.)"""
+        counts = [self.shards[s].samples_produced for s in self.shard_ids]
+        return counts.index(min(counts))
 
 
 def build_dataloader(cfg: Config, tokenizer, dp_rank: int = 0, dp_world_size: int = 1,
