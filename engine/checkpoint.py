@@ -450,6 +450,13 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(_decode_tensor(state["cuda"]))
 
 
+def async_save_group(async_mode: str):
+    """The process group an async save's background writer uses: a gloo group of every rank when the run has a
+    process group (a world of one included: on CUDA its default group is NCCL's alone, which DCP's async save
+    refuses), None when it has none (DCP then saves without collectives) or saves are synchronous."""
+    return dist.new_group(backend="gloo") if dist.is_initialized() and async_mode != "disabled" else None
+
+
 class Checkpointer:
     """Saves and loads one run's training state. Every rank calls every method (they are collective)."""
 
@@ -465,9 +472,11 @@ class Checkpointer:
         # Saves, loads, votes and barriers run on the default process group, from the training thread, at the
         # same points on every rank. Only an async save's background writer needs a group of its own (gloo:
         # its collectives run beside the training's), as torchtitan's: a gloo group connects every pair of
-        # ranks at creation, which takes long at thousands of ranks.
+        # ranks at creation, which takes long at thousands of ranks. A world of one rank needs it too when it has
+        # a process group (fsdp_single_rank): DCP's async save refuses a default group without a CPU backend, as
+        # NCCL's is.
         self.distributed = dist.is_initialized() and self.world_size > 1
-        self.pg = dist.new_group(backend="gloo") if self.distributed and self.async_mode != "disabled" else None
+        self.pg = async_save_group(self.async_mode)
         self.stop_vote = _Vote(trainer.world.device) if self.distributed else None
         self.commit_vote = _Vote(trainer.world.device) if self.distributed else None
         self.stager = None

@@ -222,7 +222,7 @@ class Trainer:
             dump(cfg, cfg.job.dump_folder)
             if cfg.job.print_config:
                 print(to_toml(cfg), flush=True)
-        if cfg.comm.trace_buf_size > 0 and dist.is_initialized() and dist.get_backend() == "nccl":
+        if cfg.comm.trace_buf_size > 0 and dist.is_initialized() and "nccl" in dist.get_backend():  # cuda:nccl,cpu:gloo
             os.makedirs(os.path.dirname(comm_trace_prefix(cfg.job.dump_folder)), exist_ok=True)
 
         # Pipeline stages (this rank's parts of the model), then each part's parallel plan, then materialize
@@ -400,6 +400,9 @@ class Trainer:
         fault_point(self.step, "sigterm")  # tests: a preemption signal arriving mid-step
         grad_norm = clip_grad_norm_(self.model.parameters(), self.cfg.training.max_norm, self.dims.group("pp")
                                     if self.dims.pp_enabled else None)
+        # On this rank's device, as the loss: under FSDP's CPU offload the gradients, so their norm, are in host
+        # memory, and the log step stacks the two.
+        grad_norm = grad_norm.to(self.device, non_blocking=True)
         if after_clip is not None:
             after_clip()
         self.optimizer.step()

@@ -410,6 +410,28 @@ def test_async_save_writes_the_same_contents_while_training_goes_on(reference, t
     assert curve(tmp_path, range(1, 21)) == curve(reference, range(1, 21))
 
 
+ASYNC_ON_ONE_CUDA_RANK = """
+import sys, torch, torch.distributed as dist, torch.distributed.checkpoint as dcp
+from engine.checkpoint import async_save_group
+dist.init_process_group("cuda:gloo", store=dist.HashStore(), rank=0, world_size=1)
+future = dcp.async_save({"w": torch.arange(4.0)}, storage_writer=dcp.FileSystemWriter(sys.argv[1]),
+                        process_group=async_save_group("async"))
+future.result()
+print("saved")
+"""
+
+
+def test_async_save_on_one_rank_with_a_process_group_has_a_cpu_backend(tmp_path):
+    """fsdp_single_rank on one GPU makes a process group of one whose only backend is NCCL; DCP's async save
+    refuses such a default group ("A CPU backend must be enabled"), so the checkpointer gives the writer a gloo
+    group on one rank too. A one-rank group with CUDA's backend alone (gloo under CUDA's name: NCCL cannot
+    start here) stands in for NCCL's."""
+    run = subprocess.run([sys.executable, "-c", ASYNC_ON_ONE_CUDA_RANK, str(tmp_path / "step")], cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and "saved" in run.stdout, run.stderr[-2000:]
+    assert (tmp_path / "step" / ".metadata").exists()
+
+
 def test_async_save_on_two_ranks_commits_once_every_rank_has_written(tmp_path):
     """Two ranks vote at each step boundary (during the next step) on whether both have finished writing; the
     commit follows, with the same contents as a synchronous save, and a SIGTERM stop commits the pending save
