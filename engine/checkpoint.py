@@ -596,7 +596,7 @@ class Checkpointer:
             how = f"in the background over {overlapped} training steps, " if overlapped else ""
             self._log(f"checkpoint: step {step} committed ({'model only, ' if model_only else ''}{size:.1f} MiB "
                       f"written {how}in {seconds:.2f}s) -> {folder}")
-            if not model_only:
+            if not self.cfg.checkpoint.create_seed_checkpoint:  # a last save of the model only commits the run too
                 self._set_aside_later_steps(step)
             self._retention()
         self._barrier()

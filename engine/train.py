@@ -71,16 +71,22 @@ def finished_already(cfg, world, info) -> bool:
     """Whether the run to resume (from ``info``, find_resume_point's answer) has reached training.steps already:
     then say so, write the last_save_hf folder if it is missing, and build nothing (no model, no checkpoint load;
     the run's config.toml and metrics stay as they are)."""
-    from engine.checkpoint import export_last_hf
+    from engine.checkpoint import checkpoint_root, export_last_hf, list_steps
     from engine.data.tokenizer import tokenizer_path
 
-    if cfg.checkpoint.create_seed_checkpoint or info is None or info.step < cfg.training.steps:
+    c = cfg.checkpoint
+    if c.create_seed_checkpoint or not c.enable or c.load_step == 0:
+        return False
+    step = info.step if info is not None else 0
+    if c.load_step < 0:  # the newest: a last save of the model only (last_save_model_only) ends a run too
+        step = max([step] + [s for s, _, complete in list_steps(checkpoint_root(cfg)) if complete])
+    if step < cfg.training.steps:
         return False
     if world.logs:
-        print(f"resumed at step {info.step}: training.steps = {cfg.training.steps} is reached, nothing to train "
+        print(f"resumed at step {step}: training.steps = {cfg.training.steps} is reached, nothing to train "
               "(raise training.steps to train on)", flush=True)
-    if cfg.checkpoint.last_save_hf and info.step == cfg.training.steps:
-        export_last_hf(cfg, info.step, tokenizer_path(cfg)[0], world.rank, world.world_size)
+    if c.last_save_hf and step == cfg.training.steps:
+        export_last_hf(cfg, step, tokenizer_path(cfg)[0], world.rank, world.world_size)
     return True
 
 

@@ -256,8 +256,21 @@ def test_rollback_and_retention_keep_the_run_resumable(tmp_path):
             "--checkpoint.last_save_model_only"]
     train(other, *args)
     assert [(s, ok) for s, _, ok in list_steps(str(other / "checkpoint"))] == [(2, True), (4, True)]
+    # Started again, the run ends at once: its last save (of the model only) is at training.steps.
+    records = (other / "metrics.jsonl").read_text()
+    again = train(other, *args)
+    assert "resumed at step 4: training.steps = 4 is reached, nothing to train" in again.stdout, again.stdout
+    assert sorted(os.listdir(other / "checkpoint")) == ["step-000002", "step-000004"]
+    assert (other / "metrics.jsonl").read_text() == records
     longer = train(other, *args[:-1], "--training.steps", "6")
     assert "resumed from step 2" in longer.stdout
+
+    # Back to step 2 with a last save of the model only at step 3: that commit sets the old step 4 aside too.
+    back = tmp_path / "back"
+    train(back, "--training.steps", "4", "--checkpoint.interval", "2")
+    train(back, "--training.steps", "3", "--checkpoint.interval", "2", "--checkpoint.load_step", "2",
+          "--checkpoint.last_save_model_only")
+    assert sorted(os.listdir(back / "checkpoint")) == ["step-000002", "step-000003", "step-000004.abandoned"]
 
 
 def test_resume_takes_the_new_peak_lr_and_schedule_length(tmp_path):
