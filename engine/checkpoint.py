@@ -549,7 +549,7 @@ class Checkpointer:
         self._write_small_files(folder, step, model_only, dtype)
         _fault(step, "small_files")
         use_async = self.async_mode != "disabled" and not force_sync and not model_only
-        writer = _FaultyWriter(folder, step) if os.environ.get("TESSERA_FAULT_AT") else FileSystemWriter(folder)
+        writer = step_writer(folder, step, background=use_async)
         if use_async:
             future = dcp.async_save(state, storage_writer=writer, process_group=self.pg,
                                     async_stager=self.stager) if self.stager is not None else \
@@ -830,11 +830,22 @@ class _Vote:
         return int(flag.item())
 
 
+def step_writer(folder: str, step: int, background: bool) -> FileSystemWriter:
+    """DCP's writer of a step folder. A ``background`` (async) save's writer copies nothing ahead from the GPU: the
+    state is staged in host memory already, and DCP's copy-ahead loader, on a machine with CUDA, would take the
+    writer thread's current CUDA device, which is GPU 0 whatever this rank's (a thread's device is its own): every
+    rank of a node would open a CUDA context on GPU 0 and synchronize its stream there."""
+    copy_ahead = {"per_thread_copy_ahead": 0} if background else {}
+    if os.environ.get("TESSERA_FAULT_AT"):
+        return _FaultyWriter(folder, step, **copy_ahead)
+    return FileSystemWriter(folder, **copy_ahead)
+
+
 class _FaultyWriter(FileSystemWriter):
     """FileSystemWriter with fault-injection points inside DCP's write (tests only)."""
 
-    def __init__(self, path: str, step: int):
-        super().__init__(path)
+    def __init__(self, path: str, step: int, **kwargs):
+        super().__init__(path, **kwargs)
         self._step = step
 
     def write_data(self, plan, planner):

@@ -445,6 +445,27 @@ def test_async_save_on_one_rank_with_a_process_group_has_a_cpu_backend(tmp_path)
     assert (tmp_path / "step" / ".metadata").exists()
 
 
+BACKGROUND_WRITER_ON_CUDA = """
+import sys, torch, torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.staging import BlockingAsyncStager
+from engine.checkpoint import step_writer
+torch.cuda.is_available = lambda: True  # DCP's writer takes its CUDA branch, which this build cannot run
+writer = step_writer(sys.argv[1], 1, background=True)
+dcp.async_save({"w": torch.arange(4.0)}, storage_writer=writer, async_stager=BlockingAsyncStager(),
+               no_dist=True).result()
+print("saved")
+"""
+
+
+def test_a_background_save_writes_without_touching_the_gpu(tmp_path):
+    """An async save's writer thread copies nothing ahead from the GPU: DCP's copy-ahead loader would use the
+    thread's CUDA device (GPU 0 on every rank of a node). With a stager of its own (async_with_pinned_mem), DCP
+    keeps the writer's copy-ahead setting; on a machine that says it has CUDA the write must not call into it."""
+    run = subprocess.run([sys.executable, "-c", BACKGROUND_WRITER_ON_CUDA, str(tmp_path / "step")], cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and "saved" in run.stdout, run.stderr[-2000:]
+
+
 def test_async_save_on_two_ranks_commits_once_every_rank_has_written(tmp_path):
     """Two ranks vote at each step boundary (during the next step) on whether both have finished writing; the
     commit follows, with the same contents as a synchronous save, and a SIGTERM stop commits the pending save
