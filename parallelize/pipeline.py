@@ -262,17 +262,24 @@ def _send(x: torch.Tensor, dst: int, group) -> None:
     assert x.ndim <= _HEADER - 2, x.shape
     header = torch.tensor([x.ndim, _DTYPES.index(x.dtype), *x.shape] + [0] * (_HEADER - 2 - x.ndim),
                           dtype=torch.int64, device=x.device)
-    dist.send(header, group_dst=dst, group=group)
-    dist.send(x.contiguous(), group_dst=dst, group=group)
+    _p2p(dist.isend, header, dst, group)
+    _p2p(dist.isend, x.contiguous(), dst, group)
 
 
 def _recv(src: int, group, device) -> torch.Tensor:
     header = torch.empty(_HEADER, dtype=torch.int64, device=device)
-    dist.recv(header, group_src=src, group=group)
+    _p2p(dist.irecv, header, src, group)
     ndim, dtype = int(header[0]), _DTYPES[int(header[1])]
     x = torch.empty([int(n) for n in header[2 : 2 + ndim]], dtype=dtype, device=device)
-    dist.recv(x, group_src=src, group=group)
+    _p2p(dist.irecv, x, src, group)
     return x
+
+
+def _p2p(op, x: torch.Tensor, peer: int, group) -> None:
+    """One send or receive with ``peer`` (its rank in ``group``), batched as the schedules' are: on NCCL a batch
+    runs on the group's communicator, while a plain send/recv creates a communicator for each pair of ranks."""
+    for work in dist.batch_isend_irecv([dist.P2POp(op, x, group=group, group_peer=peer)]):
+        work.wait()
 
 
 @torch.no_grad()
