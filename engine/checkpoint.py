@@ -34,8 +34,10 @@ import re
 import shutil
 import signal
 import time
+import threading
 import warnings
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, Callable, Optional
 
 import numpy as np
@@ -54,7 +56,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from engine.config import Config, ConfigError, check_shard_split, read_json_object
-from engine.distributed import log_ranks
+from engine.distributed import keep_own_timeout, log_ranks, longer_collective_timeout
 from engine.hf import EXPORT_DTYPES
 from engine.optim import load_lr_scheduler_state
 
@@ -62,6 +64,7 @@ COMMIT_FILE = "COMMITTED.json"
 TRAIN_STATE_FILE = "train_state.json"
 FORMAT_VERSION = 1
 _STEP_DIR = re.compile(r"^step-(\d+)$")
+_REMOVING_DIR = re.compile(r"^step-(\d+)\.removing(\.\d+)?$")  # let go by keep_latest_k; deleted in the background
 _HF_DIR = re.compile(r"^step-(\d+)-hf$")
 # DCP warns on every single-process save and load, even when asked for one (no_dist=True): a one-process run
 # means it, so the warning would only clutter the console at every checkpoint.
@@ -450,11 +453,17 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(_decode_tensor(state["cuda"]))
 
 
-def async_save_group(async_mode: str):
+def async_save_group(async_mode: str, timeout_seconds: float = 1800):
     """The process group an async save's background writer uses: a gloo group of every rank when the run has a
     process group (a world of one included: on CUDA its default group is NCCL's alone, which DCP's async save
-    refuses), None when it has none (DCP then saves without collectives) or saves are synchronous."""
-    return dist.new_group(backend="gloo") if dist.is_initialized() and async_mode != "disabled" else None
+    refuses), None when it has none (DCP then saves without collectives) or saves are synchronous. Its
+    collectives wait for every rank's writes: they keep ``timeout_seconds`` (comm.checkpoint_timeout_seconds),
+    not the training's timeout."""
+    if not dist.is_initialized() or async_mode == "disabled":
+        return None
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_seconds))
+    keep_own_timeout(group)
+    return group
 
 
 class Checkpointer:
@@ -476,7 +485,7 @@ class Checkpointer:
         # a process group (fsdp_single_rank): DCP's async save refuses a default group without a CPU backend, as
         # NCCL's is.
         self.distributed = dist.is_initialized() and self.world_size > 1
-        self.pg = async_save_group(self.async_mode)
+        self.pg = async_save_group(self.async_mode, cfg.comm.checkpoint_timeout_seconds)
         self.stop_vote = _Vote(trainer.world.device) if self.distributed else None
         self.commit_vote = _Vote(trainer.world.device) if self.distributed else None
         self.stager = None
@@ -486,6 +495,7 @@ class Checkpointer:
             self.stager = DefaultStager(StagingOptions(use_pinned_memory=True, use_shared_memory=False,
                                                        use_async_staging=False, use_non_blocking_copy=True))
         self.pending: Optional[dict] = None  # an async save being written: step, future, start time, steps
+        self._purge_thread: Optional[threading.Thread] = None  # deleting checkpoints that keep_latest_k let go
         self.preempted = False
 
     # -- state dicts -------------------------------------------------------------------------------------------
@@ -523,7 +533,12 @@ class Checkpointer:
 
     def save(self, step: int, model_only: bool = False, force_sync: bool = False, dtype: str = "") -> None:
         """Save the state after ``step`` optimizer steps (collective). ``model_only``: the weights alone, in
-        ``dtype`` (default checkpoint.export_dtype)."""
+        ``dtype`` (default checkpoint.export_dtype). Its collectives wait for every rank's writes: they take
+        comm.checkpoint_timeout_seconds."""
+        with longer_collective_timeout(self.cfg.comm.checkpoint_timeout_seconds):
+            self._save(step, model_only, force_sync, dtype)
+
+    def _save(self, step: int, model_only: bool, force_sync: bool, dtype: str) -> None:
         dtype = dtype or self.cfg.checkpoint.export_dtype
         self.wait()  # one save at a time
         folder = step_folder(self.root, step)
@@ -588,6 +603,10 @@ class Checkpointer:
 
     def _commit(self, step: int, folder: str, seconds: float, model_only: bool, overlapped: int = 0) -> None:
         """Every rank has written everything: rank 0 writes the marker listing every file, then retention."""
+        with longer_collective_timeout(self.cfg.comm.checkpoint_timeout_seconds):  # the ranks wait for rank 0
+            self._commit_files(step, folder, seconds, model_only, overlapped)
+
+    def _commit_files(self, step: int, folder: str, seconds: float, model_only: bool, overlapped: int) -> None:
         self._barrier()
         if self.is_main:
             _fault(step, "before_commit")
@@ -624,8 +643,26 @@ class Checkpointer:
         if k <= 0:
             return
         full = [(s, f) for s, f, ok in list_steps(self.root) if ok and not _is_model_only(f)]
-        for step, folder in full[:-k]:
-            shutil.rmtree(folder, ignore_errors=True)
+        removing = [os.path.join(self.root, name) for name in os.listdir(self.root) if _REMOVING_DIR.match(name)]
+        for step, folder in full[:-k]:  # out of the way at once (a rename), deleted in the background
+            removing.append(_set_aside(folder, ".removing"))
+        if removing:
+            self._purge(removing)
+
+    def _purge(self, folders: list[str]) -> None:
+        """Delete ``folders`` in a background thread (one at a time): a large checkpoint's files on a shared
+        filesystem take long to delete, and neither rank 0's training nor the ranks waiting for it should."""
+        self.wait_purge()
+        self._purge_thread = threading.Thread(
+            target=lambda: [shutil.rmtree(f, ignore_errors=True) for f in folders], name="checkpoint-purge",
+            daemon=True)
+        self._purge_thread.start()
+
+    def wait_purge(self) -> None:
+        """Wait for the checkpoints being deleted (keep_latest_k) to be gone."""
+        thread, self._purge_thread = self._purge_thread, None
+        if thread is not None:
+            thread.join()
 
     def poll(self) -> None:
         """At a step boundary: commit a finished async save once every rank has finished writing it (with
@@ -786,6 +823,7 @@ class Checkpointer:
 
     def close(self) -> None:
         self.wait()
+        self.wait_purge()
         for vote in (self.stop_vote, self.commit_vote):  # every rank started it: let it finish
             if vote is not None:
                 vote.collect()

@@ -386,6 +386,9 @@ class Comm:
     train_timeout_seconds: int = 100
     """Timeout of every collective after the first step: a rank that hangs (or a deadlock) fails the job after
     this long instead of holding the allocation until it ends."""
+    checkpoint_timeout_seconds: int = 1800
+    """Timeout of the collectives of a checkpoint save and its commit (every rank waits there for the slowest
+    rank's writes to a shared filesystem, which may take longer than comm.train_timeout_seconds)."""
     trace_buf_size: int = 20000
     """NCCL flight recorder: each rank keeps its last this many collectives and, on a timeout, writes them to
     <dump_folder>/comm_traces/rank_<R> (read them with torch's fr_trace tool); 0 turns it off."""
@@ -996,6 +999,7 @@ def validate(cfg: Config, world_size: int = 1, machine: Optional[Machine] = None
                           "GPUs; turn it off on this machine (profiling.enable_profiling traces CPU runs)")
     _positive("comm.init_timeout_seconds", cfg.comm.init_timeout_seconds)
     _positive("comm.train_timeout_seconds", cfg.comm.train_timeout_seconds)
+    _positive("comm.checkpoint_timeout_seconds", cfg.comm.checkpoint_timeout_seconds)
     if cfg.comm.trace_buf_size < 0:
         raise ConfigError(f"comm.trace_buf_size: must be >= 0 (0 = off), got {cfg.comm.trace_buf_size}")
 

@@ -185,15 +185,44 @@ def _process_groups() -> list:
     return [g for g in list(c10d._world.pg_map) if not c10d._rank_not_in_group(g)]
 
 
+_timeout_now: Optional[float] = None  # what set_collective_timeout set last
+_own_timeout_groups: list = []  # groups that keep the timeout they were created with
+
+
 def set_collective_timeout(seconds: float) -> None:
     """Set the timeout of every collective on every process group of this rank (torch's private
-    ``_set_pg_timeout``, called here only)."""
+    ``_set_pg_timeout``, called here only), but those of ``keep_own_timeout``."""
+    global _timeout_now
     if not dist.is_initialized():
         return
     from torch.distributed import distributed_c10d as c10d
 
+    _timeout_now = seconds
     for group in _process_groups():
-        c10d._set_pg_timeout(timedelta(seconds=seconds), group)
+        if not any(group is own for own in _own_timeout_groups):
+            c10d._set_pg_timeout(timedelta(seconds=seconds), group)
+
+
+def keep_own_timeout(group) -> None:
+    """``group`` (a checkpoint writer's, whose collectives wait for file writes) keeps the timeout it was created
+    with: set_collective_timeout leaves it alone."""
+    if group is not None:
+        _own_timeout_groups.append(group)
+
+
+@contextlib.contextmanager
+def longer_collective_timeout(seconds: float):
+    """At least ``seconds`` for the collectives issued inside the block (a checkpoint's save and commit), then
+    the timeout set before it again."""
+    before = _timeout_now
+    if not dist.is_initialized() or before is None or before >= seconds:
+        yield
+        return
+    set_collective_timeout(seconds)
+    try:
+        yield
+    finally:
+        set_collective_timeout(before)
 
 
 def collective_timeouts() -> list[float]:

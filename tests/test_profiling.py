@@ -96,23 +96,35 @@ def test_profiling_that_would_trace_no_step_is_refused(tmp_path, capsys, monkeyp
 
 
 def timeout_job(world_size: int, rank: int, dump: str) -> dict:
-    """The timeouts of every process group after the trainer is built (the mesh's groups among them) and
-    after its first steps."""
+    """The timeouts of every process group after the trainer is built (the mesh's groups among them), while a
+    checkpoint commits, and after its first steps."""
+    import engine.checkpoint
     from engine.distributed import collective_timeouts, init_distributed
     from engine.trainer import Trainer
 
     cfg = parse_args(["--config", "train_configs/debug_model.toml", "--job.dump_folder", dump, *SMALL,
-                      "--training.steps", "2", "--parallelism.dp_shard", "2", "--comm.init_timeout_seconds", "77",
-                      "--comm.train_timeout_seconds", "33"])
+                      "--training.steps", "3", "--parallelism.dp_shard", "2", "--comm.init_timeout_seconds", "77",
+                      "--comm.train_timeout_seconds", "33", "--comm.checkpoint_timeout_seconds", "55",
+                      "--checkpoint.enable", "--checkpoint.interval", "2", "--checkpoint.async_mode", "async"])
+    committing, write_commit_marker = [], engine.checkpoint.write_commit_marker
+
+    def spy(*args, **kwargs):  # rank 0, between the commit's barriers
+        committing.append(collective_timeouts())
+        return write_commit_marker(*args, **kwargs)
+
+    engine.checkpoint.write_commit_marker = spy
     trainer = Trainer(cfg, init_distributed(cfg))
     built = collective_timeouts()
     trainer.train()
-    return {"built": built, "trained": collective_timeouts()}
+    return {"built": built, "committing": committing, "trained": collective_timeouts()}
 
 
 def test_collective_timeouts_follow_the_comm_section(tmp_path):
     result = run_jobs(2, timeout_job, {"run": (str(tmp_path / "run"),)}, str(tmp_path))["run"]
-    # the default group, the mesh's dp_shard group and its flattenings (at least two groups)
-    assert len(result["built"]) >= 2
-    assert set(result["built"]) == {77.0}
-    assert set(result["trained"]) == {33.0}
+    # the default group, the mesh's dp_shard group and its flattenings (at least two groups), and the async
+    # checkpoint writer's gloo group, which keeps the checkpoint timeout throughout
+    assert len(result["built"]) >= 3
+    assert sorted(set(result["built"])) == [55.0, 77.0]
+    assert len(result["committing"]) == 2  # steps 2 and 3: every group waits as long as the checkpoint may take
+    assert all(set(timeouts) == {55.0} for timeouts in result["committing"])
+    assert sorted(set(result["trained"])) == [33.0, 55.0]
