@@ -128,3 +128,29 @@ def test_sbatch_launcher_submits_then_collects(tmp_path, monkeypatch, capsys):
         rows = list(csv.DictReader(f))
     assert [(r["value"], r["status"], r["tps_per_gpu"]) for r in rows] == [("1", "ok", "10.0"), ("2", "no metrics", "")]
     assert (out / "memory.png").read_bytes()[:8] == PNG
+
+
+def test_relative_input_paths_name_the_files_the_sweep_checked(tmp_path, monkeypatch, capsys):
+    """Called from another directory with relative data and tokenizer paths: the configs it writes name the same
+    files by absolute paths, since its runs start elsewhere (the checkout for --launcher local, a node's job
+    folder for sbatch), where the relative paths name other files or none."""
+    from engine.config import tomllib  # (tomli below Python 3.11)
+
+    fake_sbatch(tmp_path, monkeypatch)
+    monkeypatch.setattr(sweep, "launch_sbatch", lambda run, *a: setattr(run, "status", "submitted (stub)"))
+    work = tmp_path / "work"
+    (work / "data").mkdir(parents=True)
+    (work / "data" / "c.jsonl").write_text("".join(json.dumps({"text": f"document {i} " * 20}) + "\n"
+                                                   for i in range(8)))
+    tokenizer = os.path.join(sweep.ROOT, "engine", "data", "assets", "tokenizer.json")
+    os.symlink(tokenizer, work / "tok.json")
+    monkeypatch.chdir(work)
+    rc = sweep.main(["--config", os.path.join(sweep.ROOT, "train_configs", "debug_model.toml"),
+                     "--dim", "training.local_batch_size", "--values", "2", "--launcher", "sbatch",
+                     "--out", "sweep", "--data.path", "data/c.jsonl", "--data.tokenizer", "tok.json"])
+    assert rc == 0, capsys.readouterr()
+    with open(work / "sweep" / "configs" / "2.toml", "rb") as f:
+        written = tomllib.load(f)
+    assert written["data"]["path"] == str(work / "data" / "c.jsonl")
+    assert written["data"]["tokenizer"] == str(work / "tok.json")
+    assert written["checkpoint"]["folder"] == "checkpoint"  # relative to the run's folder, as it was

@@ -96,6 +96,7 @@ def run_configs(base: str, dim: str, values: list[str], overrides: list[str], st
         except ConfigError as e:
             raise ConfigError(f"{dim} = {value}: {e}") from None
         layout = ParallelDims.from_config(cfg.parallelism, world_size).describe()
+        _absolute_input_paths(cfg)
         configs.append((value, cfg, layout))
     config_dir = os.path.join(out, "configs")
     os.makedirs(config_dir, exist_ok=True)
@@ -105,6 +106,22 @@ def run_configs(base: str, dim: str, values: list[str], overrides: list[str], st
             f.write(to_toml(cfg))
         runs.append(Run(value, path, cfg.job.dump_folder, world_size, layout))
     return runs
+
+
+# The path fields that name an input relative to the directory the sweep is called from (checkpoint.folder and
+# the profiler's folders are relative to the run's own folder, job.dump_folder is made absolute above).
+INPUT_PATH_FIELDS = ("model.hf_assets_path", "data.path", "data.tokenizer", "parallelism.pp_schedule_csv",
+                     "validation.path", "checkpoint.initial_load_path")
+
+
+def _absolute_input_paths(cfg) -> None:
+    """Make the relative input paths of ``cfg`` absolute, as validated here: its runs start elsewhere (in the
+    checkout, or on a cluster's node), where they would name other files or none."""
+    for key in INPUT_PATH_FIELDS:
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        if value and not os.path.isabs(value) and os.path.exists(value):
+            setattr(getattr(cfg, section), name, os.path.abspath(value))
 
 
 # --------------------------------------------------------------------------------------------------------
