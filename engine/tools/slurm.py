@@ -65,7 +65,7 @@ class JobSpec:
     account: str = ""
     time: str = "24:00:00"
     cpus_per_task: int = 0
-    """CPUs of the one task per node; 0 leaves it to the cluster's default."""
+    """CPUs of the one task per node; 0: every CPU of the node (the job has its nodes to itself)."""
     workdir: str = ""
     """The Tessera checkout the job runs in; empty: the directory sbatch was called from."""
     train_args: list[str] = field(default_factory=list)
@@ -185,7 +185,11 @@ exit "$status"
 NODE
 export PYTHON
 
-srun --ntasks-per-node=1 --kill-on-bad-exit=1 --output="$LOG_DIR/%N.log" \\
+# The node's one task (torchrun and its GPUs' training processes) gets every CPU of the node: by default a step's
+# task gets one CPU, and on clusters that confine tasks to their CPUs, every rank of the node would share it
+# (srun does not take --cpus-per-task from sbatch since Slurm 22.05).
+srun --ntasks-per-node=1 --cpus-per-task="${{SLURM_CPUS_PER_TASK:-${{SLURM_CPUS_ON_NODE:-1}}}}" --kill-on-bad-exit=1 \\
+  --output="$LOG_DIR/%N.log" \\
   bash "$NODE_LAUNCH" \\
     --nnodes="$NNODES" --nproc_per_node="$GPUS_PER_NODE" \\
     --rdzv_backend=c10d --rdzv_endpoint="$HEAD_NODE:$MASTER_PORT" --rdzv_id="${{SLURM_JOB_ID:-0}}" \\
