@@ -252,7 +252,8 @@ class Optimizer:
     eps: float = 1e-8
     """Adam epsilon."""
     weight_decay: float = 0.1
-    """Decoupled weight decay, applied to matrices only (never to norms and biases)."""
+    """Weight decay, applied to matrices only (never to norms and biases): decoupled with AdamW, added to the
+    gradient (L2) with Adam."""
     implementation: str = "auto"
     """Optimizer kernel: auto (fused on CUDA, foreach on CPU), fused, foreach or for-loop."""
 
@@ -525,7 +526,10 @@ def _convert(key: str, tp, value, from_cli: bool):
     if origin in (list, typing.List):
         (item_tp,) = typing.get_args(tp)
         if from_cli:
-            value = [v.strip() for v in value.split(",") if v.strip()] if value.strip() else []
+            value = [v.strip() for v in value.split(",")] if value.strip() else []
+            if "" in value:  # '1,,2' or '1,2,': a value left out
+                raise ConfigError(f"{key}: an empty item in the list '{','.join(value)}'; give comma-separated "
+                                  "values with none left out")
         if not isinstance(value, list):
             raise ConfigError(f"{key}: expected a list, got {_shown(value, from_cli)}")
         return [_convert(key, item_tp, v, from_cli) for v in value]
@@ -571,7 +575,8 @@ def _convert(key: str, tp, value, from_cli: bool):
 
 
 def _did_you_mean(word: str, choices) -> str:
-    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    same_letters = [c for c in choices if c.lower() == word.lower()]  # '8b' for '8B'
+    close = same_letters or difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
     return f" (did you mean '{close[0]}'?)" if close else ""
 
 

@@ -59,6 +59,8 @@ def test_toml_then_cli_overrides(tmp_path):
         (["--config", "/nonexistent/x.toml"], "--config: file '/nonexistent/x.toml' not found"),
         (["--config", "train_configs"], "--config: 'train_configs' is a folder"),
         (["--config", "a.toml", "--config=b.toml"], "--config: given twice ('a.toml', then 'b.toml')"),
+        (["--parallelism.pp_layers_per_stage", "1,,2"], "parallelism.pp_layers_per_stage: an empty item in the list"),
+        (["--float8.filter_fqns", "output,"], "float8.filter_fqns: an empty item in the list 'output,'"),
     ],
 )
 def test_parse_errors(argv, fragment):
@@ -211,6 +213,8 @@ def test_home_is_expanded_in_path_fields(tmp_path, monkeypatch):
         (["--optimizer.beta2", "1.5"], "optimizer.beta2"),
         (["--model.name", "gpt9"], "model.name"),
         (["--model.flavor", "9B"], "model.flavor"),
+        (["--model.flavor", "8b"], "model.flavor: '8b' is not one of debugmodel, 8B, 8B_L8, 8B_L2, 70B, 405B (did "
+                                   "you mean '8B'?)"),
         (["--model.attn", "xformers"], "model.attn"),
         (["--model.attn_mask", "block_causal"], "model.attn_mask"),
         (["--validation.enable", "--training.steps", "10"],
@@ -228,7 +232,8 @@ def test_home_is_expanded_in_path_fields(tmp_path, monkeypatch):
         (["--debug.seed", "-1"], "debug.seed: must be in [0, 2**32 - 1]"),
         (["--checkpoint.last_save_model_only"], "checkpoint.last_save_model_only: "),  # needs checkpoint.enable
         # The values of options the layout does not use (pp = 1, cp = 1, no AC) are checked all the same.
-        (["--parallelism.pp_schedule", "1f1b"], "parallelism.pp_schedule: '1f1b' is not one of"),
+        (["--parallelism.pp_schedule", "1f1b"], "parallelism.pp_schedule: '1f1b' is not one of GPipe, 1F1B, "
+         "Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV (did you mean '1F1B'?)"),
         (["--parallelism.pp_schedule_csv", "/nonexistent/s.csv"], "parallelism.pp_schedule_csv"),
         (["--parallelism.pp_virtual_stages", "0"], "parallelism.pp_virtual_stages"),
         (["--parallelism.pp_microbatches", "0"], "parallelism.pp_microbatches"),
