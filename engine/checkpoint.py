@@ -56,7 +56,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from engine.config import Config, ConfigError, check_shard_split, read_json_object
-from engine.distributed import keep_own_timeout, log_ranks, longer_collective_timeout
+from engine.distributed import agree_on_user_errors, keep_own_timeout, log_ranks, longer_collective_timeout
 from engine.hf import EXPORT_DTYPES
 from engine.optim import load_lr_scheduler_state
 
@@ -389,6 +389,26 @@ def find_resume_point(cfg: Config) -> Optional[CheckpointInfo]:
         if not info.model_only:
             return info
     return None
+
+
+def agreed_resume_point(cfg: Config) -> Optional[CheckpointInfo]:
+    """find_resume_point on every rank, and the ranks agree on it (collective when there are several): a bad
+    checkpoint seen by some rank stops every rank, and ranks that see different checkpoints (a checkpoint folder
+    on each node's own disk, or a network filesystem that shows the nodes different folders) stop with one error
+    line instead of loading different steps."""
+    with agree_on_user_errors():
+        info = find_resume_point(cfg)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        steps: list = [None] * dist.get_world_size()
+        dist.all_gather_object(steps, None if info is None else info.step)
+        if len(set(steps)) > 1:
+            seen = {step: steps.index(step) for step in steps}
+            views = ", ".join(f"rank {rank} {'none' if step is None else f'step {step}'}"
+                              for step, rank in sorted(seen.items(), key=lambda kv: kv[1]))
+            raise ConfigError(f"checkpoint.folder: the ranks see different checkpoints to resume from in "
+                              f"{checkpoint_root(cfg)} ({views}); put it on a filesystem every node shares and "
+                              "sees alike")
+    return info
 
 
 def check_fits_model(cfg: Config, model: nn.Module, model_args: Any, resume_from: Optional[CheckpointInfo],

@@ -121,13 +121,13 @@ def main(argv: list[str] | None = None) -> int:
         cfg = check(argv)
         if os.environ.get("TESSERA_CHECK_ONLY") == "1":
             return 0
-        from engine.checkpoint import find_resume_point
+        from engine.checkpoint import agreed_resume_point
         from engine.distributed import destroy_distributed, init_distributed
         from engine.trainer import Trainer
 
         world = init_distributed(cfg)
         try:
-            resume_from = find_resume_point(cfg)
+            resume_from = agreed_resume_point(cfg)
             if finished_already(cfg, world, resume_from):
                 destroy_distributed()
                 return 0

@@ -226,7 +226,7 @@ def train_job(world_size: int, rank: int, argv: list[str], env: Optional[dict[st
     ``env`` sets (or, with an empty value, removes) environment variables first: the ranks inherit the
     forkserver's environment, not the test's. Returns what the run printed."""
     from engine.config import parse_args, validate
-    from engine.checkpoint import find_resume_point
+    from engine.checkpoint import agreed_resume_point
     from engine.distributed import init_distributed
     from engine.train import finished_already
     from engine.trainer import Trainer
@@ -243,7 +243,7 @@ def train_job(world_size: int, rank: int, argv: list[str], env: Optional[dict[st
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
         world = init_distributed()
-        resume_from = find_resume_point(cfg)
+        resume_from = agreed_resume_point(cfg)
         if not finished_already(cfg, world, resume_from):
             Trainer(cfg, world, resume_from).train()
     return printed.getvalue()

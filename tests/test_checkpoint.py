@@ -718,6 +718,30 @@ def test_a_run_without_checkpoint_enable_says_it_ignores_the_folders_checkpoints
     assert sorted(metrics(run)) == [1, 2]
 
 
+def resume_view_job(world_size: int, rank: int, dump: str, hidden_on_rank_1: bool) -> str:
+    """agreed_resume_point on every rank; with ``hidden_on_rank_1`` rank 1 sees an empty checkpoint folder (as a
+    node would whose checkpoint folder is on its own disk). Returns rank 0's answer or error."""
+    import engine.checkpoint
+
+    cfg = parse_args([*BASE, "--job.dump_folder", dump])
+    if hidden_on_rank_1 and rank == 1:
+        engine.checkpoint.list_steps = lambda root: []
+    try:
+        info = engine.checkpoint.agreed_resume_point(cfg)
+    except ConfigError as e:
+        return f"error: {e}"
+    return f"step {info.step}"
+
+
+def test_ranks_that_see_different_checkpoints_stop_before_loading(reference, tmp_path):
+    jobs = {"same": (str(reference), False), "split": (str(reference), True)}
+    result = run_jobs(2, resume_view_job, jobs, str(tmp_path))
+    assert result["same"] == "step 20"
+    assert result["split"] == (f"error: checkpoint.folder: the ranks see different checkpoints to resume from in "
+                               f"{reference / 'checkpoint'} (rank 0 step 20, rank 1 none); put it on a filesystem "
+                               "every node shares and sees alike"), result["split"]
+
+
 def test_a_model_only_checkpoint_is_not_resumed_from(reference, tmp_path):
     info = inspect_checkpoint(str(reference / "checkpoint" / "step-000010"), "checkpoint.folder")
     assert info.step == 10 and not info.model_only

@@ -131,7 +131,11 @@ def test_cli_toml_drops_the_base_pipeline_split(tmp_path, capsys):
 def test_cli_errors_are_one_line(capsys):
     rc = planner.main(["--flavor", "13B", "--gpus", "8", "--seq-len", "8192", "--global-batch", "8"])
     err = capsys.readouterr().err.strip().splitlines()
-    assert rc == 2 and len(err) == 1 and err[0].startswith("error: model.flavor"), err
+    assert rc == 2 and len(err) == 1 and err[0].startswith("error: --flavor: '13B' is not a flavor of llama3"), err
+    rc = planner.main(["--flavor", "70b", "--gpus", "8", "--seq-len", "8192", "--global-batch", "8"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and err == ["error: --flavor: '70b' is not a flavor of llama3: debugmodel, 8B, 8B_L8, 8B_L2, 70B, "
+                               "405B (did you mean '70B'?)"], err
     rc = planner.main(["--flavor", "8B", "--gpus", "0", "--seq-len", "8192", "--global-batch", "8"])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and "--gpus" in err[0], err

@@ -433,8 +433,16 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _check_args(a) -> None:
-    from engine.config import ConfigError
+    from engine.config import ConfigError, _did_you_mean
+    from models import get_model_spec
 
+    try:
+        flavors = list(get_model_spec(a.model).flavors)
+    except ValueError as e:
+        raise ConfigError(f"--model: {str(e).removeprefix('model.name: ')}") from None
+    if a.flavor not in flavors:
+        raise ConfigError(f"--flavor: '{a.flavor}' is not a flavor of {a.model}: {', '.join(flavors)}"
+                          f"{_did_you_mean(a.flavor, flavors)}")
     for name in ("gpus", "seq_len", "global_batch", "gpus_per_node", "top"):
         if getattr(a, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(a, name)}")
