@@ -29,6 +29,7 @@ import base64
 import json
 import os
 import pickle
+import queue
 import random
 import re
 import shutil
@@ -393,22 +394,28 @@ def find_resume_point(cfg: Config) -> Optional[CheckpointInfo]:
 
 def agreed_resume_point(cfg: Config) -> Optional[CheckpointInfo]:
     """find_resume_point on every rank, and the ranks agree on it (collective when there are several): a bad
-    checkpoint seen by some rank stops every rank, and ranks that see different checkpoints (a checkpoint folder
-    on each node's own disk, or a network filesystem that shows the nodes different folders) stop with one error
-    line instead of loading different steps."""
+    checkpoint seen by some rank stops every rank, and ranks that see different checkpoints stop with one error
+    line instead of loading different steps (check_ranks_see_the_same_step)."""
     with agree_on_user_errors():
         info = find_resume_point(cfg)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        steps: list = [None] * dist.get_world_size()
-        dist.all_gather_object(steps, None if info is None else info.step)
-        if len(set(steps)) > 1:
-            seen = {step: steps.index(step) for step in steps}
-            views = ", ".join(f"rank {rank} {'none' if step is None else f'step {step}'}"
-                              for step, rank in sorted(seen.items(), key=lambda kv: kv[1]))
-            raise ConfigError(f"checkpoint.folder: the ranks see different checkpoints to resume from in "
-                              f"{checkpoint_root(cfg)} ({views}); put it on a filesystem every node shares and "
-                              "sees alike")
+    check_ranks_see_the_same_step(cfg, None if info is None else info.step, "to resume from")
     return info
+
+
+def check_ranks_see_the_same_step(cfg: Config, step: Optional[int], what: str) -> None:
+    """Every rank found ``step`` in the checkpoint folder (collective when there are several ranks), or a
+    ConfigError naming checkpoint.folder on every rank: a checkpoint folder on each node's own disk, or a network
+    filesystem that shows the nodes different folders."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return
+    steps: list = [None] * dist.get_world_size()
+    dist.all_gather_object(steps, step)
+    if len(set(steps)) > 1:
+        first_rank = {s: steps.index(s) for s in steps}
+        views = ", ".join(f"rank {rank} {'none' if s is None else f'step {s}'}"
+                          for s, rank in sorted(first_rank.items(), key=lambda kv: kv[1]))
+        raise ConfigError(f"checkpoint.folder: the ranks see different checkpoints {what} in {checkpoint_root(cfg)} "
+                          f"({views}); put it on a filesystem every node shares and sees alike")
 
 
 def check_fits_model(cfg: Config, model: nn.Module, model_args: Any, resume_from: Optional[CheckpointInfo],
@@ -486,6 +493,12 @@ def async_save_group(async_mode: str, timeout_seconds: float = 1800):
     return group
 
 
+def _purge_loop(folders: "queue.Queue[Optional[str]]") -> None:
+    """The purge thread: delete each folder put in ``folders`` until None comes."""
+    while (folder := folders.get()) is not None:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 class Checkpointer:
     """Saves and loads one run's training state. Every rank calls every method (they are collective)."""
 
@@ -516,6 +529,8 @@ class Checkpointer:
                                                        use_async_staging=False, use_non_blocking_copy=True))
         self.pending: Optional[dict] = None  # an async save being written: step, future, start time, steps
         self._purge_thread: Optional[threading.Thread] = None  # deleting checkpoints that keep_latest_k let go
+        self._purge_queue: Optional[queue.Queue] = None
+        self._purge_queued: set[str] = set()
         self.preempted = False
 
     # -- state dicts -------------------------------------------------------------------------------------------
@@ -665,23 +680,32 @@ class Checkpointer:
         full = [(s, f) for s, f, ok in list_steps(self.root) if ok and not _is_model_only(f)]
         removing = [os.path.join(self.root, name) for name in os.listdir(self.root) if _REMOVING_DIR.match(name)]
         for step, folder in full[:-k]:  # out of the way at once (a rename), deleted in the background
-            removing.append(_set_aside(folder, ".removing"))
+            try:
+                removing.append(_set_aside(folder, ".removing"))
+            except OSError:  # a filesystem that cannot rename folders: deleted here
+                shutil.rmtree(folder, ignore_errors=True)
         if removing:
             self._purge(removing)
 
     def _purge(self, folders: list[str]) -> None:
-        """Delete ``folders`` in a background thread (one at a time): a large checkpoint's files on a shared
-        filesystem take long to delete, and neither rank 0's training nor the ranks waiting for it should."""
-        self.wait_purge()
-        self._purge_thread = threading.Thread(
-            target=lambda: [shutil.rmtree(f, ignore_errors=True) for f in folders], name="checkpoint-purge",
-            daemon=True)
-        self._purge_thread.start()
+        """Delete ``folders`` in a background thread: a large checkpoint's files on a shared filesystem take long
+        to delete, and neither rank 0's training nor the ranks waiting for it at the commit should. One thread
+        deletes them in turn, however many commits hand it folders before it is done."""
+        if self._purge_thread is None:
+            self._purge_queue = queue.Queue()
+            self._purge_thread = threading.Thread(target=_purge_loop, args=(self._purge_queue,),
+                                                  name="checkpoint-purge", daemon=True)
+            self._purge_thread.start()
+        for folder in folders:
+            if folder not in self._purge_queued:  # (a folder still being deleted is listed again meanwhile)
+                self._purge_queued.add(folder)
+                self._purge_queue.put(folder)
 
     def wait_purge(self) -> None:
         """Wait for the checkpoints being deleted (keep_latest_k) to be gone."""
         thread, self._purge_thread = self._purge_thread, None
         if thread is not None:
+            self._purge_queue.put(None)
             thread.join()
 
     def poll(self) -> None:

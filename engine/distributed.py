@@ -198,7 +198,9 @@ def set_collective_timeout(seconds: float) -> None:
     from torch.distributed import distributed_c10d as c10d
 
     _timeout_now = seconds
-    for group in _process_groups():
+    groups = _process_groups()
+    _own_timeout_groups[:] = [own for own in _own_timeout_groups if any(own is group for group in groups)]  # live
+    for group in groups:
         if not any(group is own for own in _own_timeout_groups):
             c10d._set_pg_timeout(timedelta(seconds=seconds), group)
 

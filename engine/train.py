@@ -71,7 +71,7 @@ def finished_already(cfg, world, info) -> bool:
     """Whether the run to resume (from ``info``, find_resume_point's answer) has reached training.steps already:
     then say so, write the last_save_hf folder if it is missing, and build nothing (no model, no checkpoint load;
     the run's config.toml and metrics stay as they are)."""
-    from engine.checkpoint import checkpoint_root, export_last_hf, list_steps
+    from engine.checkpoint import check_ranks_see_the_same_step, checkpoint_root, export_last_hf, list_steps
     from engine.data.tokenizer import tokenizer_path
 
     c = cfg.checkpoint
@@ -80,6 +80,7 @@ def finished_already(cfg, world, info) -> bool:
     step = info.step if info is not None else 0
     if c.load_step < 0:  # the newest: a last save of the model only (last_save_model_only) ends a run too
         step = max([step] + [s for s, _, complete in list_steps(checkpoint_root(cfg)) if complete])
+        check_ranks_see_the_same_step(cfg, step, "as the newest")
     if step < cfg.training.steps:
         return False
     if world.logs:

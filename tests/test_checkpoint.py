@@ -225,6 +225,46 @@ def test_kill_inside_a_save_never_leaves_a_loadable_partial(tmp_path, mode):
     assert not [p for p in os.listdir(dump / "checkpoint") if ".removing" in p]  # deleted before the run ended
 
 
+def test_retention_deletes_in_the_background_and_never_waits_for_it(tmp_path, monkeypatch):
+    """keep_latest_k renames what it lets go at once and one background thread deletes it: a commit never waits
+    for the deletion, not even for the one an earlier commit started (a slow shared filesystem)."""
+    import threading
+    from types import SimpleNamespace
+
+    import engine.checkpoint
+    from engine.checkpoint import Checkpointer, write_commit_marker
+
+    cfg = parse_args([*BASE, "--job.dump_folder", str(tmp_path), "--checkpoint.keep_latest_k", "1"])
+    ckpt = Checkpointer(cfg, SimpleNamespace(world=SimpleNamespace(device=torch.device("cpu"))))
+    root = tmp_path / "checkpoint"
+    gate, rmtree = threading.Event(), shutil.rmtree
+
+    def slow_rmtree(path, *args, **kwargs):  # a deletion that takes until the test lets it go
+        if str(path).endswith(".removing"):
+            assert gate.wait(60)
+        return rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(engine.checkpoint.shutil, "rmtree", slow_rmtree)
+
+    def commit(step):
+        folder = root / f"step-{step:06d}"
+        folder.mkdir(parents=True)
+        (folder / "data").write_bytes(b"x" * 10)
+        write_commit_marker(str(folder), step)
+        done = threading.Thread(target=ckpt._retention)
+        done.start()
+        done.join(timeout=10)
+        assert not done.is_alive(), f"the commit of step {step} waited for a deletion"
+
+    commit(1)
+    commit(2)
+    commit(3)  # step 1 is still being deleted
+    assert sorted(os.listdir(root)) == ["step-000001.removing", "step-000002.removing", "step-000003"]
+    gate.set()
+    ckpt.wait_purge()
+    assert sorted(os.listdir(root)) == ["step-000003"]
+
+
 def test_rollback_and_retention_keep_the_run_resumable(tmp_path):
     """Going back to step 2 (checkpoint.load_step) with keep_latest_k 1: the new step 4 is kept, the old step 4
     and step 6 are set aside (not deleted, not resumed from); killed there, a plain resume takes the new step 4.

@@ -189,7 +189,8 @@ def _terminated_job(tmp_path, save: bool):
     script = render_4x8(tmp_path)
     env = dict(os.environ, PATH=f"{stub_dir}:{os.environ['PATH']}", CALLS=str(calls), STUB_DIR=str(stub_dir),
                REAL_PYTHON=sys.executable, PYTHON=str(stub_dir / "python-stub"), SLURM_JOB_ID="4242",
-               SLURM_NNODES="4", SLURM_JOB_NODELIST="node-[a-d]", SLURM_SUBMIT_DIR=ROOT, SLURM_CPUS_ON_NODE="96",
+               SLURM_NNODES="4", SLURM_JOB_NODELIST="node-[a-d]", SLURM_SUBMIT_DIR=ROOT,
+               SLURM_JOB_CPUS_PER_NODE="96(x3),64",
                DUMP_FOLDER=str(tmp_path / "run"), VIRTUAL_ENV="set", FAKE_SAVE="1" if save else "0")
     proc = subprocess.Popen(["bash", str(script)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
@@ -210,7 +211,7 @@ def test_sigterm_is_forwarded_then_the_job_requeued(tmp_path):
     assert status == 0, out
     srun = next(line for line in log.splitlines() if line.startswith("srun "))
     assert "--rdzv_endpoint=node-a:29500" in srun and "--nnodes=4" in srun and "--nproc_per_node=8" in srun
-    assert "--cpus-per-task=96" in srun  # the node's task has every CPU of the node, not one
+    assert "--cpus-per-task=64" in srun  # the node's task has every CPU of the (smallest) node, not one
     assert f"--job.dump_folder {tmp_path / 'run'}" in srun
     assert "scancel --signal=USR2 4242" in log and "srun got SIGTERM" not in log
     assert "worker got SIGTERM, saved" in log and "torchrun got SIGTERM" not in log

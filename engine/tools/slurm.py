@@ -185,10 +185,12 @@ exit "$status"
 NODE
 export PYTHON
 
-# The node's one task (torchrun and its GPUs' training processes) gets every CPU of the node: by default a step's
-# task gets one CPU, and on clusters that confine tasks to their CPUs, every rank of the node would share it
-# (srun does not take --cpus-per-task from sbatch since Slurm 22.05).
-srun --ntasks-per-node=1 --cpus-per-task="${{SLURM_CPUS_PER_TASK:-${{SLURM_CPUS_ON_NODE:-1}}}}" --kill-on-bad-exit=1 \\
+# The node's one task (torchrun and its GPUs' training processes) gets every CPU of the node (of the smallest node:
+# SLURM_JOB_CPUS_PER_NODE reads like "96(x3),64"): by default a step's task gets one CPU, and on clusters that
+# confine tasks to their CPUs every rank of the node would share it (srun does not take --cpus-per-task from
+# sbatch since Slurm 22.05).
+NODE_CPUS=${{SLURM_CPUS_PER_TASK:-$(echo "${{SLURM_JOB_CPUS_PER_NODE:-1}}" | tr ',' '\\n' | sed 's/(.*//' | sort -n | head -n 1)}}
+srun --ntasks-per-node=1 --cpus-per-task="$NODE_CPUS" --kill-on-bad-exit=1 \\
   --output="$LOG_DIR/%N.log" \\
   bash "$NODE_LAUNCH" \\
     --nnodes="$NNODES" --nproc_per_node="$GPUS_PER_NODE" \\
