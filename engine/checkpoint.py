@@ -34,8 +34,8 @@ import random
 import re
 import shutil
 import signal
-import time
 import threading
+import time
 import warnings
 from dataclasses import dataclass
 from datetime import timedelta
