@@ -212,12 +212,12 @@ def test_kill_inside_a_save_never_leaves_a_loadable_partial(tmp_path, mode):
         assert [(s, ok) for s, _, ok in steps] in ([(2, True)], [(2, True), (4, False)]), (point, steps)
         cfg = parse_args(["--job.dump_folder", str(dump), *BASE, *args])
         assert find_resume_point(cfg).step == 2, point  # the partial step 4 is never picked
-    # Resume the last one: it starts from step 2, saves 4 and 6 again, and retention (keep 1) drops step 2
-    # only once a newer step is complete.
     # A folder that retention let go and a killed run left half deleted goes with the next retention.
     stale = dump / "checkpoint" / "step-000001.removing"
     (stale / "sub").mkdir(parents=True)
     (stale / "sub" / "f").write_text("x")
+    # Resume the last one: it starts from step 2, saves 4 and 6 again, and retention (keep 1) drops step 2
+    # only once a newer step is complete.
     resumed = train(dump, *args)
     assert "resumed from step 2" in resumed.stdout
     assert [(s, ok) for s, _, ok in list_steps(str(dump / "checkpoint"))] == [(6, True)]
@@ -469,6 +469,14 @@ def test_async_save_writes_the_same_contents_while_training_goes_on(reference, t
     assert curve(tmp_path, range(1, 21)) == curve(reference, range(1, 21))
 
 
+def run_saving_script(script: str, folder: Path) -> None:
+    """Run ``script`` (it saves into its argument ``folder``, then prints "saved") in a process of its own: what
+    it sets (a process group, torch.cuda patched) stays out of the test process."""
+    run = subprocess.run([sys.executable, "-c", script, str(folder)], cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and "saved" in run.stdout, run.stderr[-2000:]
+
+
 ASYNC_ON_ONE_CUDA_RANK = """
 import sys, torch, torch.distributed as dist, torch.distributed.checkpoint as dcp
 from engine.checkpoint import async_save_group
@@ -485,9 +493,7 @@ def test_async_save_on_one_rank_with_a_process_group_has_a_cpu_backend(tmp_path)
     refuses such a default group ("A CPU backend must be enabled"), so the checkpointer gives the writer a gloo
     group on one rank too. A one-rank group with CUDA's backend alone (gloo under CUDA's name: NCCL cannot
     start here) stands in for NCCL's."""
-    run = subprocess.run([sys.executable, "-c", ASYNC_ON_ONE_CUDA_RANK, str(tmp_path / "step")], cwd=ROOT,
-                         env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=120)
-    assert run.returncode == 0 and "saved" in run.stdout, run.stderr[-2000:]
+    run_saving_script(ASYNC_ON_ONE_CUDA_RANK, tmp_path / "step")
     assert (tmp_path / "step" / ".metadata").exists()
 
 
@@ -507,9 +513,7 @@ def test_a_background_save_writes_without_touching_the_gpu(tmp_path):
     """An async save's writer thread copies nothing ahead from the GPU: DCP's copy-ahead loader would use the
     thread's CUDA device (GPU 0 on every rank of a node). With a stager of its own (async_with_pinned_mem), DCP
     keeps the writer's copy-ahead setting; on a machine that says it has CUDA the write must not call into it."""
-    run = subprocess.run([sys.executable, "-c", BACKGROUND_WRITER_ON_CUDA, str(tmp_path / "step")], cwd=ROOT,
-                         env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=120)
-    assert run.returncode == 0 and "saved" in run.stdout, run.stderr[-2000:]
+    run_saving_script(BACKGROUND_WRITER_ON_CUDA, tmp_path / "step")
 
 
 def test_async_save_on_two_ranks_commits_once_every_rank_has_written(tmp_path):

@@ -108,16 +108,18 @@ def run_configs(base: str, dim: str, values: list[str], overrides: list[str], st
     return runs
 
 
-# The path fields that name an input relative to the directory the sweep is called from (checkpoint.folder and
-# the profiler's folders are relative to the run's own folder, job.dump_folder is made absolute above).
-INPUT_PATH_FIELDS = ("model.hf_assets_path", "data.path", "data.tokenizer", "parallelism.pp_schedule_csv",
-                     "validation.path", "checkpoint.initial_load_path")
+# Path fields relative to the run's own folder (job.dump_folder is made absolute above), not to the caller's.
+RUN_RELATIVE_FIELDS = ("job.dump_folder", "checkpoint.folder", "profiling.save_traces_folder",
+                       "profiling.save_memory_snapshot_folder")
 
 
 def _absolute_input_paths(cfg) -> None:
-    """Make the relative input paths of ``cfg`` absolute, as validated here: its runs start elsewhere (in the
-    checkout, or on a cluster's node), where they would name other files or none."""
-    for key in INPUT_PATH_FIELDS:
+    """Make the relative input paths of ``cfg`` (its path fields but RUN_RELATIVE_FIELDS) absolute, as validated
+    here: its runs start elsewhere (in the checkout, or on a cluster's node), where they would name other files or
+    none."""
+    from engine.config import PATH_FIELDS
+
+    for key in sorted(PATH_FIELDS.difference(RUN_RELATIVE_FIELDS)):
         section, name = key.split(".")
         value = getattr(getattr(cfg, section), name)
         if value and not os.path.isabs(value) and os.path.exists(value):
