@@ -2,8 +2,10 @@
 
 A byte-level BPE (GPT-2 style pre-tokenization, every byte in the base alphabet so any text encodes) with
 4096 entries in all, the three special tokens included, trained with the ``tokenizers`` library on the
-built-in corpus ``tessera_docs.jsonl.gz`` (run ``scripts/make_corpus.py`` first). The tokenizer adds no
-BOS/EOS by itself (no post-processor): Tessera's data loader adds them around each document.
+built-in corpus ``tessera_docs.jsonl.gz`` (run ``scripts/make_corpus.py`` first). Like Llama 3's, its
+post-processor puts BOS before a text when the caller asks for special tokens (``transformers``' default, so
+that a model exported with it sees BOS first, as in training); Tessera's data loader encodes without them and
+adds BOS/EOS around each document itself.
 
 Training is deterministic: the corpus is read in file order and the BPE trainer breaks ties between
 equally frequent pairs the same way on every run, so the output is byte-identical for the same corpus and
@@ -33,7 +35,7 @@ def read_corpus(path: str) -> list[str]:
 
 
 def train(texts: list[str]):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
@@ -46,6 +48,10 @@ def train(texts: list[str]):
         show_progress=False,
     )
     tokenizer.train_from_iterator(texts, trainer=trainer, length=len(texts))
+    bos_id = tokenizer.token_to_id(BOS)
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A:0 {BOS}:1 $B:1", special_tokens=[(BOS, bos_id)]
+    )
     return tokenizer
 
 
@@ -56,7 +62,7 @@ def tokenizer_config() -> dict:
         "bos_token": BOS,
         "eos_token": EOS,
         "pad_token": PAD,
-        "add_bos_token": False,
+        "add_bos_token": True,
         "add_eos_token": False,
         "clean_up_tokenization_spaces": False,
         "model_max_length": 1_000_000_000_000_000_019_884_624_838_656,

@@ -157,6 +157,33 @@ def test_llama3_style_tokenizer_gets_one_bos(tmp_path):
     assert ids.count(t.bos_id) == 1 and ids[0] == t.bos_id and ids[-1] == t.eos_id
 
 
+def test_truncation_and_padding_saved_in_the_file_are_off(tmp_path):
+    """A tokenizer.json saved with truncation and padding on (as some published ones are) encodes every document
+    whole and unpadded, alone or in a batch, as the same file without them does."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    path = _variant(tmp_path, "saved_on")
+    t = HFTokenizer.from_file(path)
+    t.enable_truncation(max_length=8)
+    t.enable_padding(pad_id=2, pad_token="<|pad|>", length=64)
+    t.save(path)
+    text = "a document of many more than eight tokens, which packing must see whole " * 4
+    plain, saved_on = Tokenizer(BUILTIN_TOKENIZER), Tokenizer(path)
+    assert len(plain.encode(text)) > 40
+    assert saved_on.encode(text) == plain.encode(text)
+    assert saved_on.encode_batch([text, "short"]) == plain.encode_batch([text, "short"]) == \
+        [plain.encode(text), plain.encode("short")]
+
+
+def test_builtin_tokenizer_exported_to_transformers_adds_bos_as_training_does():
+    """transformers' tokenizer from the built-in files puts BOS first, as every training document starts."""
+    from transformers import AutoTokenizer
+
+    text = "Return the number of items in a container."
+    ours = Tokenizer(BUILTIN_TOKENIZER).encode(text, eos=False)
+    assert AutoTokenizer.from_pretrained(os.path.dirname(BUILTIN_TOKENIZER))(text)["input_ids"] == ours
+
+
 def test_special_tokens_from_config_and_known_names(tmp_path):
     # tokenizer_config.json wins, in both its string and {"content": ...} forms.
     path = _variant(tmp_path, "cfg", replace={"<|pad|>": "<|eot_id|>"},

@@ -1,8 +1,9 @@
 """Tokenizers: any Hugging Face ``tokenizer.json`` (Llama-3's included) or Tessera's built-in one.
 
-``Tokenizer`` never relies on the file's post-processor to add BOS/EOS (Llama-3's tokenizer.json has
-none that adds BOS, GPT-2's has none at all): text is encoded with ``add_special_tokens=False`` and the
-BOS/EOS ids are added here. They are found from a ``tokenizer_config.json`` beside the file
+``Tokenizer`` never relies on the file's post-processor to add BOS/EOS (Llama-3's tokenizer.json adds BOS
+only, GPT-2's adds nothing): text is encoded with ``add_special_tokens=False`` and the BOS/EOS ids are added
+here. Truncation and padding saved in the file (some published tokenizer.json files have them on) are turned
+off: a document is encoded whole and unpadded, and packing cuts it. They are found from a ``tokenizer_config.json`` beside the file
 (``bos_token``/``eos_token``, a string or ``{"content": ...}``) when there is one, else from the first
 known pair of names present in the vocabulary: ``<|begin_of_text|>``/``<|end_of_text|>`` (Llama 3),
 ``<s>``/``</s>`` (Llama 2, Mistral), ``<|endoftext|>`` for both (GPT-2 style). Special tokens written in a
@@ -55,6 +56,8 @@ class Tokenizer:
         # A document's text is text: "<|end_of_text|>" written in it is encoded as those characters, never as
         # the special token (as Llama 3's own tiktoken encoding does), so a document cannot end itself early.
         self._tok.encode_special_tokens = True
+        self._tok.no_truncation()
+        self._tok.no_padding()
         self.bos_token, self.eos_token = self._find_special_tokens(field)
         self._bos_id = self._tok.token_to_id(self.bos_token)
         self._eos_id = self._tok.token_to_id(self.eos_token)
