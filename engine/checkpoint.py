@@ -430,7 +430,7 @@ def check_fits_model(cfg: Config, model: nn.Module, model_args: Any, resume_from
     elif init_path and os.path.isfile(os.path.join(init_path, "config.json")):
         from engine.hf import check_hf
 
-        check_hf(init_path, model_args)
+        check_hf(init_path, model_args, model_label=f"model.flavor {cfg.model.flavor}")
         return
     elif init_path:
         field, info = "checkpoint.initial_load_path", inspect_checkpoint(init_path, "checkpoint.initial_load_path", cfg)

@@ -116,19 +116,25 @@ def agree_on_user_errors():
     """Run set-up work whose user errors (ValueError) may differ between ranks (each reads its own data shard),
     then let every rank know: if any rank failed, every rank raises, the ranks that did not fail with the first
     failing rank's message prefixed by its rank. So every rank stops at the same point with exit status 2 and
-    rank 0 prints the line, instead of the others waiting in a collective for a rank that is gone."""
-    error: Optional[ValueError] = None
+    rank 0 prints the line, instead of the others waiting in a collective for a rank that is gone. Any other
+    exception (an OSError, an internal error) is agreed on too: the failing rank raises its own (traceback),
+    the others a RuntimeError naming that rank and the exception, rather than waiting for a timeout."""
+    error: Optional[Exception] = None
     try:
         yield
-    except ValueError as e:
+    except Exception as e:  # told to the other ranks, then raised again below
         error = e
     if dist.is_initialized() and dist.get_world_size() > 1:
-        messages: list[Optional[str]] = [None] * dist.get_world_size()
-        dist.all_gather_object(messages, None if error is None else str(error))
+        told = None if error is None else (isinstance(error, ValueError), f"{type(error).__name__}: {error}",
+                                           str(error))
+        messages: list[Optional[tuple[bool, str, str]]] = [None] * dist.get_world_size()
+        dist.all_gather_object(messages, told)
         failed = [(rank, message) for rank, message in enumerate(messages) if message is not None]
         if failed and error is None:
-            rank, message = failed[0]
-            raise ValueError(f"[rank {rank}] {message}")
+            rank, (user_error, described, message) = failed[0]
+            if user_error:
+                raise ValueError(f"[rank {rank}] {message}")
+            raise RuntimeError(f"[rank {rank}] failed during set-up: {described}")
     if error is not None:
         raise error
 

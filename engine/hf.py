@@ -372,14 +372,14 @@ def check_hf(
     folder: str,
     args: Any,
     *,
-    flavor: Optional[str] = None,
+    model_label: Optional[str] = None,
     field: str = "checkpoint.initial_load_path",
 ) -> dict[str, list[str]]:
     """Check the Hugging Face checkpoint in ``folder`` against the model ``args`` builds, from its config.json and
     the safetensors headers alone (no tensor data is read); returns ``{file path: its tensor names}``.
 
     Checks, each failure a ``ValueError`` starting with ``field``: the folder exists and holds config.json and
-    safetensors weights (an index's files all present); config.json describes the model ``args`` builds (``flavor``
+    safetensors weights (an index's files all present); config.json describes the model ``args`` builds (``model_label``
     names it in the message); every tensor is there, none is unexpected, each has the expected shape and a
     floating-point dtype, and every file is as long as its header says (not truncated).
     """
@@ -395,7 +395,7 @@ def check_hf(
     if not isinstance(config, dict):
         raise ValueError(f"{field}: '{config_path}' is not a JSON object")
     adapter = _adapter_for(args)
-    adapter.check_hf_config(config, args, field, flavor)
+    adapter.check_hf_config(config, args, field, model_label)
     expected = adapter.hf_shapes(args)
 
     plan: dict[str, list[str]] = {}
@@ -467,12 +467,12 @@ def open_hf(
     folder: str,
     args: Any,
     *,
-    flavor: Optional[str] = None,
+    model_label: Optional[str] = None,
     field: str = "checkpoint.initial_load_path",
 ) -> Iterator[HFReader]:
     """Check the Hugging Face checkpoint in ``folder`` (``check_hf``: same arguments, same errors), then open its
     files for an ``HFReader``, which reads tensors one at a time, or the parts of them a rank holds."""
-    plan = check_hf(folder, args, flavor=flavor, field=field)
+    plan = check_hf(folder, args, model_label=model_label, field=field)
     with ExitStack() as stack:
         files = {}
         for path, names in plan.items():
@@ -529,11 +529,11 @@ def load_hf(
     folder: str,
     args: Any,
     *,
-    flavor: Optional[str] = None,
+    model_label: Optional[str] = None,
     field: str = "checkpoint.initial_load_path",
 ) -> dict[str, Tensor]:
     """The weights of the Hugging Face checkpoint in ``folder`` as a Tessera state dict of full float32 tensors,
     after ``check_hf``'s checks (same arguments, same errors): the whole model in memory, for small models and
     tests (``open_hf`` reads one tensor at a time)."""
-    with open_hf(folder, args, flavor=flavor, field=field) as reader:
+    with open_hf(folder, args, model_label=model_label, field=field) as reader:
         return {name: reader.read(name).to(torch.float32) for name in reader.shapes}

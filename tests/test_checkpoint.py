@@ -9,6 +9,7 @@ with SIGKILL at that point of the save of that step.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -633,12 +634,16 @@ def test_checkpoint_that_does_not_fit_the_model_is_refused_before_anything_is_wr
     (run / "config.toml").write_text("# the earlier run's resolved config\n")
     hf = tmp_path / "hf"
     hf.mkdir()
-    (hf / "config.json").write_text(json.dumps({"model_type": "llama", "num_key_value_heads": 3}))
+    from models.llama3 import Llama3HFAdapter, llama3_flavors  # the debug model's config.json, with 4 KV heads
+
+    config = Llama3HFAdapter.hf_config(dataclasses.replace(llama3_flavors["debugmodel"], vocab_size=5000))
+    (hf / "config.json").write_text(json.dumps({**config, "num_key_value_heads": 4}))
     cases = [
         ([], f"checkpoint.folder: {run / 'checkpoint' / 'step-000010'} has model.tok_embeddings.weight of shape "),
         (["--checkpoint.load_step", "0", "--checkpoint.initial_load_path", str(run / "checkpoint" / "step-000010")],
          "checkpoint.initial_load_path: "),
-        (["--checkpoint.load_step", "0", "--checkpoint.initial_load_path", str(hf)], "checkpoint.initial_load_path: "),
+        (["--checkpoint.load_step", "0", "--checkpoint.initial_load_path", str(hf)],
+         "checkpoint.initial_load_path: config.json has num_key_value_heads 4 but model.flavor debugmodel has "),
     ]
     for args, message in cases:
         before = tree(tmp_path)
@@ -830,6 +835,10 @@ def test_hf_export_and_import_start_a_run_from_the_same_weights(reference, tmp_p
     monkeypatch.setattr(engine.checkpoint, "write_tensors", observed)
     from_hf(str(tmp_path / "hf"), str(tmp_path / "back"), "debugmodel")
     assert peak[0] <= 2 and held == [0], peak  # the tensor being written and the next one
+    # Another flavor than the weights': the error names the command's option, and writes nothing.
+    with pytest.raises(ValueError, match=r"^hf_folder: config.json has hidden_size 256 but --flavor 8B has dim 4096"):
+        from_hf(str(tmp_path / "hf"), str(tmp_path / "wrong"), "8B")
+    assert not (tmp_path / "wrong").exists()
     model = read_full(str(step), "model.")
     back = read_full(str(tmp_path / "back"), "model.")
     assert same_tensors(model, back)

@@ -209,7 +209,7 @@ def test_transformers_reads_the_config_as_written():
 def test_check_hf_config_names_the_difference(change, message):
     config = {**Llama3HFAdapter.hf_config(DEBUG), **change}
     with pytest.raises(ValueError, match=f"^{FIELD}: .*{message}".replace("(", r"\(").replace(")", r"\)")):
-        Llama3HFAdapter.check_hf_config(config, DEBUG, FIELD, flavor="debugmodel")
+        Llama3HFAdapter.check_hf_config(config, DEBUG, FIELD, model_label="model.flavor debugmodel")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -343,6 +343,6 @@ def test_missing_folder_and_other_flavor_are_refused(debug_export, tmp_path):
         load_hf(str(tmp_path / "nowhere"), DEBUG)
     mismatch = f"^{FIELD}: config.json has hidden_size 256 but model.flavor 8B_tiny has dim 512"
     with pytest.raises(ValueError, match=mismatch):
-        load_hf(folder, TINY_8B, flavor="8B_tiny")
+        load_hf(folder, TINY_8B, model_label="model.flavor 8B_tiny")
     with pytest.raises(ValueError, match="^--from: config.json has vocab_size 2048 but the configured model has"):
         load_hf(folder, dataclasses.replace(DEBUG, vocab_size=4096), field="--from")

@@ -405,6 +405,38 @@ def test_error_of_a_rank_whose_output_is_hidden_is_printed_by_the_launcher(tmp_p
     assert not dump.exists()  # the ranks agreed before anything was written
 
 
+def set_up_failure_job(world_size: int, rank: int, failure: str) -> list:
+    """Rank 1 fails inside agree_on_user_errors with ``failure`` (a ValueError or an OSError); returns what each
+    rank raised (gathered to rank 0), or that it went on."""
+    import torch.distributed as dist
+
+    from engine.distributed import agree_on_user_errors
+
+    try:
+        with agree_on_user_errors():
+            if rank == 1:
+                raise (ValueError if failure == "user" else PermissionError)("data.path: cannot read 'x'")
+        outcome = "went on"
+    except Exception as e:
+        outcome = f"{type(e).__name__}: {e}"
+    everyone = [None] * world_size
+    dist.all_gather_object(everyone, outcome)
+    return everyone
+
+
+def test_ranks_agree_on_any_set_up_failure(tmp_path):
+    """A set-up failure on one rank stops every rank at the same point, whatever it is: a user error becomes the
+    same user error on the others (with its rank), anything else (here an OSError) a RuntimeError naming the rank
+    and the exception, instead of the others waiting in their next collective until the timeout."""
+    from tests.parallel_harness import run_jobs
+
+    result = run_jobs(2, set_up_failure_job, {"user": ("user",), "other": ("other",)}, str(tmp_path))
+    assert result["user"] == ["ValueError: [rank 1] data.path: cannot read 'x'",
+                              "ValueError: data.path: cannot read 'x'"]
+    assert result["other"] == ["RuntimeError: [rank 1] failed during set-up: PermissionError: data.path: cannot "
+                               "read 'x'", "PermissionError: data.path: cannot read 'x'"]
+
+
 def test_garbage_collection_runs_between_steps(tmp_path, capsys, monkeypatch):
     """training.gc_freq 2: automatic collection is off during the loop; the young generations are collected
     before steps 2, 4 and 6 (after one full collection of what set-up left), and automatic collection is back

@@ -77,7 +77,7 @@ def from_hf(hf_folder: str, out: str, flavor: str, model_name: str = "llama3") -
     if not isinstance(vocab, int) or vocab <= 0:
         raise ValueError(f"hf_folder: {hf_folder}/config.json has no positive integer vocab_size")
     args = model_args_for(model_name, flavor, vocab, field="--flavor")
-    with open_hf(hf_folder, args, flavor=flavor, field="hf_folder") as reader:
+    with open_hf(hf_folder, args, model_label=f"--flavor {flavor}", field="hf_folder") as reader:
         shapes = {f"model.{name}": (shape, torch.float32) for name, shape in reader.shapes.items()}
         write_tensors(out, shapes, lambda key: reader.read(key[len("model."):]).to(torch.float32))
     tokenizer = os.path.join(hf_folder, "tokenizer.json")

@@ -365,13 +365,13 @@ class Llama3HFAdapter:
 
     @staticmethod
     def check_hf_config(
-        config: dict[str, Any], args: TransformerModelArgs, field: str, flavor: Optional[str] = None
+        config: dict[str, Any], args: TransformerModelArgs, field: str, model_label: Optional[str] = None
     ) -> None:
         """Raise ``ValueError`` naming ``field`` and the first differing setting unless the checkpoint described by
-        ``config`` (a config.json) has the architecture of ``Transformer(args)``; ``flavor`` names ``args`` in the
-        message (``model.flavor <flavor>``)."""
+        ``config`` (a config.json) has the architecture of ``Transformer(args)``; ``model_label`` names ``args`` in
+        the message as the user chose them (``model.flavor 8B`` in a config, ``--flavor 8B`` on a command line)."""
         hf_args = Llama3HFAdapter.args_from_hf_config(config, field)
-        who = f"model.flavor {flavor}" if flavor else "the configured model"
+        who = model_label or "the configured model"
         for hf_key, name, value in _CHECKED_FIELDS:
             theirs, ours = value(hf_args), value(args)
             same = math.isclose(theirs, ours) if isinstance(ours, float) else theirs == ours
