@@ -622,6 +622,7 @@ class Checkpointer:
                 "model_only": model_only,
                 "model": self.cfg.model.name,
                 "flavor": self.cfg.model.flavor,
+                "max_seq_len": t.model_args.max_seq_len,  # the flavor's, or the longer seq_len trained at
                 "dtype": dtype if model_only else "float32",
                 "world_size": self.world_size,
                 "layout": t.dims.describe(),

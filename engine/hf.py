@@ -129,7 +129,7 @@ def _finish_folder(
     numels: dict[str, int],
     config: dict[str, Any],
     dtype: torch.dtype,
-    tokenizer_files: list[str],
+    tokenizer_files: dict[str, str],
 ) -> None:
     """Write the index (several shards), config.json and the tokenizer files beside the shards in ``tmp``, and
     flush them all."""
@@ -142,8 +142,8 @@ def _finish_folder(
             json.dump(index, f, indent=2)
     with open(os.path.join(tmp, CONFIG_FILE), "w") as f:
         json.dump(config, f, indent=2)
-    for path in tokenizer_files:
-        shutil.copyfile(path, os.path.join(tmp, os.path.basename(path)))
+    for name, path in tokenizer_files.items():
+        shutil.copyfile(path, os.path.join(tmp, name))
     for name in os.listdir(tmp):
         _fsync(os.path.join(tmp, name))
 
@@ -181,6 +181,18 @@ def export_hf(
     hf_state_dict = _adapter_for(args).to_hf(full_state_dict, args)
     _export(args, {k: v.numel() for k, v in hf_state_dict.items()}, lambda names: {k: hf_state_dict[k] for k in names},
             folder, dtype, tokenizer_path, max_shard_bytes, field)
+
+
+def check_new_folder(folder: str, field: str) -> None:
+    """``folder`` can be written as a new folder: it does not exist or is an empty folder, and the nearest of its
+    parents that exists is a folder; else a ``ValueError`` naming ``field`` (before anything is written)."""
+    if os.path.exists(folder) and not (os.path.isdir(folder) and not os.listdir(folder)):
+        raise ValueError(f"{field}: '{folder}' already exists and is not an empty folder; choose a new folder")
+    parent = os.path.dirname(os.path.abspath(folder))
+    while not os.path.exists(parent) and os.path.dirname(parent) != parent:
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise ValueError(f"{field}: '{parent}' is a file, so '{folder}' cannot be made; choose a folder elsewhere")
 
 
 def _export(
@@ -221,19 +233,18 @@ def _export(
                 for i in pending:
                     _write_shard(os.path.join(tmp, files[i]), shards[i], fetch, dtype)
             return
-    if os.path.exists(folder) and not (os.path.isdir(folder) and not os.listdir(folder)):
-        raise ValueError(f"{field}: '{folder}' already exists and is not an empty folder; choose a new folder")
+    check_new_folder(folder, field)
     bos_id = eos_id = None
-    tokenizer_files: list[str] = []
+    tokenizer_files: dict[str, str] = {}  # name in the folder -> the file copied there
     if tokenizer_path is not None:
         from engine.data.tokenizer import Tokenizer
 
         tokenizer = Tokenizer(tokenizer_path)
         bos_id, eos_id = tokenizer.bos_id, tokenizer.eos_id
-        tokenizer_files.append(tokenizer_path)
+        tokenizer_files["tokenizer.json"] = tokenizer_path  # the name from_pretrained reads, whatever the file's
         beside = os.path.join(os.path.dirname(tokenizer_path), "tokenizer_config.json")
         if os.path.isfile(beside):
-            tokenizer_files.append(beside)
+            tokenizer_files["tokenizer_config.json"] = beside
     config = _adapter_for(args).hf_config(args, dtype=dtype, bos_token_id=bos_id, eos_token_id=eos_id)
 
     os.makedirs(parent, exist_ok=True)
@@ -270,9 +281,13 @@ def _rename_folder(tmp: str, folder: str, field: str) -> None:
     _fsync(os.path.dirname(folder))
 
 
-def model_args_for(name: str, flavor: str, vocab_size: int, field: str = "flavor") -> Any:
-    """The model arguments of ``name``/``flavor`` with ``vocab_size`` (a checkpoint's, which the tokenizer set)."""
-    spec = get_model_spec(name)
+def model_args_for(name: str, flavor: str, vocab_size: int, field: str = "flavor", model_field: str = "model") -> Any:
+    """The model arguments of ``name``/``flavor`` with ``vocab_size`` (a checkpoint's, which the tokenizer set);
+    an unknown flavor or model is a ``ValueError`` naming ``field`` or ``model_field``."""
+    try:
+        spec = get_model_spec(name)
+    except ValueError as e:
+        raise ValueError(f"{model_field}: {str(e).removeprefix('model.name: ')}") from None
     if flavor not in spec.flavors:
         raise ValueError(f"{field}: unknown flavor {flavor!r} of {name}; known: {', '.join(spec.flavors)}")
     return dataclasses.replace(spec.flavors[flavor], vocab_size=vocab_size)
@@ -304,6 +319,9 @@ def export_checkpoint_hf(
     info = inspect_checkpoint(step_folder, "checkpoint")
     name, flavor = info.train_state["model"], info.train_state["flavor"]
     args = model_args_for(name, flavor, info.tensors["model.tok_embeddings.weight"].size[0])
+    trained_at = info.train_state.get("max_seq_len")  # the run's context (config.json's max_position_embeddings)
+    if isinstance(trained_at, int) and trained_at > 0:
+        args = dataclasses.replace(args, max_seq_len=trained_at)
     adapter = _adapter_for(args)
     tessera = {adapter.hf_name(k[len("model."):]): k[len("model."):] for k in info.tensors if k.startswith("model.")}
     shapes = adapter.hf_shapes(args)  # every tensor, in the model's order

@@ -838,7 +838,12 @@ def test_hf_export_and_import_start_a_run_from_the_same_weights(reference, tmp_p
     # Another flavor than the weights': the error names the command's option, and writes nothing.
     with pytest.raises(ValueError, match=r"^hf_folder: config.json has hidden_size 256 but --flavor 8B has dim 4096"):
         from_hf(str(tmp_path / "hf"), str(tmp_path / "wrong"), "8B")
-    assert not (tmp_path / "wrong").exists()
+    with pytest.raises(ValueError, match=r"^--model: unknown model 'nosuch'; known models: llama3"):
+        from_hf(str(tmp_path / "hf"), str(tmp_path / "wrong"), "debugmodel", "nosuch")
+    (tmp_path / "afile").write_text("mine")
+    with pytest.raises(ValueError, match=r"^out: .*afile' already exists and is not an empty folder"):
+        from_hf(str(tmp_path / "hf"), str(tmp_path / "afile"), "debugmodel")
+    assert not (tmp_path / "wrong").exists() and (tmp_path / "afile").read_text() == "mine"
     model = read_full(str(step), "model.")
     back = read_full(str(tmp_path / "back"), "model.")
     assert same_tensors(model, back)
@@ -1031,7 +1036,7 @@ def test_last_save_hf_writes_the_final_model_for_transformers(tmp_path):
     model = read_full(str(dump / "checkpoint" / "step-000003"), "model.")
     model = {k[len("model."):]: v for k, v in model.items()}
     args_hf = model_args_for("llama3", "debugmodel", model["tok_embeddings.weight"].shape[0])
-    loaded = load_hf(str(hf), args_hf, flavor="debugmodel")
+    loaded = load_hf(str(hf), args_hf, model_label="model.flavor debugmodel")
     assert sorted(loaded) == sorted(model)
     assert all(torch.equal(loaded[k], model[k].bfloat16().float()) for k in model)
     hf_model = load_in_transformers(str(hf))
@@ -1055,6 +1060,32 @@ def test_last_save_hf_writes_the_final_model_for_transformers(tmp_path):
     again = train(dump, *args, "--training.steps", "2").stdout
     assert "resumed at step 3: training.steps = 2 is reached, nothing to train" in again, again
     assert (dump / "config.toml").read_bytes() == config and sorted(metrics(dump)) == [1, 2, 3]
+
+
+def test_export_describes_the_run_and_names_the_tokenizer_for_transformers(tmp_path):
+    """A run at a seq_len beyond its flavor's max_seq_len (debugmodel: 2048) exports config.json with the run's
+    context as max_position_embeddings, at the end of the run and by to-hf; a tokenizer file of another name is
+    copied as tokenizer.json, which transformers reads."""
+    from transformers import AutoTokenizer
+
+    from engine.data.tokenizer import BUILTIN_TOKENIZER
+    from engine.tools.convert_hf import main as convert
+
+    dump = tmp_path / "run"
+    train(dump, "--training.steps", "1", "--training.seq_len", "4096", "--training.local_batch_size", "1",
+          "--checkpoint.interval", "1", "--checkpoint.last_save_hf", "--checkpoint.export_dtype", "float32")
+    mine = tmp_path / "tokenizers" / "my_tok.json"
+    mine.parent.mkdir()
+    shutil.copyfile(BUILTIN_TOKENIZER, mine)
+    step = dump / "checkpoint" / "step-000001"
+    assert convert(["to-hf", str(step), str(tmp_path / "hf"), "--tokenizer", str(mine)]) == 0
+    for hf in (dump / "checkpoint" / "step-000001-hf", tmp_path / "hf"):
+        config = json.loads((hf / "config.json").read_text())
+        assert config["max_position_embeddings"] == 4096, hf
+    assert sorted(os.listdir(tmp_path / "hf")) == ["config.json", "model.safetensors", "tokenizer.json"]
+    text = "Return the number of items in a container."
+    assert AutoTokenizer.from_pretrained(str(tmp_path / "hf"))(text)["input_ids"][1:] == \
+        build_tokenizer(parse_args([])).encode(text, bos=False, eos=False)
 
 
 def test_seed_checkpoint_starts_any_layout_from_the_same_weights(tmp_path):

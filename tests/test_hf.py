@@ -261,6 +261,14 @@ def test_export_never_overwrites(debug_export, tmp_path):
     assert os.listdir(occupied) == ["keep.txt"] and (occupied / "keep.txt").read_text() == "mine"
     with pytest.raises(ValueError, match="^dtype: cannot export in torch.int8"):
         export_hf(sd, DEBUG, str(tmp_path / "int8"), dtype=torch.int8)
+    # A file where the folder would go, or where one of its parents would.
+    (tmp_path / "afile").write_text("mine")
+    with pytest.raises(ValueError, match="^out: .*afile' already exists and is not an empty folder"):
+        export_hf(sd, DEBUG, str(tmp_path / "afile"), field="out")
+    with pytest.raises(ValueError, match="^out: .*afile' is a file, so .*afile/sub/hf' cannot be made; choose a "):
+        export_hf(sd, DEBUG, str(tmp_path / "afile" / "sub" / "hf"), field="out")
+    assert (tmp_path / "afile").read_text() == "mine"
+    (tmp_path / "afile").unlink()
     # An empty folder is fine, and no temporary folder is left beside it.
     (tmp_path / "empty").mkdir()
     export_hf(sd, DEBUG, str(tmp_path / "empty"))

@@ -69,14 +69,13 @@ def from_hf(hf_folder: str, out: str, flavor: str, model_name: str = "llama3") -
 
     from engine.checkpoint import FORMAT_VERSION, TRAIN_STATE_FILE, write_commit_marker, write_json, write_tensors
     from engine.config import read_json_object
-    from engine.hf import model_args_for, open_hf
+    from engine.hf import check_new_folder, model_args_for, open_hf
 
-    if os.path.exists(out) and os.listdir(out):
-        raise ValueError(f"out: {out} exists and is not empty; give a new folder")
+    check_new_folder(out, "out")
     vocab = read_json_object(os.path.join(hf_folder, "config.json"), "hf_folder").get("vocab_size")
     if not isinstance(vocab, int) or vocab <= 0:
         raise ValueError(f"hf_folder: {hf_folder}/config.json has no positive integer vocab_size")
-    args = model_args_for(model_name, flavor, vocab, field="--flavor")
+    args = model_args_for(model_name, flavor, vocab, field="--flavor", model_field="--model")
     with open_hf(hf_folder, args, model_label=f"--flavor {flavor}", field="hf_folder") as reader:
         shapes = {f"model.{name}": (shape, torch.float32) for name, shape in reader.shapes.items()}
         write_tensors(out, shapes, lambda key: reader.read(key[len("model."):]).to(torch.float32))
