@@ -98,7 +98,8 @@ class Data:
     dataset_config: str = ""
     """Hugging Face dataset configuration name (e.g. en for allenai/c4); empty for none."""
     path: str = ""
-    """A local data file or folder (json, jsonl, parquet or txt files); overrides data.dataset."""
+    """A local data file or folder (json, jsonl, parquet or txt files); overrides data.dataset. A folder's files
+    of the format that holds most of its bytes are read (the log names the others)."""
     split: str = "train"
     """Dataset split to read."""
     text_field: str = "text"

@@ -334,6 +334,12 @@ def test_resume_multi_file_folder_two_ranks(tmp_path, tok):
     source = resolve_source(cfg)
     assert (source.builder, len(source.files)) == ("json", 4)
     assert [os.path.basename(p) for p in source.ignored] == ["z_readme.txt"]
+    # A small text file that sorts first is not taken for the data: the format holding most bytes is.
+    (folder / "A_README.txt").write_text("how these shards were made")
+    source = resolve_source(cfg)
+    assert (source.builder, len(source.files)) == ("json", 4)
+    assert [os.path.basename(p) for p in source.ignored] == ["A_README.txt", "z_readme.txt"]
+    (folder / "A_README.txt").unlink()
     for rank in (0, 1):
         _, epochs = _resume_case(cfg, tok, ks=[2, 7, 11], n_after=4, rank=rank, world=2)
         assert epochs[0] == 0 and epochs[-1] >= 1

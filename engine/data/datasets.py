@@ -130,7 +130,9 @@ def _supported_list() -> str:
 
 
 def _folder_files(folder: str, key: str) -> tuple[str, list[str], list[str]]:
-    """(format, its files, the supported files of other formats) of a folder, the value of the field ``key``."""
+    """(format, its files, the supported files of other formats) of a folder, the value of the field ``key``: the
+    format that holds most of the folder's bytes (a README.txt beside parquet shards is not the data), the first
+    file's on a tie."""
     found = []
     for dirpath, dirnames, filenames in os.walk(folder):
         dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
@@ -139,7 +141,11 @@ def _folder_files(folder: str, key: str) -> tuple[str, list[str], list[str]]:
                 found.append(os.path.join(dirpath, name))
     found.sort(key=lambda p: os.path.relpath(p, folder))
     formats = {path: file_format(path) for path in found}
-    builder = next((f for f in formats.values() if f is not None), None)
+    sizes: dict[str, int] = {}  # format -> bytes, in the order the formats are first met
+    for path, f in formats.items():
+        if f is not None:
+            sizes[f] = sizes.get(f, 0) + os.path.getsize(path)
+    builder = max(sizes, key=sizes.__getitem__) if sizes else None  # max keeps the first of equals
     if builder is not None:
         return (builder, [p for p, f in formats.items() if f == builder],
                 [p for p, f in formats.items() if f not in (None, builder)])
