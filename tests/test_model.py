@@ -135,8 +135,11 @@ def test_update_from_config():
     cfg = SimpleNamespace(attn="sdpa", attn_mask="causal", vocab_size=-1)
     eight = llama3_flavors["8B"].update_from_config(cfg, 1000, 8192)
     assert eight.vocab_size == 128256 and eight.max_seq_len == 131072
-    with pytest.raises(ValueError, match="model.vocab_size"):
+    with pytest.raises(ValueError, match=r"^model.vocab_size: 500 \(set\) is smaller than the vocabulary of the "
+                       r"tokenizer \(data.tokenizer\), 1000; set model.vocab_size to at least 1000 or use another"):
         base.update_from_config(SimpleNamespace(attn="sdpa", attn_mask="causal", vocab_size=500), 1000, 128)
+    with pytest.raises(ValueError, match=r"^model.vocab_size: 128256 \(the flavor's\) is smaller than the "):
+        llama3_flavors["8B"].update_from_config(cfg, 130000, 8192)
     with pytest.raises(ValueError, match="model.attn"):
         base.update_from_config(SimpleNamespace(attn="nope", attn_mask="causal", vocab_size=-1), 1000, 128)
 

@@ -115,8 +115,11 @@ class TransformerModelArgs:
         if vocab_size <= 0:
             raise ValueError(f"model.vocab_size: must be positive, got {vocab_size}")
         if tokenizer_vocab_size > vocab_size:
+            whose = "set" if model_cfg.vocab_size != -1 else "the flavor's"
             raise ValueError(
-                f"model.vocab_size: {vocab_size} is smaller than the tokenizer's vocabulary ({tokenizer_vocab_size})"
+                f"model.vocab_size: {vocab_size} ({whose}) is smaller than the vocabulary of the tokenizer "
+                f"(data.tokenizer), {tokenizer_vocab_size}; set model.vocab_size to at least {tokenizer_vocab_size} "
+                "or use another tokenizer"
             )
         return dataclasses.replace(
             self,
