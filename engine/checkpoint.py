@@ -342,7 +342,7 @@ def _train_state_problems(state: dict) -> list[str]:
 def check_data_source(info: CheckpointInfo, source, cfg: Config) -> None:
     """The data position in checkpoint ``info`` belongs to the data this run reads (``source``, a
     engine.data.datasets.DataSource); raises ConfigError naming the data field otherwise."""
-    from engine.data.loader import source_id
+    from engine.data.loader import reading_options, source_id
 
     if "dataloader" in cfg.checkpoint.exclude_from_loading:
         return
@@ -356,6 +356,14 @@ def check_data_source(info: CheckpointInfo, source, cfg: Config) -> None:
                 f"{here}; resume with the same data, or set checkpoint.exclude_from_loading = [\"dataloader\"] to "
                 "read the new data from its beginning"
             )
+        saved_reading = shard.get("reading") if isinstance(shard.get("reading"), dict) else {}  # older states: none
+        for key, value in reading_options(cfg, source.kind).items():
+            if key in saved_reading and saved_reading[key] != value:
+                raise ConfigError(
+                    f"data.{key}: the checkpoint of step {info.step} holds a position in {here} read with "
+                    f"data.{key} = {saved_reading[key]!r}, this run sets {value!r}; resume with that, or set "
+                    "checkpoint.exclude_from_loading = [\"dataloader\"] to read the data from its beginning"
+                )
         if "streaming" in shard and bool(shard["streaming"]) != cfg.data.streaming:
             raise ConfigError(
                 f"data.streaming: the checkpoint of step {info.step} holds a position in the data read with "

@@ -731,6 +731,27 @@ def test_resuming_with_the_other_data_streaming_setting_names_it(reference):
     check_data_source(info, resolve_source(cfg), parse_args(BASE))
 
 
+def test_resuming_on_another_split_or_text_column_names_it(reference):
+    """A data position counts records of one split and tokens of one text column: resuming with another
+    data.split or data.text_field of the same data is refused up front, naming the field."""
+    from engine.checkpoint import check_data_source
+    from engine.data.datasets import resolve_source
+
+    info = inspect_checkpoint(str(reference / "checkpoint" / "step-000010"), "checkpoint.folder")
+    for args, message in (
+        (["--data.split", "train[:50%]", "--data.streaming", "false"],
+         r"^data\.split: the checkpoint of step 10 holds a position in builtin:tessera_docs read with data\.split = "
+         r"'train', this run sets 'train\[:50%\]'; resume with that, or set checkpoint\.exclude_from_loading"),
+        (["--data.text_field", "body"], r"^data\.text_field: .* read with data\.text_field = 'text', this run sets "
+                                        r"'body'; "),
+    ):
+        cfg = parse_args([*BASE, *args])
+        with pytest.raises(ConfigError, match=message):
+            check_data_source(info, resolve_source(cfg), cfg)
+        excluded = parse_args([*BASE, *args, "--checkpoint.exclude_from_loading", "dataloader"])
+        check_data_source(info, resolve_source(excluded), excluded)
+
+
 def test_bad_checkpoints_through_run_train_sh(reference, tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()

@@ -263,6 +263,7 @@ class DataLoader:
             "dp_world_size": self.dp_world_size,
             "streaming": self.streaming,
             "source": source_id(self.source.kind, self.source.name),
+            "reading": reading_options(self.cfg, self.source.kind),
             "seed": self.seed,
             # The next sample starts at token `token_offset` of document `docs_in_epoch` of `epoch`
             # (this rank's order); `dataset_state` (streaming) is the dataset's state just before it.
@@ -318,6 +319,14 @@ SAMPLE_ID_STRIDE = 1 << 36  # sample id = shard * stride + index of the sample i
 def source_id(kind: str, name: str) -> str:
     """How a loader's state names its data: "kind:name" of its DataSource, a local path made absolute."""
     return f"{kind}:{os.path.abspath(name) if kind == 'local' else name}"
+
+
+def reading_options(cfg: Config, kind: str) -> dict[str, str]:
+    """The data.* options that choose which records of a source are read, and which text of each (saved with a
+    loader's position: a position in one split or column means nothing in another): the split, the text
+    column, and a Hub dataset's configuration."""
+    return {"dataset_config": cfg.data.dataset_config if kind == "hub" else "", "split": cfg.data.split.strip(),
+            "text_field": cfg.data.text_field}
 
 
 class ShardedDataLoader:
