@@ -309,11 +309,16 @@ class Validation:
     holds fewer is read again from its start, counting documents twice (a start-up warning says how many fit)."""
     dataset: str = ""
     """Validation data: a built-in or Hugging Face dataset; empty takes data.dataset."""
+    dataset_config: str = ""
+    """Hugging Face dataset configuration name of validation.dataset (e.g. wikitext-2-raw-v1); empty for none.
+    data.dataset_config applies only when validation reads data.dataset (validation.dataset empty)."""
     path: str = ""
     """Validation data: a local file or folder; empty takes data.path (when validation.dataset is empty)."""
     split: str = ""
     """Split to read; empty takes data.split. With the training data and split, validation reads the first
     batches of the training order: a fixed probe set, not held-out data."""
+    text_field: str = ""
+    """Column holding the validation documents' text; empty takes data.text_field."""
 
 
 @dataclass
@@ -951,6 +956,9 @@ def validate(cfg: Config, world_size: int = 1, machine: Optional[Machine] = None
     if v.enable and v.freq > t.steps:  # it validates at the multiples of freq
         raise ConfigError(f"validation.freq: {v.freq} exceeds training.steps = {t.steps}, so validation would never "
                           f"run; set validation.freq to at most {t.steps}, or turn validation.enable off")
+    if v.dataset_config and not v.dataset:
+        raise ConfigError(f"validation.dataset_config: '{v.dataset_config}' is set without validation.dataset; set "
+                          "validation.dataset too (validation reading data.dataset takes data.dataset_config)")
     if v.path and not os.path.exists(v.path):
         raise ConfigError(f"validation.path: '{v.path}' not found; give a json, jsonl, parquet or txt file or folder")
 

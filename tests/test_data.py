@@ -698,6 +698,10 @@ def test_bad_validation_data_names_the_validation_field(tmp_path, tok):
     fails("validation.path", "unsupported extension", path=str(csv))
     fails("validation.split", "single 'train' split", split="validation")
     fails("validation.dataset", "did you mean 'tessera_docs'", dataset="tessera_doc")
+    fails("validation.text_field", "'title' is not a column .*'body'", path=body, text_field="title")
+    cfg = make_cfg(good)
+    cfg.validation.enable, cfg.validation.path, cfg.validation.text_field = True, body, "body"  # its own column
+    check_data_config(cfg)
     cfg = make_cfg(good)
     cfg.validation.path = body  # validation off: not read
     check_data_config(cfg)
@@ -766,6 +770,14 @@ def test_unreachable_hub_dataset_is_one_line(tok):
     with pytest.raises(ConfigError, match=r"^validation\.dataset: cannot load 'no-such-user/other'") as info:
         build_dataloader(vcfg, tok, 0, 1, fields=fields)
     assert str(info.value).endswith("give them with validation.path")
+    # Another Hub dataset reads its own configuration, not the training data's; the same one takes data's.
+    cfg = make_cfg("", dataset="allenai/c4")
+    cfg.data.dataset_config = "en"
+    assert validation_data(cfg)[0].data.dataset_config == "en"
+    cfg.validation.dataset = "Salesforce/wikitext"
+    assert validation_data(cfg)[0].data.dataset_config == ""
+    cfg.validation.dataset_config = "wikitext-2-raw-v1"
+    assert validation_data(cfg)[0].data.dataset_config == "wikitext-2-raw-v1"
     with pytest.raises(ConfigError, match=r"^data\.dataset: .*data\.path"):
         check_data_config(make_cfg("", dataset="my_docs.jsonl"))
 

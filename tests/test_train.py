@@ -72,6 +72,7 @@ BAD_INPUTS = [
     (["--checkpoint.last_save_model_only"], "checkpoint.last_save_model_only"),  # needs checkpoint.enable
     (["--debug.seed", "4294967296"], "debug.seed: must be in [0, 2**32 - 1]"),
     (["--parallelism.pp_schedule", "1f1b"], "parallelism.pp_schedule"),  # checked at pp = 1 too
+    (["--validation.enable", "--validation.dataset_config", "en"], "validation.dataset_config"),
     (["--data.dataset", "tessera_doc"], "data.dataset: 'tessera_doc' is not a built-in dataset (did you mean"),
 ]
 

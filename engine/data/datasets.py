@@ -71,14 +71,16 @@ TRAINING_FIELDS = DataFields()
 
 
 def validation_data(cfg: Config) -> tuple[Config, DataFields]:
-    """The validation data: a copy of ``cfg`` whose data section reads it (validation.dataset, or validation.path,
-    and validation.split in the place of the training data's where set; one shard per data-parallel rank), and
-    the fields its errors name (validation.* where set, else the data.* it takes)."""
+    """The validation data: a copy of ``cfg`` whose data section reads it (validation.dataset with its own
+    validation.dataset_config, or validation.path; validation.split and validation.text_field in the place of the
+    training data's where set; one shard per data-parallel rank), and the fields its errors name (validation.*
+    where set, else the data.* it takes)."""
     v = cfg.validation
     vcfg = copy.deepcopy(cfg)
     fields = {}
     if v.dataset:
         vcfg.data.dataset, vcfg.data.path = v.dataset, ""
+        vcfg.data.dataset_config = v.dataset_config  # another dataset: the training data's configuration is not its
         fields["dataset"] = fields["text_field"] = "validation.dataset"
         fields["path"] = "validation.path"  # where its local files would be given instead (the Hub error's advice)
     elif v.path:
@@ -87,6 +89,9 @@ def validation_data(cfg: Config) -> tuple[Config, DataFields]:
     if v.split:
         vcfg.data.split = v.split
         fields["split"] = "validation.split"
+    if v.text_field:
+        vcfg.data.text_field = v.text_field
+        fields["text_field"] = "validation.text_field"
     vcfg.data.num_shards = -1
     return vcfg, DataFields(**fields)
 
