@@ -737,9 +737,24 @@ def test_bad_record_found_mid_run_is_a_data_error(tmp_path, tok):
     path.write_text("".join(json.dumps({"text": f"document {i} " * 10}) + "\n" for i in range(100))
                     + json.dumps({"text": ["a", "list"]}) + "\n")
     loader = build_dataloader(make_cfg(path, seq_len=16, batch=2, streaming=True), tok, 0, 1)
-    with pytest.raises(DataError, match=r"^data\.text_field: column 'text' holds list values.*record \d+ of shard 0"):
+    with pytest.raises(DataError, match=r"^data\.text_field: column 'text' holds list values.*\(record 100 of shard "
+                                        r"0 of 1, epoch 0\); fix or remove the bad record, then resume"):
         for _ in range(1000):
             next(loader)
+    # Map-style: the row the record is in the data (the epoch's order is shuffled), after the 64 read at start.
+    late = tmp_path / "late_map.jsonl"
+    late.write_text("".join(json.dumps({"text": f"document {i} " * 10 if i != 150 else 7}) + "\n" for i in range(300)))
+    loader = build_dataloader(make_cfg(late, seq_len=16, batch=2, streaming=False), tok, 0, 1)
+    with pytest.raises(DataError, match=r"^data\.text_field: column 'text' holds int values.*\(row 150 of shard 0 "
+                                        r"of 1\); fix"):
+        for _ in range(10000):
+            next(loader)
+    # Among the first records (read at start-up): a ConfigError saying which.
+    early = tmp_path / "early.jsonl"
+    early.write_text("".join(json.dumps({"text": f"document {i} " * 10 if i != 2 else 7}) + "\n" for i in range(9)))
+    with pytest.raises(ConfigError, match=r"^data\.text_field: column 'text' holds int values.*\(record 2 of shard 0 "
+                                          r"of 1, epoch 0\); fix or remove the bad record$"):
+        build_dataloader(make_cfg(early, seq_len=16, batch=2, streaming=True), tok, 0, 1)
 
 
 def test_resumed_position_past_a_documents_end_is_a_data_error(tmp_path, tok):

@@ -145,6 +145,13 @@ class DataLoader:
             for i in range(index, len(order)):
                 yield i, None, None, self.dataset[int(order[i])]
 
+    def _where(self, epoch: int, i: int) -> str:
+        """Where record ``i`` of ``epoch`` (a position in this rank's order) is, for an error: its record number in
+        the shard's stream, or a map-style shard's row (the order is shuffled: its position would mislead)."""
+        if self.streaming:
+            return f"record {i} of shard {self.dp_rank} of {self.dp_world_size}, epoch {epoch}"
+        return f"row {int(self._order(epoch)[i])} of shard {self.dp_rank} of {self.dp_world_size}"
+
     def _document_stream(self, epoch: int, index: int, ds_state, at_start: bool = False) -> Iterator[_Doc]:
         """Documents from (epoch, index[, ds_state]) on, forever; records with a null/empty text are skipped.
         Bad data raises DataError (mid-run), or ConfigError when ``at_start`` (the start-up check).
@@ -164,11 +171,11 @@ class DataLoader:
                     try:
                         text = document_text(example, self.text_field, self.source.fields.text_field)
                     except ConfigError as e:
-                        if at_start:
-                            raise
+                        if at_start:  # one of the first records: fix it before the run starts
+                            raise ConfigError(f"{e} ({self._where(epoch, i)}); fix or remove the bad record") from None
                         raise DataError(
-                            f"{e} (record {i} of shard {self.dp_rank} of {self.dp_world_size}, epoch {epoch}); fix "
-                            "or remove the bad record, then resume from the last checkpoint"
+                            f"{e} ({self._where(epoch, i)}); fix or remove the bad record, then resume from the last "
+                            "checkpoint"
                         ) from None
                     if text is not None:
                         pending.append((text, i, before, after))
