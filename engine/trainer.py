@@ -497,8 +497,10 @@ class Trainer:
         tokens_per_step = cfg.training.local_batch_size * cfg.training.seq_len * self.grad_accum * self.dp_size
         data_iter = iter(self.dataloader)
         logged = []
-        # A logged loss is the mean over the steps since the previous log (as Megatron-LM logs it): one
-        # step's loss swings with the content of its batch; the window mean shows the trend.
+        # A logged loss is the mean over the steps since the previous multiple of metrics.log_freq (as Megatron-LM
+        # logs it): one step's loss swings with the content of its batch; the window mean shows the trend. A run's
+        # first step is also logged alone (its throughput holds compile and warm-up), without ending the loss
+        # window: a run resumed at a multiple of log_freq logs the same losses as an uninterrupted one.
         window_start = time.perf_counter()
         window_tokens, window_data_wait, window_steps = 0, 0.0, 0
         window_loss = torch.zeros((), device=self.device)
@@ -524,7 +526,10 @@ class Trainer:
                     window_steps += 1
 
                     logging_now, saving_now = self._should_log(self.step), ckpt.should_save(self.step)
-                    if logging_now or saving_now:
+                    last = self.step == cfg.training.steps
+                    # A SIGTERM (agreed by every rank) saves this step and stops, unless the step is the last.
+                    stopping = cfg.checkpoint.enable and not last and ckpt.stop_requested()
+                    if logging_now or saving_now or stopping:
                         # The one host sync per log (and per checkpoint, which nan or inf must not reach).
                         loss_value, grad_norm_value, nonfinite = torch.stack(
                             [window_loss / window_steps, grad_norm.float(), window_nonfinite]).tolist()
@@ -537,9 +542,7 @@ class Trainer:
                                 )
                             )
                             window_start = time.perf_counter()
-                            window_tokens, window_data_wait, window_steps = 0, 0.0, 0
-                            window_loss.zero_()
-                            window_nonfinite.zero_()
+                            window_tokens, window_data_wait = 0, 0.0
                         if nonfinite or not math.isfinite(loss_value):  # every rank holds the same values
                             raise TrainingDiverged(
                                 f"optimizer.lr: training diverged by step {self.step} (loss {loss_value:.4g}, gradient "
@@ -547,6 +550,10 @@ class Trainer:
                                 "last checkpoint with a lower optimizer.lr, more lr_scheduler.warmup_steps or a "
                                 "smaller training.max_norm"
                             )
+                        if logging_now and (self.step % cfg.metrics.log_freq == 0 or last):  # the loss window ends
+                            window_steps = 0
+                            window_loss.zero_()
+                            window_nonfinite.zero_()
 
                     # Validation, recorded at its own step (after the step's training record); not training time.
                     if cfg.validation.enable and self.step % cfg.validation.freq == 0:
@@ -559,10 +566,9 @@ class Trainer:
                     # Not training time: the window's clock skips it (the save logs its own timing).
                     t_ckpt = time.perf_counter()
                     ckpt.poll()
-                    last = self.step == cfg.training.steps
                     if saving_now:
                         ckpt.save(self.step, model_only=last and cfg.checkpoint.last_save_model_only)
-                    if cfg.checkpoint.enable and not last and ckpt.stop_requested():
+                    if stopping:
                         if not saving_now:
                             ckpt.save(self.step, force_sync=True)
                         ckpt.wait()

@@ -158,6 +158,31 @@ def test_sigterm_saves_exits_zero_and_the_resumed_run_continues_the_curve(refere
     assert curve(tmp_path, range(1, 21)) == curve(reference, range(1, 21))
 
 
+def test_sigterm_after_divergence_saves_nothing_and_exits_3(tmp_path):
+    """A SIGTERM in a run whose loss turned nan since its last log does not save the nan weights (a requeued job
+    would resume from them): the step is checked as a logged or saved step is, and the run stops diverged."""
+    run = train(tmp_path, "--optimizer.lr", "1000", "--metrics.log_freq", "100", "--checkpoint.interval", "100",
+                fault="10:sigterm", check=False, launcher="run_train.sh")
+    assert run.returncode == 3, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "error: optimizer.lr: training diverged by step 10 " in run.stderr, run.stderr[-3000:]
+    assert committed(tmp_path / "checkpoint") == [] and "SIGTERM" not in run.stdout
+
+
+def test_a_run_resumed_at_a_multiple_of_log_freq_logs_the_same_losses(tmp_path):
+    """A logged loss is the mean since the previous multiple of metrics.log_freq: the resumed run's first step,
+    logged alone for its warm-up, does not shorten the next window, so the logged losses are the uninterrupted
+    run's."""
+    args = ("--training.steps", "8", "--metrics.log_freq", "2", "--checkpoint.interval", "4")
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    train(full, *args)
+    shutil.copytree(full / "checkpoint" / "step-000004", resumed / "checkpoint" / "step-000004")
+    train(resumed, *args)
+    m_full, m_resumed = metrics(full), metrics(resumed)
+    assert sorted(m_full) == [1, 2, 4, 6, 8] and sorted(m_resumed) == [5, 6, 8]
+    assert [m_resumed[s]["loss"] for s in (6, 8)] == [m_full[s]["loss"] for s in (6, 8)]
+    assert m_resumed[5]["loss"] != m_resumed[6]["loss"]  # step 5 alone, then the window of steps 5 and 6
+
+
 def test_sigterm_vote_of_several_ranks_overlaps_a_step(tmp_path):
     """With several ranks the stop vote runs in the background during the next step (a CPU all-reduce over
     every rank is slow at scale): both ranks, signalled in step 6, save step 7 together and exit 0."""
