@@ -31,7 +31,29 @@ def check(argv: list[str] | None = None, machine=None):
     backend_from_env(machine.cuda)
     check_output_folders(cfg)
     check_data_config(cfg)
+    check_model_layers(cfg)
     return cfg
+
+
+def check_model_layers(cfg) -> None:
+    """The checks that need the model's layer names, on a model built on the meta device (no memory): with
+    float8.enable, float8.filter_fqns names linear layers and leaves some to convert (as the trainer checks it),
+    so that a job script's check, the memory estimate and the dry run refuse what a launch refuses."""
+    if not cfg.float8.enable:
+        return
+    import dataclasses
+
+    import torch
+
+    from models import get_model_spec
+    from parallelize.float8 import check_float8_layers
+
+    spec = get_model_spec(cfg.model.name)
+    args = spec.flavors[cfg.model.flavor]
+    vocab = cfg.model.vocab_size if cfg.model.vocab_size != -1 else args.vocab_size  # the names do not depend on it
+    with torch.device("meta"):
+        model = spec.model_cls(dataclasses.replace(args, vocab_size=vocab if vocab > 0 else 4096))
+    check_float8_layers(model, cfg.float8, cfg.parallelism.tp)
 
 
 def check_output_folders(cfg) -> None:

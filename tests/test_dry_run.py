@@ -335,6 +335,15 @@ def test_memory_command(capsys):
     rc = memory.main(["--config", "train_configs/llama3_8b.toml", "--ngpu", "6", "--parallelism.tp", "4"])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and err[0].startswith("error: parallelism.dp_shard"), err
+    # A float8 filter that leaves no layer to convert: refused as a launch refuses it. No --config: named.
+    for argv, message in (
+        (["--config", "train_configs/llama3_8b.toml", "--float8.enable", "--float8.filter_fqns",
+          "attention,feed_forward"], "error: float8.filter_fqns: no linear layer would run in float8"),
+        (["--parallelism.tp", "2"], "error: --config: give the config file of the run to estimate"),
+    ):
+        rc = memory.main(argv)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert rc == 2 and len(err) == 1 and err[0].startswith(message), err
 
 
 def test_dry_run_validates_for_the_cluster_gpus_not_this_cpu():

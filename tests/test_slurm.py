@@ -100,6 +100,11 @@ def test_the_renderer_refuses_a_misspelled_section_and_bad_training_args(tmp_pat
                        "--parallelism.tp", "3"]) == 2
     out, err = capsys.readouterr()
     assert out == "" and err.startswith("error: parallelism") and err.count("\n") == 1, err
+    # A float8 filter that leaves no layer to convert: the launch refuses it, so does the renderer.
+    assert slurm.main(["--nodes", "1", "--gpus-per-node", "8", "--config", str(good), "--", "--float8.enable",
+                       "--float8.filter_fqns", "attention,feed_forward"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith("error: float8.filter_fqns: no linear layer would run in float8"), err
     assert slurm.main(["--nodes", "1", "--gpus-per-node", "8", "--config", str(good), "--",
                        "--parallelism.tp", "2"]) == 0
     assert capsys.readouterr().out.startswith("#!/bin/bash\n")

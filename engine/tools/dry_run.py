@@ -231,10 +231,6 @@ def run(argv: list[str]) -> int:
         model = spec.model_cls(args)
     n_params = sum(p.numel() for p in model.parameters())
     dims = ParallelDims.from_config(cfg.parallelism, world_size)
-    if cfg.float8.enable:
-        from parallelize.float8 import check_float8_layers
-
-        check_float8_layers(model, cfg.float8, dims.tp)  # as the trainer checks it, before building
 
     print(f"dry run: {cfg.model.name}/{cfg.model.flavor} on {world_size:,} simulated ranks (fake process group, "
           f"meta device), validated for CUDA GPUs of compute capability "

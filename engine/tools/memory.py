@@ -764,11 +764,16 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 0
     try:
         from engine.config import parse_args
+        from engine.train import check_model_layers
 
         world = _positive_number("--ngpu", _take(argv, "--ngpu"), 1, int)
         gpu_gib = _positive_number("--gpu-memory-gib", _take(argv, "--gpu-memory-gib"), gpu_memory_from_env())
+        if not any(a == "--config" or a.startswith("--config=") for a in argv):
+            raise ValueError("--config: give the config file of the run to estimate (e.g. "
+                             "train_configs/llama3_8b.toml); its command-line overrides follow it")
         cfg = parse_args(argv)
         dims = validate_layout(cfg, world)
+        check_model_layers(cfg)  # float8.filter_fqns against the model's layers, as a launch checks it
         shape = model_shape(cfg)
         rows = analytic_rows(cfg, dims, shape)
     except ValueError as e:
