@@ -128,6 +128,22 @@ def test_cli_toml_drops_the_base_pipeline_split(tmp_path, capsys):
     memory.validate_layout(cfg, 8)
 
 
+def test_cli_toml_keeps_the_base_checkpointing_policy(tmp_path, capsys):
+    """The base TOML's activation_checkpoint.op_matmuls (alternate, which float8 runs use) is what the estimate
+    was made with: the written TOML keeps it, with the mode the planner chose (it was dropped, and the run then
+    recomputed less and needed more memory than planned)."""
+    base = tmp_path / "base.toml"
+    with open(os.path.join(ROOT, "train_configs", "llama3_8b.toml")) as f:
+        base.write_text(f.read() + '\n[activation_checkpoint]\nmode = "selective"\nop_matmuls = "alternate"\n')
+    out = tmp_path / "best.toml"
+    rc = planner.main(["--flavor", "8B_L8", "--gpus", "1", "--seq-len", "8192", "--global-batch", "1",
+                       "--gpu-memory-gib", "55", "--loss-chunk-tokens", "0", "--config", str(base), "--out", str(out),
+                       "--top", "1"])
+    assert rc == 0, capsys.readouterr()
+    ac = parse_args(["--config", str(out)]).activation_checkpoint
+    assert (ac.mode, ac.selective_option, ac.op_matmuls) == ("selective", "op", "alternate")
+
+
 def test_cli_errors_are_one_line(capsys):
     rc = planner.main(["--flavor", "13B", "--gpus", "8", "--seq-len", "8192", "--global-batch", "8"])
     err = capsys.readouterr().err.strip().splitlines()

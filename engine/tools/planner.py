@@ -395,7 +395,9 @@ def write_toml(best: Candidate, base_path: Optional[str], path: str, summary: st
     data.setdefault("training", {}).update(seq_len=t.seq_len, local_batch_size=t.local_batch_size,
                                            global_batch_size=t.global_batch_size,
                                            loss_chunk_tokens=t.loss_chunk_tokens)
-    data["activation_checkpoint"] = {"mode": ac.mode, "selective_option": ac.selective_option}
+    # Every setting of the section, the base config's op_matmuls among them: the estimate was made with them.
+    data["activation_checkpoint"] = {"mode": ac.mode, "selective_option": ac.selective_option,
+                                     "op_matmuls": ac.op_matmuls}
     header = "".join(f"# {line}\n" for line in summary.splitlines())
     with open(path, "w") as f:
         f.write(header + tomli_w.dumps(data))
