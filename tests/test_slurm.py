@@ -11,13 +11,14 @@ from engine.tools import slurm
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def render_4x8(tmp_path, *train_args):
+def render_4x8(tmp_path, *train_args, dump_folder: str = ""):
     out = tmp_path / "job.sbatch"
+    dump = ["--dump-folder", dump_folder] if dump_folder else []
     with open(out, "w") as f:
         proc = subprocess.run(
             [sys.executable, "-m", "engine.tools.slurm", "--nodes", "4", "--gpus-per-node", "8", "--config",
              "train_configs/debug_model.toml", "--job-name", "tessera-test", "--partition", "gpu", "--time",
-             "02:00:00", "--", *train_args], cwd=ROOT, stdout=f, stderr=subprocess.PIPE, text=True)
+             "02:00:00", *dump, "--", *train_args], cwd=ROOT, stdout=f, stderr=subprocess.PIPE, text=True)
     assert proc.returncode == 0, proc.stderr
     return out
 
@@ -191,12 +192,12 @@ def _terminated_job(tmp_path, save: bool):
         (stub_dir / name).write_text(text)
         os.chmod(stub_dir / name, 0o755)
     calls = tmp_path / "calls.txt"
-    script = render_4x8(tmp_path)
-    env = dict(os.environ, PATH=f"{stub_dir}:{os.environ['PATH']}", CALLS=str(calls), STUB_DIR=str(stub_dir),
+    script = render_4x8(tmp_path, dump_folder=str(tmp_path / "run"))
+    # CONFIG and DUMP_FOLDER exported in the submitting shell (sbatch passes them on) do not replace the script's.
+    env = dict(os.environ, CONFIG="train_configs/llama3_405b.toml", DUMP_FOLDER=str(tmp_path / "elsewhere"), PATH=f"{stub_dir}:{os.environ['PATH']}", CALLS=str(calls), STUB_DIR=str(stub_dir),
                REAL_PYTHON=sys.executable, PYTHON=str(stub_dir / "python-stub"), SLURM_JOB_ID="4242",
                SLURM_NNODES="4", SLURM_JOB_NODELIST="node-[a-d]", SLURM_SUBMIT_DIR=ROOT,
-               SLURM_JOB_CPUS_PER_NODE="96(x3),64",
-               DUMP_FOLDER=str(tmp_path / "run"), VIRTUAL_ENV="set", FAKE_SAVE="1" if save else "0")
+               SLURM_JOB_CPUS_PER_NODE="96(x3),64", VIRTUAL_ENV="set", FAKE_SAVE="1" if save else "0")
     proc = subprocess.Popen(["bash", str(script)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
     deadline = time.time() + 90
@@ -217,7 +218,7 @@ def test_sigterm_is_forwarded_then_the_job_requeued(tmp_path):
     srun = next(line for line in log.splitlines() if line.startswith("srun "))
     assert "--rdzv_endpoint=node-a:29500" in srun and "--nnodes=4" in srun and "--nproc_per_node=8" in srun
     assert "--cpus-per-task=64" in srun  # the node's task has every CPU of the (smallest) node, not one
-    assert f"--job.dump_folder {tmp_path / 'run'}" in srun
+    assert f"--config train_configs/debug_model.toml --job.dump_folder {tmp_path / 'run'}" in srun
     assert "scancel --signal=USR2 4242" in log and "srun got SIGTERM" not in log
     assert "worker got SIGTERM, saved" in log and "torchrun got SIGTERM" not in log
     assert "training stopped with status 0 after SIGTERM" in out

@@ -115,7 +115,10 @@ def test_sbatch_launcher_submits_then_collects(tmp_path, monkeypatch, capsys):
     assert submitted == [f"--parsable {out}/sbatch/1.sbatch", f"--parsable {out}/sbatch/2.sbatch"]
     script = (out / "sbatch" / "2.sbatch").read_text()
     assert "#SBATCH --nodes=2" in script and "#SBATCH --gpus-per-node=8" in script
-    assert "#SBATCH --job-name=tp-2" in script and str(out / "configs" / "2.toml") in script
+    assert "#SBATCH --job-name=tp-2" in script
+    # Its own config and folder, whatever CONFIG the submitting shell exports (sbatch passes it on).
+    assert f"CONFIG={out / 'configs' / '2.toml'}  # this script's own" in script
+    assert f"DUMP_FOLDER={out / '2'}\n" in script
     meta = json.loads((out / "sweep.json").read_text())
     assert all(r["status"].startswith("submitted (job 77") for r in meta["runs"])
     assert meta["runs"][1]["layout"] == "pp 1 x dp_replicate 1 x dp_shard 8 x cp 1 x tp 2"  # 16 ranks

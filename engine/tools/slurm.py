@@ -16,20 +16,22 @@ The rendered script
 - writes the logs of each attempt to ``<dump_folder>/slurm/<job id>_<restart count>/`` (one file per node,
   the batch script's own output beside the submit directory as ``<job name>-<job id>.out``);
 - handles preemption and the time limit: ``--signal=B:TERM@120`` has SLURM send SIGTERM to the batch shell
-  two minutes before the end; the script forwards it to srun, which forwards it to the task on every node, a
-  small shell around torchrun that passes it to the training processes (as run_train.sh does on one node);
-  they save a checkpoint at the next step boundary and exit 0 (``checkpoint.enable = true``). Should SLURM
-  signal torchrun too (a preemption signals every process of the job), torchrun waits
-  ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` seconds (here 110) before it kills them. The script then runs
-  ``scontrol requeue``, whatever the exit status; the requeued job runs the same command with the same dump
-  folder and resumes from the newest checkpoint.
+  two minutes before the end; the script passes it on as ``scancel --signal=USR2`` to the job steps (never
+  SIGTERM to srun, which would kill them). On every node a small shell around torchrun turns it into SIGTERM
+  for the training processes (torchrun ignores USR2, engine.launch); they save a checkpoint at the next step
+  boundary and exit 0 (``checkpoint.enable = true``). Should SLURM signal torchrun too (a preemption signals
+  every process of the job), torchrun waits ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` seconds (here 110) before it
+  kills them. When the training ended with status 0 after the signal, the script runs ``scontrol requeue``:
+  the requeued job runs the same command with the same dump folder and resumes from the newest checkpoint.
+  Any other status ends the job with it (a requeue without a checkpoint would start the run over).
 
 Before it renders for a ``--config``, the tool runs that same check here (``check_config``), in the checkout the
 job runs in (``--workdir``) and for the cluster's GPUs (Hopper, as a dry run): a user error is the same one
 ``error:`` line and exit status 2, and no script is written, instead of a job that waited in the queue to be
-refused. Render where the job's files are visible (the cluster's login node). Arguments given to sbatch itself,
-and a CONFIG set when submitting, are checked only by the script; so is the default config of a script rendered
-without ``--config`` (a template, like those below).
+refused. Render where the job's files are visible (the cluster's login node). A script rendered for a
+``--config`` runs that config and dump folder whatever CONFIG or DUMP_FOLDER the submitting shell exports.
+Arguments given to sbatch itself are checked only by the script; so is the config of a script rendered without
+``--config`` (a template, like those below, which reads CONFIG from the submitting shell).
 
 ``slurm/single_node.sbatch`` and ``slurm/multi_node.sbatch`` are this renderer's output with the defaults
 (tests/test_slurm.py keeps them in sync); they read CONFIG, DUMP_FOLDER, GPUS_PER_NODE, PYTHON and extra
@@ -72,6 +74,10 @@ class JobSpec:
     """Extra ``--section.key value`` arguments for every rank."""
     signal_seconds: int = 120
     """Seconds before the time limit at which SLURM sends SIGTERM to the batch shell."""
+    fixed: bool = False
+    """The script runs its own config and dump folder (rendered for one run: ``--config``, a sweep's runs), whatever
+    CONFIG and DUMP_FOLDER the submitting shell holds (sbatch passes the shell's environment on); False: a
+    template, which reads them from there."""
 
 
 def _double_quoted(text: str) -> str:
@@ -108,13 +114,20 @@ def render(spec: JobSpec) -> str:
     # Inside the double quotes of cd "${TESSERA_DIR:-...}", single quotes would stay literal: escape for them.
     workdir = _double_quoted(spec.workdir) if spec.workdir else "$SLURM_SUBMIT_DIR"
     train_args = " ".join(q(a) for a in spec.train_args)
+    dump = q(spec.dump_folder) if spec.dump_folder else ""
+    if spec.fixed:  # not from the environment: a CONFIG exported in the submitting shell must not replace it
+        config_lines = (f"CONFIG={q(spec.config)}  # this script's own, not read from the environment\n"
+                        f"DUMP_FOLDER={dump or chr(39) * 2}")
+        overridable = "the checkout, GPUS_PER_NODE and PYTHON overridable"
+    else:
+        config_lines = f"CONFIG=${{CONFIG:-{q(spec.config)}}}\nDUMP_FOLDER=${{DUMP_FOLDER:-{dump}}}"
+        overridable = "each overridable"
     body = f'''
 set -uo pipefail
 
-# ---- what to run (each overridable from the submitting shell) ----
+# ---- what to run ({overridable} from the submitting shell) ----
 cd "${{TESSERA_DIR:-{workdir}}}" || exit 2
-CONFIG=${{CONFIG:-{q(spec.config)}}}
-DUMP_FOLDER=${{DUMP_FOLDER:-{q(spec.dump_folder) if spec.dump_folder else ""}}}
+{config_lines}
 GPUS_PER_NODE=${{GPUS_PER_NODE:-${{SLURM_GPUS_ON_NODE:-{spec.gpus_per_node}}}}}
 PYTHON=${{PYTHON:-python3}}
 if [ -z "${{VIRTUAL_ENV:-}}" ] && [ -f .venv/bin/activate ]; then source .venv/bin/activate; fi
@@ -306,7 +319,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 2
     spec = JobSpec(nodes=a.nodes, gpus_per_node=a.gpus_per_node, config=a.config, job_name=a.job_name,
                    dump_folder=a.dump_folder, partition=a.partition, account=a.account, time=a.time,
-                   cpus_per_task=a.cpus_per_task, workdir=a.workdir, train_args=train_args)
+                   cpus_per_task=a.cpus_per_task, workdir=a.workdir, train_args=train_args, fixed=not template)
     if not template:
         try:
             check_config(spec)

@@ -152,7 +152,8 @@ def launch_sbatch(run: Run, nodes: int, ngpu: int, out: str, job_name: str) -> N
     os.makedirs(folder, exist_ok=True)
     script = os.path.join(folder, f"{run.value}.sbatch")
     spec = JobSpec(nodes=nodes, gpus_per_node=ngpu, config=os.path.abspath(run.config_path),
-                   job_name=f"{job_name}-{run.value}", dump_folder=os.path.abspath(run.run_folder), workdir=ROOT)
+                   job_name=f"{job_name}-{run.value}", dump_folder=os.path.abspath(run.run_folder), workdir=ROOT,
+                   fixed=True)
     with open(script, "w") as f:
         f.write(render(spec))
     try:
