@@ -155,6 +155,13 @@ def test_cli_errors_are_one_line(capsys):
     rc = planner.main(["--flavor", "8B", "--gpus", "0", "--seq-len", "8192", "--global-batch", "8"])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and "--gpus" in err[0], err
+    # A scenario where nothing fits: one error line with the smallest estimate, and no TOML.
+    rc = planner.main(["--flavor", "70B", "--gpus", "8", "--seq-len", "8192", "--global-batch", "8",
+                       "--gpu-memory-gib", "4"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and err[0].startswith(
+        "error: --gpu-memory-gib: no layout of llama3/70B on 8 GPUs fits 3.6 GiB per GPU (the smallest estimate is "
+    ), err
     # --out is checked before the search
     rc = planner.main(["--flavor", "8B", "--gpus", "8", "--seq-len", "8192", "--global-batch", "8",
                        "--out", "/no/such/folder/best.toml"])

@@ -275,6 +275,8 @@ class Plan:
     rejected_by_validation: int
     rejected_by_memory: int
     examined: int
+    smallest_rejected_gib: float = float("inf")
+    """The smallest estimated peak of the layouts that do not fit (GiB; inf when none was estimated)."""
 
 
 def plan(base, gpus: int, seq_len: int, global_batch: int, gpu_memory_gib: float, memory_margin: float,
@@ -292,7 +294,7 @@ def plan(base, gpus: int, seq_len: int, global_batch: int, gpu_memory_gib: float
     flops_per_token = spec.flops_per_token(args, seq_len)
     usable = gpu_memory_gib * (1 - memory_margin) * memory.GIB
 
-    candidates, by_validation, by_memory, examined = [], 0, 0, 0
+    candidates, by_validation, by_memory, examined, smallest = [], 0, 0, 0, float("inf")
     for dp_replicate, dp_shard, cp, tp, pp in layouts(gpus, shape, seq_len, model.gpus_per_node):
         dp = dp_replicate * dp_shard
         if global_batch % dp:
@@ -317,7 +319,7 @@ def plan(base, gpus: int, seq_len: int, global_batch: int, gpu_memory_gib: float
                     if peak <= usable:
                         fitted = cfg, dims, rows, peak
                         break
-                    rejected_by = "memory"
+                    rejected_by, smallest = "memory", min(smallest, peak / memory.GIB)
                 if fitted is None:
                     by_validation += rejected_by == "validation"
                     by_memory += rejected_by == "memory"
@@ -328,7 +330,7 @@ def plan(base, gpus: int, seq_len: int, global_batch: int, gpu_memory_gib: float
                 candidates.append(Candidate(cfg, dims, peak / memory.GIB, step,
                                             global_batch * seq_len / step / gpus, costs, links))
     candidates.sort(key=lambda c: (c.step_s, c.peak_gib))
-    return Plan(candidates, by_validation, by_memory, examined)
+    return Plan(candidates, by_validation, by_memory, examined, smallest)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -498,7 +500,18 @@ def main(argv: Optional[list[str]] = None) -> int:
                    f"--config {a.out} first.")
         write_toml(best, base_path, a.out, summary)
         print(f"best layout written to {a.out}")
-    return 0 if result.candidates else 1
+    if not result.candidates:  # the scenario asks for what cannot be: a user error, one line
+        if result.rejected_by_memory:
+            usable = a.gpu_memory_gib * (1 - a.memory_margin)
+            print(f"error: --gpu-memory-gib: no layout of {a.model}/{a.flavor} on {a.gpus} GPUs fits {usable:.1f} GiB "
+                  f"per GPU (the smallest estimate is {result.smallest_rejected_gib:.1f} GiB); add GPUs, shorten "
+                  "--seq-len or lower --global-batch", file=sys.stderr, flush=True)
+        else:
+            print(f"error: --global-batch: no layout of {a.model}/{a.flavor} on {a.gpus} GPUs validates with a global "
+                  f"batch of {a.global_batch} samples at seq_len {a.seq_len}; pick a global batch that the "
+                  "data-parallel degrees can divide", file=sys.stderr, flush=True)
+        return 2
+    return 0
 
 
 if __name__ == "__main__":
