@@ -129,7 +129,7 @@ class Training:
     """Samples per optimizer step over all data-parallel ranks; -1 means local_batch_size x dp degree. A
     multiple of that product turns on gradient accumulation."""
     max_norm: float = 1.0
-    """Gradient clipping: maximum total L2 norm of the gradients."""
+    """Gradient clipping: maximum total L2 norm of the gradients (> 0; grad_norm is logged before clipping)."""
     mixed_precision_param: str = "bfloat16"
     """On CUDA: dtype of the compute (bfloat16 autocast, or float32 for none). On CPU training runs in
     float32 regardless."""
@@ -253,8 +253,8 @@ class Optimizer:
     eps: float = 1e-8
     """Adam epsilon."""
     weight_decay: float = 0.1
-    """Weight decay, applied to matrices only (never to norms and biases): decoupled with AdamW, added to the
-    gradient (L2) with Adam."""
+    """Weight decay, applied to matrices only, the embedding and output included (never to norms and biases, as
+    Megatron-LM does): decoupled with AdamW, added to the gradient (L2) with Adam."""
     implementation: str = "auto"
     """Optimizer kernel: auto (fused on CUDA, foreach on CPU), fused, foreach or for-loop."""
 
@@ -262,22 +262,23 @@ class Optimizer:
 @dataclass
 class LRScheduler:
     warmup_steps: int = 20
-    """Steps of linear warmup from near 0 to the peak lr. It may exceed training.steps (a short test of a long
-    run's config): the lr then ramps up to the last step, each step at the lr it has in the long run."""
+    """Steps of linear warmup: step s of them (from 1) runs at s / warmup_steps of the peak lr, the last at the
+    peak. It may exceed training.steps (a short test of a long run's config): the lr then ramps up to the last
+    step, each step at the lr it has in the long run."""
     decay_ratio: float = -1.0
     """Fraction of the steps spent decaying at the end (warmup-stable-decay); -1 decays over every step
     after warmup."""
     decay_type: str = "linear"
     """Shape of the decay: linear, cosine or sqrt."""
     min_lr_factor: float = 0.0
-    """The lr at the end of the decay, as a fraction of the peak lr."""
+    """The lr of the last step (the end of the decay), as a fraction of the peak lr."""
 
 
 @dataclass
 class Metrics:
     log_freq: int = 10
     """Log metrics every this many steps (the first and last steps are always logged); the logged loss is
-    the mean over the steps since the previous log."""
+    the mean over the steps since the previous multiple of log_freq (the first step is also logged alone)."""
     enable_tensorboard: bool = False
     """Write tensorboard event files to <dump_folder>/tb (a fresh run sets an earlier run's aside as tb.<n>; a
     resumed run hides the earlier events of the steps it trains again)."""
