@@ -202,6 +202,26 @@ def test_special_tokens_from_config_and_known_names(tmp_path):
         Tokenizer(path)
 
 
+def test_tokenizer_config_with_a_null_bos_asks_for_eos_alone(tmp_path, tok):
+    """bos_token null in tokenizer_config.json: no BOS (as Megatron-LM separates documents by EOS alone), even
+    with a known BOS name in the vocabulary; the packed stream then holds each document and its EOS only."""
+    path = _variant(tmp_path, "eos_only", config={"bos_token": None, "eos_token": "<|end_of_text|>"})
+    t = Tokenizer(path)
+    assert t.bos_token is None and t.bos_id is None
+    assert t.encode("hello world") == tok.encode("hello world")[1:]
+    assert t.encode_batch(["a b", "c"]) == [ids[1:] for ids in tok.encode_batch(["a b", "c"])]
+    docs = [f"document {i} " * 3 for i in range(40)]
+    data = write_jsonl(tmp_path / "d.jsonl", docs)
+    cfg = make_cfg(data, seq_len=16, batch=2, streaming=True)
+    loader = build_dataloader(cfg, t, 0, 1)
+    batch = next(loader)
+    stream = [i for d in docs for i in t.encode(d)]
+    assert batch["input_ids"][0].tolist() == stream[:16] and tok.bos_id not in batch["input_ids"].flatten().tolist()
+    # Null EOS is still an error: documents need an end.
+    with pytest.raises(ConfigError, match=r"^data\.tokenizer: no EOS token found"):
+        Tokenizer(_variant(tmp_path, "no_eos", replace={"<|end_of_text|>": "<B>"}, config={"bos_token": None}))
+
+
 def test_build_tokenizer_sources_and_errors(tmp_path):
     cfg = Config()
     assert build_tokenizer(cfg).path == BUILTIN_TOKENIZER

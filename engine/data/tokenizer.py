@@ -5,7 +5,8 @@ only, GPT-2's adds nothing): text is encoded with ``add_special_tokens=False`` a
 here. They are found from a ``tokenizer_config.json`` beside the file (``bos_token``/``eos_token``, a string
 or ``{"content": ...}``) when there is one, else from the first known pair of names present in the
 vocabulary: ``<|begin_of_text|>``/``<|end_of_text|>`` (Llama 3), ``<s>``/``</s>`` (Llama 2, Mistral),
-``<|endoftext|>`` for both (GPT-2 style). Special tokens written in a document's text are encoded as plain
+``<|endoftext|>`` for both (GPT-2 style). A ``tokenizer_config.json`` whose ``bos_token`` is null asks for no
+BOS: documents are then separated by EOS alone, as Megatron-LM's end-of-document token does. Special tokens written in a document's text are encoded as plain
 text. Truncation and padding saved in the file (some published tokenizer.json files have them on) are turned
 off: a document is encoded whole and unpadded, and packing cuts it.
 """
@@ -59,12 +60,14 @@ class Tokenizer:
         self._tok.no_truncation()
         self._tok.no_padding()
         self.bos_token, self.eos_token = self._find_special_tokens(field)
-        self._bos_id = self._tok.token_to_id(self.bos_token)
+        self._bos_id = None if self.bos_token is None else self._tok.token_to_id(self.bos_token)
         self._eos_id = self._tok.token_to_id(self.eos_token)
 
-    def _find_special_tokens(self, field: str) -> tuple[str, str]:
+    def _find_special_tokens(self, field: str) -> tuple[str | None, str]:
+        """(BOS, EOS) token names; BOS None when tokenizer_config.json sets bos_token to null (no BOS)."""
         config_path = os.path.join(os.path.dirname(self.path), "tokenizer_config.json")
         bos = eos = None
+        no_bos = False
         if os.path.isfile(config_path):
             try:
                 with open(config_path, encoding="utf-8") as f:
@@ -74,17 +77,19 @@ class Tokenizer:
             if isinstance(config, dict):
                 bos = _token_content(config.get("bos_token"))
                 eos = _token_content(config.get("eos_token"))
+                no_bos = "bos_token" in config and config["bos_token"] is None
             for name, token in (("bos_token", bos), ("eos_token", eos)):
                 if token is not None and self._tok.token_to_id(token) is None:
                     raise ConfigError(
                         f"{field}: {config_path} names {name} '{token}', which is not in the vocabulary of {self.path}"
                     )
         for bos_name, eos_name in KNOWN_SPECIAL_TOKENS:
-            if bos is None and self._tok.token_to_id(bos_name) is not None:
+            if bos is None and not no_bos and self._tok.token_to_id(bos_name) is not None:
                 bos = bos_name
             if eos is None and self._tok.token_to_id(eos_name) is not None:
                 eos = eos_name
-        missing = [name for name, token in (("BOS", bos), ("EOS", eos)) if token is None]
+        missing = [name for name, token in (("BOS", bos), ("EOS", eos))
+                   if token is None and not (name == "BOS" and no_bos)]
         if missing:
             known = ", ".join(f"{b}/{e}" for b, e in KNOWN_SPECIAL_TOKENS[:2]) + ", " + KNOWN_SPECIAL_TOKENS[2][0]
             other = "" if field == "data.tokenizer" else ", or set data.tokenizer to another tokenizer.json"
@@ -95,7 +100,8 @@ class Tokenizer:
         return bos, eos
 
     @property
-    def bos_id(self) -> int:
+    def bos_id(self) -> int | None:
+        """None when the tokenizer asks for no BOS (tokenizer_config.json's bos_token is null)."""
         return self._bos_id
 
     @property
@@ -109,7 +115,7 @@ class Tokenizer:
 
     def encode(self, text: str, bos: bool = True, eos: bool = True) -> list[int]:
         ids = self._tok.encode(text, add_special_tokens=False).ids
-        if bos:
+        if bos and self._bos_id is not None:
             ids.insert(0, self._bos_id)
         if eos:
             ids.append(self._eos_id)
@@ -120,7 +126,7 @@ class Tokenizer:
         out = []
         for enc in self._tok.encode_batch(list(texts), add_special_tokens=False):
             ids = enc.ids
-            if bos:
+            if bos and self._bos_id is not None:
                 ids.insert(0, self._bos_id)
             if eos:
                 ids.append(self._eos_id)
