@@ -42,6 +42,8 @@ LAYOUTS = {
     },
     4: {
         "pp2_tp2": ["--parallelism.pp", "2", "--parallelism.tp", "2"],
+        # flex attention's mask covers the whole sequence on the stage whose input is a sequence-parallel slice
+        "pp2_tp2_flex": ["--parallelism.pp", "2", "--parallelism.tp", "2", "--model.attn", "flex"],
         "fsdp2_cp2": ["--parallelism.dp_shard", "2", "--parallelism.cp", "2", "--training.local_batch_size", "2"],
     },
 }

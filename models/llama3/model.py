@@ -300,6 +300,9 @@ class Transformer(nn.Module):
         # Set by a parallel plan under context parallelism: tokens then hold this rank's chunks of each sequence
         # while doc_ids stay whole (the blocks' ring attention masks every chunk pair locally).
         self.context_parallel = False
+        # Set by a parallel plan under sequence parallelism (TP): the hidden state a pipeline stage without the
+        # embedding receives holds 1/sequence_shards of the positions (the blocks gather them for attention).
+        self.sequence_shards = 1
         # The output projection fused with the loss (forward with labels): (h, weight, labels, chunk) -> loss
         # sum. A parallel plan replaces it when the projection is sharded (tensor parallelism).
         self.linear_loss: Callable[[Tensor, Tensor, Tensor, int], Tensor] = linear_cross_entropy_sum
@@ -364,7 +367,9 @@ class Transformer(nn.Module):
         cross-entropies instead of the logits, the output projection fused with the loss over
         ``self.loss_chunk_tokens`` tokens at a time (models/loss.py), so that the logits never exist whole.
         """
-        seqlen = tokens.shape[1]  # before the embedding: under sequence parallelism h holds a slice
+        # The whole sequence's length: tokens are whole before the embedding; a later pipeline stage's hidden state
+        # holds a slice of the positions under sequence parallelism.
+        seqlen = tokens.shape[1] * (1 if self.tok_embeddings is not None else self.sequence_shards)
         if seqlen > self.freqs_cis.shape[0]:
             raise ValueError(f"sequence length {seqlen} exceeds max_seq_len {self.freqs_cis.shape[0]}")
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens

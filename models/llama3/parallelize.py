@@ -120,6 +120,7 @@ def parallelize_llama(model: nn.Module, dims: ParallelDims, cfg: Any, device_typ
         root_plan = {k: v for k, v in tp_plan_root(not p.disable_loss_parallel).items() if getattr(model, k) is not None}
         apply_tp(model, tp_mesh, root_plan)
         model.linear_loss = vocab_parallel_linear_cross_entropy_sum  # training.loss_chunk_tokens under TP
+        model.sequence_shards = dims.tp  # a stage without the embedding gets Shard(1) of the hidden state
         for block in model.layers.values():
             apply_tp(block, tp_mesh, tp_plan_block(block, float8_comm))
         if p.enable_async_tp:
