@@ -204,7 +204,7 @@ class ActivationCheckpoint:
     selective_option: str = "op"
     """For mode = selective: "op" keeps the outputs of matmuls and attention and recomputes the rest;
     an integer N (at most the model's number of layers) checkpoints every N-th block fully, from the first one
-    (blocks 0, N, 2N, ...)."""
+    (blocks 0, N, 2N, ...), counted within each pipeline stage (as torchtitan counts)."""
     op_matmuls: str = "all"
     """For selective_option = op: the matmul outputs kept, all (the least recompute) or alternate (torchtitan's
     per-op policy: every other matmul of a block, so wk, wo and w3 are recomputed in backward, about 9% more

@@ -86,6 +86,7 @@ def wrap_block(block: nn.Module, mode: str, selective_option: str, index: int, o
 
 
 def apply_ac(blocks: nn.ModuleDict, mode: str, selective_option: str, op_matmuls: str = "all") -> None:
-    """Wrap the blocks of ``blocks`` in place."""
+    """Wrap the blocks of ``blocks`` (one pipeline stage's, or the whole model's) in place; selective N counts
+    from this stage's first block."""
     for i, (name, block) in enumerate(list(blocks.items())):
         blocks[name] = wrap_block(block, mode, selective_option, i, op_matmuls)
