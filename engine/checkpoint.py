@@ -339,10 +339,11 @@ def _train_state_problems(state: dict) -> list[str]:
     return bad
 
 
-def check_data_source(info: CheckpointInfo, source, cfg: Config) -> None:
+def check_data_source(info: CheckpointInfo, source, cfg: Config, tokenizer=None) -> None:
     """The data position in checkpoint ``info`` belongs to the data this run reads (``source``, a
-    engine.data.datasets.DataSource); raises ConfigError naming the data field otherwise."""
-    from engine.data.loader import reading_options, source_id
+    engine.data.datasets.DataSource, framed by ``tokenizer``'s BOS/EOS when given); raises ConfigError naming the
+    data field otherwise."""
+    from engine.data.loader import READING_FIELDS, reading_options, source_id
 
     if "dataloader" in cfg.checkpoint.exclude_from_loading:
         return
@@ -357,11 +358,12 @@ def check_data_source(info: CheckpointInfo, source, cfg: Config) -> None:
                 "read the new data from its beginning"
             )
         saved_reading = shard.get("reading") if isinstance(shard.get("reading"), dict) else {}  # older states: none
-        for key, value in reading_options(cfg, source.kind).items():
+        for key, value in reading_options(cfg, source.kind, tokenizer).items():
             if key in saved_reading and saved_reading[key] != value:
+                what = f"data.{key} =" if READING_FIELDS[key] == f"data.{key}" else f"a tokenizer whose {key} is"
                 raise ConfigError(
-                    f"data.{key}: the checkpoint of step {info.step} holds a position in {here} read with "
-                    f"data.{key} = {saved_reading[key]!r}, this run sets {value!r}; resume with that, or set "
+                    f"{READING_FIELDS[key]}: the checkpoint of step {info.step} holds a position in {here} read with "
+                    f"{what} {saved_reading[key]!r}, this run has {value!r}; resume with that, or set "
                     "checkpoint.exclude_from_loading = [\"dataloader\"] to read the data from its beginning"
                 )
         if "streaming" in shard and bool(shard["streaming"]) != cfg.data.streaming:

@@ -311,8 +311,8 @@ class Validation:
     dataset: str = ""
     """Validation data: a built-in or Hugging Face dataset; empty takes data.dataset."""
     dataset_config: str = ""
-    """Hugging Face dataset configuration name of validation.dataset (e.g. wikitext-2-raw-v1); empty for none.
-    data.dataset_config applies only when validation reads data.dataset (validation.dataset empty)."""
+    """Hugging Face dataset configuration name of validation.dataset (e.g. wikitext-2-raw-v1); empty: none, or
+    data.dataset_config when validation.dataset is data.dataset (or empty)."""
     path: str = ""
     """Validation data: a local file or folder; empty takes data.path (when validation.dataset is empty)."""
     split: str = ""

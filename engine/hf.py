@@ -246,6 +246,8 @@ def _export(
         if os.path.isfile(beside):
             tokenizer_files["tokenizer_config.json"] = beside
     config = _adapter_for(args).hf_config(args, dtype=dtype, bos_token_id=bos_id, eos_token_id=eos_id)
+    if tokenizer_path is not None and bos_id is None:  # a tokenizer without BOS: say so (transformers' default is 1)
+        config["bos_token_id"] = None
 
     os.makedirs(parent, exist_ok=True)
     if world_size > 1:  # rank 0: its own shards, then the rest of the folder once every shard is there

@@ -101,6 +101,17 @@ class TrainingDiverged(RuntimeError):
     """The loss or the gradient norm became nan or inf (every rank sees the same, so every rank raises it)."""
 
 
+def check_finite(step: int, loss: float, grad_norm: float, nonfinite: float) -> None:
+    """Raise TrainingDiverged unless ``loss`` (a window's mean) is finite and no step of the window had a nan or
+    inf gradient norm (``nonfinite`` counts them): before a log, and before any save of the step."""
+    if nonfinite or not math.isfinite(loss):
+        raise TrainingDiverged(
+            f"optimizer.lr: training diverged by step {step} (loss {loss:.4g}, gradient norm {grad_norm:.4g}: nan or "
+            "inf); this step is not saved. Restart from the last checkpoint with a lower optimizer.lr, more "
+            "lr_scheduler.warmup_steps or a smaller training.max_norm"
+        )
+
+
 @dataclass
 class ModelParts:
     """This rank's share of the model: its pipeline stages (the whole model without PP), parallelized."""
@@ -191,7 +202,7 @@ class Trainer:
                 self._val_start = self._val_loader.state_dict()  # every validation reads from here
                 val_fit = self._validation_batches_that_fit()  # reads them now: a bad record is a user error now
             if self.resume_from is not None:  # its data position must belong to this data
-                check_data_source(self.resume_from, self.dataloader.source, cfg)
+                check_data_source(self.resume_from, self.dataloader.source, cfg, self.tokenizer)
         if cfg.validation.enable:
             self._warn_small_validation_data(val_fit)
 
@@ -527,9 +538,7 @@ class Trainer:
 
                     logging_now, saving_now = self._should_log(self.step), ckpt.should_save(self.step)
                     last = self.step == cfg.training.steps
-                    # A SIGTERM (agreed by every rank) saves this step and stops, unless the step is the last.
-                    stopping = cfg.checkpoint.enable and not last and ckpt.stop_requested()
-                    if logging_now or saving_now or stopping:
+                    if logging_now or saving_now:
                         # The one host sync per log (and per checkpoint, which nan or inf must not reach).
                         loss_value, grad_norm_value, nonfinite = torch.stack(
                             [window_loss / window_steps, grad_norm.float(), window_nonfinite]).tolist()
@@ -543,13 +552,7 @@ class Trainer:
                             )
                             window_start = time.perf_counter()
                             window_tokens, window_data_wait = 0, 0.0
-                        if nonfinite or not math.isfinite(loss_value):  # every rank holds the same values
-                            raise TrainingDiverged(
-                                f"optimizer.lr: training diverged by step {self.step} (loss {loss_value:.4g}, gradient "
-                                f"norm {grad_norm_value:.4g}: nan or inf); this step is not saved. Restart from the "
-                                "last checkpoint with a lower optimizer.lr, more lr_scheduler.warmup_steps or a "
-                                "smaller training.max_norm"
-                            )
+                        check_finite(self.step, loss_value, grad_norm_value, nonfinite)
                         if logging_now and (self.step % cfg.metrics.log_freq == 0 or last):  # the loss window ends
                             window_steps = 0
                             window_loss.zero_()
@@ -568,8 +571,12 @@ class Trainer:
                     ckpt.poll()
                     if saving_now:
                         ckpt.save(self.step, model_only=last and cfg.checkpoint.last_save_model_only)
-                    if stopping:
+                    # A SIGTERM (agreed by every rank) saves this step and stops, unless the step is the last.
+                    if cfg.checkpoint.enable and not last and ckpt.stop_requested():
                         if not saving_now:
+                            if not logging_now:  # this step's window was not checked: no nan or inf is saved
+                                check_finite(self.step, *torch.stack(
+                                    [window_loss / window_steps, grad_norm.float(), window_nonfinite]).tolist())
                             ckpt.save(self.step, force_sync=True)
                         ckpt.wait()
                         if self.world.logs:

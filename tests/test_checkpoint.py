@@ -756,25 +756,43 @@ def test_resuming_with_the_other_data_streaming_setting_names_it(reference):
     check_data_source(info, resolve_source(cfg), parse_args(BASE))
 
 
-def test_resuming_on_another_split_or_text_column_names_it(reference):
-    """A data position counts records of one split and tokens of one text column: resuming with another
-    data.split or data.text_field of the same data is refused up front, naming the field."""
+def test_resuming_on_another_split_text_column_or_framing_names_it(reference, tmp_path):
+    """A data position counts records of one split, and tokens of one text column framed by one BOS/EOS:
+    resuming with another data.split, data.text_field, or a tokenizer that frames documents otherwise (here
+    without BOS), is refused up front, naming the field. A position saved before these were recorded resumes."""
     from engine.checkpoint import check_data_source
     from engine.data.datasets import resolve_source
 
     info = inspect_checkpoint(str(reference / "checkpoint" / "step-000010"), "checkpoint.folder")
+    assert build_tokenizer(parse_args(BASE)).bos_id == 0
+    no_bos = tmp_path / "no_bos"
+    no_bos.mkdir()
+    shutil.copyfile(build_tokenizer(parse_args(BASE)).path, no_bos / "tokenizer.json")
+    (no_bos / "tokenizer_config.json").write_text(json.dumps({"bos_token": None, "eos_token": "<|end_of_text|>"}))
     for args, message in (
         (["--data.split", "train[:50%]", "--data.streaming", "false"],
          r"^data\.split: the checkpoint of step 10 holds a position in builtin:tessera_docs read with data\.split = "
-         r"'train', this run sets 'train\[:50%\]'; resume with that, or set checkpoint\.exclude_from_loading"),
-        (["--data.text_field", "body"], r"^data\.text_field: .* read with data\.text_field = 'text', this run sets "
+         r"'train', this run has 'train\[:50%\]'; resume with that, or set checkpoint\.exclude_from_loading"),
+        (["--data.text_field", "body"], r"^data\.text_field: .* read with data\.text_field = 'text', this run has "
                                         r"'body'; "),
+        (["--data.tokenizer", str(no_bos / "tokenizer.json")],
+         r"^data\.tokenizer: .* read with a tokenizer whose bos_id is 0, this run has None; "),
     ):
         cfg = parse_args([*BASE, *args])
         with pytest.raises(ConfigError, match=message):
-            check_data_source(info, resolve_source(cfg), cfg)
+            check_data_source(info, resolve_source(cfg), cfg, build_tokenizer(cfg))
         excluded = parse_args([*BASE, *args, "--checkpoint.exclude_from_loading", "dataloader"])
-        check_data_source(info, resolve_source(excluded), excluded)
+        check_data_source(info, resolve_source(excluded), excluded, build_tokenizer(excluded))
+    # A checkpoint whose data position has no record of these (saved by an earlier Tessera): not refused.
+    old = tmp_path / "old"
+    shutil.copytree(info.folder, old)
+    for path in (old / "dataloader").iterdir():
+        state = json.loads(path.read_text())
+        for shard in state["shards"].values():
+            del shard["reading"]
+        path.write_text(json.dumps(state))
+    cfg = parse_args([*BASE, "--data.text_field", "body"])
+    check_data_source(dataclasses.replace(info, folder=str(old)), resolve_source(cfg), cfg, build_tokenizer(cfg))
 
 
 def test_bad_checkpoints_through_run_train_sh(reference, tmp_path):

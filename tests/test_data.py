@@ -809,6 +809,8 @@ def test_unreachable_hub_dataset_is_one_line(tok):
     cfg = make_cfg("", dataset="allenai/c4")
     cfg.data.dataset_config = "en"
     assert validation_data(cfg)[0].data.dataset_config == "en"
+    cfg.validation.dataset = "allenai/c4"  # the same dataset, named: its configuration too
+    assert validation_data(cfg)[0].data.dataset_config == "en"
     cfg.validation.dataset = "Salesforce/wikitext"
     assert validation_data(cfg)[0].data.dataset_config == ""
     cfg.validation.dataset_config = "wikitext-2-raw-v1"

@@ -234,6 +234,15 @@ def test_export_then_load_is_exact(debug_export, tmp_path):
     with open(os.path.join(folder, "config.json")) as f:
         config = json.load(f)
     assert (config["bos_token_id"], config["eos_token_id"]) == (tokenizer.bos_id, tokenizer.eos_id)
+    # A tokenizer without BOS (bos_token null): config.json says so, rather than leave transformers' default (1).
+    (tmp_path / "no_bos").mkdir()
+    shutil.copyfile(BUILTIN_TOKENIZER, tmp_path / "no_bos" / "tokenizer.json")
+    (tmp_path / "no_bos" / "tokenizer_config.json").write_text(json.dumps({"bos_token": None}))
+    export_hf(sd, DEBUG, str(tmp_path / "no_bos_hf"), tokenizer_path=str(tmp_path / "no_bos" / "tokenizer.json"))
+    with open(tmp_path / "no_bos_hf" / "config.json") as f:
+        config = json.load(f)
+    assert config["bos_token_id"] is None and config["eos_token_id"] == tokenizer.eos_id
+    shutil.rmtree(tmp_path / "no_bos_hf")
 
     # bf16, sharded into one tensor per shard: the values are sd's rounded to bf16.
     sharded = str(tmp_path / "bf16")

@@ -194,7 +194,8 @@ def _terminated_job(tmp_path, save: bool):
     calls = tmp_path / "calls.txt"
     script = render_4x8(tmp_path, dump_folder=str(tmp_path / "run"))
     # CONFIG and DUMP_FOLDER exported in the submitting shell (sbatch passes them on) do not replace the script's.
-    env = dict(os.environ, CONFIG="train_configs/llama3_405b.toml", DUMP_FOLDER=str(tmp_path / "elsewhere"), PATH=f"{stub_dir}:{os.environ['PATH']}", CALLS=str(calls), STUB_DIR=str(stub_dir),
+    env = dict(os.environ, CONFIG="train_configs/llama3_405b.toml", DUMP_FOLDER=str(tmp_path / "elsewhere"),
+               PATH=f"{stub_dir}:{os.environ['PATH']}", CALLS=str(calls), STUB_DIR=str(stub_dir),
                REAL_PYTHON=sys.executable, PYTHON=str(stub_dir / "python-stub"), SLURM_JOB_ID="4242",
                SLURM_NNODES="4", SLURM_JOB_NODELIST="node-[a-d]", SLURM_SUBMIT_DIR=ROOT,
                SLURM_JOB_CPUS_PER_NODE="96(x3),64", VIRTUAL_ENV="set", FAKE_SAVE="1" if save else "0")

@@ -72,7 +72,7 @@ TRAINING_FIELDS = DataFields()
 
 def validation_data(cfg: Config) -> tuple[Config, DataFields]:
     """The validation data: a copy of ``cfg`` whose data section reads it (validation.dataset with its own
-    validation.dataset_config, or validation.path; validation.split and validation.text_field in the place of the
+    validation.dataset_config, data.dataset_config when it is data.dataset, or validation.path; validation.split and validation.text_field in the place of the
     training data's where set; one shard per data-parallel rank), and the fields its errors name (validation.*
     where set, else the data.* it takes)."""
     v = cfg.validation
@@ -80,7 +80,9 @@ def validation_data(cfg: Config) -> tuple[Config, DataFields]:
     fields = {}
     if v.dataset:
         vcfg.data.dataset, vcfg.data.path = v.dataset, ""
-        vcfg.data.dataset_config = v.dataset_config  # another dataset: the training data's configuration is not its
+        # Its own configuration; the same dataset as the training data's keeps that one unless it names another.
+        same = v.dataset == cfg.data.dataset
+        vcfg.data.dataset_config = v.dataset_config or (cfg.data.dataset_config if same else "")
         fields["dataset"] = fields["text_field"] = "validation.dataset"
         fields["path"] = "validation.path"  # where its local files would be given instead (the Hub error's advice)
     elif v.path:

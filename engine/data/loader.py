@@ -1,10 +1,10 @@
 """Packing documents into fixed-length samples, and a data loader that resumes exactly.
 
-Each document becomes ``[BOS] + tokens + [EOS]``; the documents are laid end to end and cut into
-samples of ``seq_len + 1`` tokens with no padding (the tokens left over stay for the next sample):
-``input_ids = sample[:-1]``, ``labels = sample[1:]``, and ``doc_ids[i]`` is the index, counted from 0
-within the sample, of the document that input token ``i`` belongs to (a block-causal mask lets token
-``i`` see token ``j`` when ``doc_ids[i] == doc_ids[j]``).
+Each document becomes ``[BOS] + tokens + [EOS]`` (no BOS for a tokenizer without one); the documents are laid end
+to end and cut into samples of ``seq_len + 1`` tokens with no padding (the tokens left over stay for the next
+sample): ``input_ids = sample[:-1]``, ``labels = sample[1:]``, and ``doc_ids[i]`` is the index, counted from 0
+within the sample, of the document that input token ``i`` belongs to (a block-causal mask lets token ``i`` see
+token ``j`` when ``doc_ids[i] == doc_ids[j]``).
 
 The dataset is read over and over (epochs) so training never runs out of data. A map-style dataset
 (``data.streaming = false``) is read in a fresh order each epoch, a permutation seeded by
@@ -44,7 +44,7 @@ class _Doc:
     __slots__ = ("tokens", "epoch", "index", "ds_state", "ds_state_after")
 
     def __init__(self, tokens, epoch, index, ds_state, ds_state_after):
-        self.tokens = tokens  # list[int]: BOS + text tokens + EOS
+        self.tokens = tokens  # list[int]: BOS (when the tokenizer has one) + text tokens + EOS
         self.epoch = epoch
         self.index = index  # position of its record in this rank's epoch order
         self.ds_state = ds_state  # streaming: the dataset's state before this record (None: epoch start)
@@ -270,7 +270,7 @@ class DataLoader:
             "dp_world_size": self.dp_world_size,
             "streaming": self.streaming,
             "source": source_id(self.source.kind, self.source.name),
-            "reading": reading_options(self.cfg, self.source.kind),
+            "reading": reading_options(self.cfg, self.source.kind, self.tokenizer),
             "seed": self.seed,
             # The next sample starts at token `token_offset` of document `docs_in_epoch` of `epoch`
             # (this rank's order); `dataset_state` (streaming) is the dataset's state just before it.
@@ -328,12 +328,21 @@ def source_id(kind: str, name: str) -> str:
     return f"{kind}:{os.path.abspath(name) if kind == 'local' else name}"
 
 
-def reading_options(cfg: Config, kind: str) -> dict[str, str]:
-    """The data.* options that choose which records of a source are read, and which text of each (saved with a
-    loader's position: a position in one split or column means nothing in another): the split, the text
-    column, and a Hub dataset's configuration."""
-    return {"dataset_config": cfg.data.dataset_config if kind == "hub" else "", "split": cfg.data.split.strip(),
-            "text_field": cfg.data.text_field}
+READING_FIELDS = {"dataset_config": "data.dataset_config", "split": "data.split", "text_field": "data.text_field",
+                  "bos_id": "data.tokenizer", "eos_id": "data.tokenizer"}
+"""The config field that sets each of reading_options' entries."""
+
+
+def reading_options(cfg: Config, kind: str, tokenizer=None) -> dict:
+    """What chooses the records of a source that are read, and the tokens of each (saved with a loader's position:
+    a position in one split, column or framing means nothing in another): the split, the text column, a Hub
+    dataset's configuration, and with ``tokenizer`` the BOS and EOS ids that frame each document (BOS None: no
+    BOS)."""
+    options = {"dataset_config": cfg.data.dataset_config if kind == "hub" else "", "split": cfg.data.split.strip(),
+               "text_field": cfg.data.text_field}
+    if tokenizer is not None:
+        options.update(bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id)
+    return options
 
 
 class ShardedDataLoader:

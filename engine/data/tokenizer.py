@@ -1,14 +1,14 @@
 """Tokenizers: any Hugging Face ``tokenizer.json`` (Llama-3's included) or Tessera's built-in one.
 
-``Tokenizer`` never relies on the file's post-processor to add BOS/EOS (Llama-3's tokenizer.json adds BOS
-only, GPT-2's adds nothing): text is encoded with ``add_special_tokens=False`` and the BOS/EOS ids are added
-here. They are found from a ``tokenizer_config.json`` beside the file (``bos_token``/``eos_token``, a string
-or ``{"content": ...}``) when there is one, else from the first known pair of names present in the
-vocabulary: ``<|begin_of_text|>``/``<|end_of_text|>`` (Llama 3), ``<s>``/``</s>`` (Llama 2, Mistral),
-``<|endoftext|>`` for both (GPT-2 style). A ``tokenizer_config.json`` whose ``bos_token`` is null asks for no
-BOS: documents are then separated by EOS alone, as Megatron-LM's end-of-document token does. Special tokens written in a document's text are encoded as plain
-text. Truncation and padding saved in the file (some published tokenizer.json files have them on) are turned
-off: a document is encoded whole and unpadded, and packing cuts it.
+``Tokenizer`` never relies on the file's post-processor to add BOS/EOS (Llama-3's tokenizer.json adds BOS only,
+GPT-2's adds nothing): text is encoded with ``add_special_tokens=False`` and the BOS/EOS ids are added here. They
+are found from a ``tokenizer_config.json`` beside the file (``bos_token``/``eos_token``, a string or ``{"content":
+...}``) when there is one, else from the first known pair of names present in the vocabulary:
+``<|begin_of_text|>``/``<|end_of_text|>`` (Llama 3), ``<s>``/``</s>`` (Llama 2, Mistral), ``<|endoftext|>`` for
+both (GPT-2 style). A ``tokenizer_config.json`` whose ``bos_token`` is null asks for no BOS: documents are then
+separated by EOS alone, as Megatron-LM's end-of-document token does. Special tokens written in a document's text
+are encoded as plain text. Truncation and padding saved in the file (some published tokenizer.json files have them
+on) are turned off: a document is encoded whole and unpadded, and packing cuts it.
 """
 
 from __future__ import annotations

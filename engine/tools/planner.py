@@ -364,7 +364,7 @@ def format_plan(result: Plan, top: int) -> str:
             f"{c.peak_gib:.1f}", f"{c.step_s:.2f}", f"{c.tokens_per_s_per_gpu:,.0f}", c.reason,
         ])
     if not lines:
-        return "no layout fits: add GPUs, shorten seq_len or lower the global batch"
+        return "no layout to rank (the error line says why)"
     widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(header)]
     out = ["  ".join(h.rjust(w) if i < len(header) - 1 else h for i, (h, w) in enumerate(zip(header, widths)))]
     for line in lines:
