@@ -5,6 +5,7 @@ import gzip
 import json
 import os
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -753,25 +754,28 @@ def test_bad_record_found_mid_run_is_a_data_error(tmp_path, tok):
     """A record of the wrong type after the first ones (the start-up check reads the first 64, in the streaming
     order) stops the loader with a DataError (the trainer's one-line mid-run error) naming the field and the
     record."""
-    path = tmp_path / "late.jsonl"
-    path.write_text("".join(json.dumps({"text": f"document {i} " * 10}) + "\n" for i in range(100))
-                    + json.dumps({"text": ["a", "list"]}) + "\n")
-    loader = build_dataloader(make_cfg(path, seq_len=16, batch=2, streaming=True), tok, 0, 1)
-    with pytest.raises(DataError, match=r"^data\.text_field: column 'text' holds list values.*\(record 100 of shard "
-                                        r"0 of 1, epoch 0\); fix or remove the bad record, then resume"):
-        for _ in range(1000):
-            next(loader)
-    # Map-style: the row the record is in the data (the epoch's order is shuffled), after the 64 read at start.
-    late = tmp_path / "late_map.jsonl"
-    late.write_text("".join(json.dumps({"text": f"document {i} " * 10 if i != 150 else 7}) + "\n" for i in range(300)))
-    loader = build_dataloader(make_cfg(late, seq_len=16, batch=2, streaming=False), tok, 0, 1)
-    with pytest.raises(DataError, match=r"^data\.text_field: column 'text' holds int values.*\(row 150 of shard 0 "
-                                        r"of 1\); fix"):
-        for _ in range(10000):
-            next(loader)
+    def with_bad_record(name: str, count: int, bad_at: int, bad_text) -> Path:
+        """``count`` documents, the one at ``bad_at`` with ``bad_text`` for its text."""
+        path = tmp_path / name
+        path.write_text("".join(json.dumps({"text": f"document {i} " * 10 if i != bad_at else bad_text}) + "\n"
+                                for i in range(count)))
+        return path
+
+    # Streaming: the record's place in the shard's stream. Map-style: its row in the data (the epoch's order is
+    # shuffled); both after the 64 read at start-up.
+    for path, streaming, message in (
+        (with_bad_record("late.jsonl", 101, 100, ["a", "list"]), True,
+         r"^data\.text_field: column 'text' holds list values.*\(record 100 of shard 0 of 1, epoch 0\); fix or "
+         r"remove the bad record, then resume"),
+        (with_bad_record("late_map.jsonl", 300, 150, 7), False,
+         r"^data\.text_field: column 'text' holds int values.*\(row 150 of shard 0 of 1\); fix"),
+    ):
+        loader = build_dataloader(make_cfg(path, seq_len=16, batch=2, streaming=streaming), tok, 0, 1)
+        with pytest.raises(DataError, match=message):
+            for _ in range(10000):
+                next(loader)
     # Among the first records (read at start-up): a ConfigError saying which.
-    early = tmp_path / "early.jsonl"
-    early.write_text("".join(json.dumps({"text": f"document {i} " * 10 if i != 2 else 7}) + "\n" for i in range(9)))
+    early = with_bad_record("early.jsonl", 9, 2, 7)
     with pytest.raises(ConfigError, match=r"^data\.text_field: column 'text' holds int values.*\(record 2 of shard 0 "
                                           r"of 1, epoch 0\); fix or remove the bad record$"):
         build_dataloader(make_cfg(early, seq_len=16, batch=2, streaming=True), tok, 0, 1)
