@@ -286,10 +286,7 @@ def _rename_folder(tmp: str, folder: str, field: str) -> None:
 def model_args_for(name: str, flavor: str, vocab_size: int, field: str = "flavor", model_field: str = "model") -> Any:
     """The model arguments of ``name``/``flavor`` with ``vocab_size`` (a checkpoint's, which the tokenizer set);
     an unknown flavor or model is a ``ValueError`` naming ``field`` or ``model_field``."""
-    try:
-        spec = get_model_spec(name)
-    except ValueError as e:
-        raise ValueError(f"{model_field}: {str(e).removeprefix('model.name: ')}") from None
+    spec = get_model_spec(name, field=model_field)
     if flavor not in spec.flavors:
         raise ValueError(f"{field}: unknown flavor {flavor!r} of {name}; known: {', '.join(spec.flavors)}")
     return dataclasses.replace(spec.flavors[flavor], vocab_size=vocab_size)

@@ -517,6 +517,13 @@ class Trainer:
         window_loss = torch.zeros((), device=self.device)
         window_nonfinite = torch.zeros((), device=self.device)  # steps whose gradient norm was nan or inf
         first_step = self._first_step = self.step + 1
+
+        def window_values() -> list[float]:
+            """The loss window's mean, the step's gradient norm (grad_norm, set by the loop) and the window's steps
+            with a nan or inf one: the one host sync per log (and per checkpoint, which nan or inf must not
+            reach)."""
+            return torch.stack([window_loss / window_steps, grad_norm.float(), window_nonfinite]).tolist()
+
         try:
             with StepProfiler(cfg, self.world.rank, self.step, self.device) as profiler, \
                     scheduled_gc(cfg.training.gc_freq) as collect_garbage:
@@ -539,9 +546,7 @@ class Trainer:
                     logging_now, saving_now = self._should_log(self.step), ckpt.should_save(self.step)
                     last = self.step == cfg.training.steps
                     if logging_now or saving_now:
-                        # The one host sync per log (and per checkpoint, which nan or inf must not reach).
-                        loss_value, grad_norm_value, nonfinite = torch.stack(
-                            [window_loss / window_steps, grad_norm.float(), window_nonfinite]).tolist()
+                        loss_value, grad_norm_value, nonfinite = window_values()
                         if logging_now:
                             elapsed = time.perf_counter() - window_start
                             logged.append(
@@ -575,8 +580,7 @@ class Trainer:
                     if cfg.checkpoint.enable and not last and ckpt.stop_requested():
                         if not saving_now:
                             if not logging_now:  # this step's window was not checked: no nan or inf is saved
-                                check_finite(self.step, *torch.stack(
-                                    [window_loss / window_steps, grad_norm.float(), window_nonfinite]).tolist())
+                                check_finite(self.step, *window_values())
                             ckpt.save(self.step, force_sync=True)
                         ckpt.wait()
                         if self.world.logs:

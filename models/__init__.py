@@ -52,12 +52,13 @@ def register_model_spec(spec: ModelSpec) -> ModelSpec:
     return spec
 
 
-def get_model_spec(name: str) -> ModelSpec:
-    """The ``ModelSpec`` registered as ``name``; ``ValueError`` naming ``model.name`` and the known names if none."""
+def get_model_spec(name: str, field: str = "model.name") -> ModelSpec:
+    """The ``ModelSpec`` registered as ``name``; ``ValueError`` naming ``field`` (the option that gave the name)
+    and the known names if none."""
     try:
         return _REGISTRY[name]
     except KeyError:
-        raise ValueError(f"model.name: unknown model {name!r}; known models: {', '.join(model_names())}") from None
+        raise ValueError(f"{field}: unknown model {name!r}; known models: {', '.join(model_names())}") from None
 
 
 def model_names() -> list[str]:

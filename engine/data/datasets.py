@@ -72,9 +72,9 @@ TRAINING_FIELDS = DataFields()
 
 def validation_data(cfg: Config) -> tuple[Config, DataFields]:
     """The validation data: a copy of ``cfg`` whose data section reads it (validation.dataset with its own
-    validation.dataset_config, data.dataset_config when it is data.dataset, or validation.path; validation.split and validation.text_field in the place of the
-    training data's where set; one shard per data-parallel rank), and the fields its errors name (validation.*
-    where set, else the data.* it takes)."""
+    validation.dataset_config, data.dataset_config when it is data.dataset, or validation.path; validation.split
+    and validation.text_field in the place of the training data's where set; one shard per data-parallel rank),
+    and the fields its errors name (validation.* where set, else the data.* it takes)."""
     v = cfg.validation
     vcfg = copy.deepcopy(cfg)
     fields = {}

@@ -440,10 +440,7 @@ def _check_args(a) -> None:
     from engine.config import ConfigError, _did_you_mean
     from models import get_model_spec
 
-    try:
-        flavors = list(get_model_spec(a.model).flavors)
-    except ValueError as e:
-        raise ConfigError(f"--model: {str(e).removeprefix('model.name: ')}") from None
+    flavors = list(get_model_spec(a.model, field="--model").flavors)
     if a.flavor not in flavors:
         raise ConfigError(f"--flavor: '{a.flavor}' is not a flavor of {a.model}: {', '.join(flavors)}"
                           f"{_did_you_mean(a.flavor, flavors)}")

@@ -117,7 +117,7 @@ def render(spec: JobSpec) -> str:
     dump = q(spec.dump_folder) if spec.dump_folder else ""
     if spec.fixed:  # not from the environment: a CONFIG exported in the submitting shell must not replace it
         config_lines = (f"CONFIG={q(spec.config)}  # this script's own, not read from the environment\n"
-                        f"DUMP_FOLDER={dump or chr(39) * 2}")
+                        f"DUMP_FOLDER={dump or q('')}")
         overridable = "the checkout, GPUS_PER_NODE and PYTHON overridable"
     else:
         config_lines = f"CONFIG=${{CONFIG:-{q(spec.config)}}}\nDUMP_FOLDER=${{DUMP_FOLDER:-{dump}}}"
