@@ -290,11 +290,18 @@ def inspect_checkpoint(folder: str, field: str, cfg: Optional[Config] = None) ->
                               f"newest complete one, {complete[-1]}")
         raise ConfigError(f"{field}: {folder} is an incomplete checkpoint (no {COMMIT_FILE}: the save did not "
                           f"finish); {another}")
-    commit = read_json_object(os.path.join(folder, COMMIT_FILE), field)
+
+    def read_small_file(name: str) -> dict:
+        try:
+            return read_json_object(os.path.join(folder, name), field)
+        except ConfigError as e:  # damaged or edited
+            raise ConfigError(f"{e}; {another}") from None
+
+    commit = read_small_file(COMMIT_FILE)
     for rel, size in dict(commit.get("files", {})).items():
         path = os.path.join(folder, rel)
         if not os.path.isfile(path):
-            raise ConfigError(f"{field}: {folder} is damaged: {rel} is missing")
+            raise ConfigError(f"{field}: {folder} is damaged: {rel} is missing; {another}")
         actual = os.path.getsize(path)
         if actual != size:
             raise ConfigError(f"{field}: {folder} is damaged: {rel} has {actual} bytes, {size} were written "
@@ -304,13 +311,13 @@ def inspect_checkpoint(folder: str, field: str, cfg: Optional[Config] = None) ->
     try:
         metadata = SafeFileSystemReader(folder).read_metadata()
     except Exception as e:  # corrupt, or holding objects we refuse to unpickle
-        raise ConfigError(f"{field}: {folder}/.metadata is unreadable or unsafe ({str(e)[:200]})") from None
+        raise ConfigError(f"{field}: {folder}/.metadata is unreadable or unsafe ({str(e)[:200]}); {another}") from None
     tensors = {}
     for key, md in metadata.state_dict_metadata.items():
         if isinstance(md, BytesStorageMetadata):
             raise ConfigError(f"{field}: {folder} holds a pickled object ({key}); Tessera does not load those")
         tensors[key] = md
-    state = read_json_object(os.path.join(folder, TRAIN_STATE_FILE), field)
+    state = read_small_file(TRAIN_STATE_FILE)
     if state.get("format") != FORMAT_VERSION:
         raise ConfigError(f"{field}: {folder}/{TRAIN_STATE_FILE} has format {state.get('format')}, expected {FORMAT_VERSION}")
     if cfg is not None and (state.get("model"), state.get("flavor")) != (cfg.model.name, cfg.model.flavor):
@@ -378,7 +385,7 @@ def find_resume_point(cfg: Config) -> Optional[CheckpointInfo]:
     """The checkpoint this run resumes from (checked), or None to start fresh. Called before anything is
     built, so a bad checkpoint stops the run with one error line and nothing else happens."""
     c = cfg.checkpoint
-    if not c.enable or c.load_step == 0:
+    if not c.enable or c.load_step == 0 or c.create_seed_checkpoint:  # a seed is the freshly initialized model
         return None
     root = checkpoint_root(cfg)
     steps = list_steps(root)
@@ -655,17 +662,21 @@ class Checkpointer:
     def _commit_files(self, step: int, folder: str, seconds: float, model_only: bool, overlapped: int) -> None:
         self._barrier()
         if self.is_main:
-            _fault(step, "before_commit")
-            files = write_commit_marker(folder, step)
-            size = sum(files.values()) / 2**20
-            how = f"in the background over {overlapped} training steps, " if overlapped else ""
-            self._log(f"checkpoint: step {step} committed ({'model only, ' if model_only else ''}{size:.1f} MiB "
-                      f"written {how}in {seconds:.2f}s) -> {folder}")
-            if not self.cfg.checkpoint.create_seed_checkpoint:  # a last save of the model only commits the run too
-                self._set_aside_later_steps(step)
-            self._retention()
+            self._write_commit(step, folder, seconds, model_only, overlapped)
         self._barrier()
         _fault(step, "committed")
+
+    def _write_commit(self, step: int, folder: str, seconds: float, model_only: bool, overlapped: int) -> None:
+        """Rank 0, once every rank's files of ``step`` are written: the marker, then retention."""
+        _fault(step, "before_commit")
+        files = write_commit_marker(folder, step)
+        size = sum(files.values()) / 2**20
+        how = f"in the background over {overlapped} training steps, " if overlapped else ""
+        self._log(f"checkpoint: step {step} committed ({'model only, ' if model_only else ''}{size:.1f} MiB "
+                  f"written {how}in {seconds:.2f}s) -> {folder}")
+        if not self.cfg.checkpoint.create_seed_checkpoint:  # a last save of the model only commits the run too
+            self._set_aside_later_steps(step)
+        self._retention()
 
     def _set_aside_later_steps(self, step: int) -> None:
         """This run went back to an earlier step (checkpoint.load_step) and has now committed ``step``: the
@@ -875,6 +886,26 @@ class Checkpointer:
     def _log(self, message: str) -> None:
         if self.rank in log_ranks():
             print(message, flush=True)
+
+    def close_alone(self) -> None:
+        """``close`` without collectives, for a rank that stops while others may be inside a training collective
+        (a user error in its own data shard, or a peer's): an async save being written is finished, since
+        its background writer has a process group of its own, then committed by rank 0. DCP's coordinator
+        (rank 0) completes the save only once every rank has written its files, so rank 0's finished save is
+        whole: the last save before the error commits, as with synchronous saves. Every rank must wait for its
+        own writer before leaving, or rank 0's would never finish."""
+        p, self.pending = self.pending, None
+        if p is not None:
+            try:
+                p["future"].result()
+            except Exception as e:  # another rank left mid-write: the save stays incomplete, never loaded
+                self._log(f"checkpoint: the save of step {p['step']} did not finish ({type(e).__name__}); it is "
+                          "left incomplete")
+            else:
+                if self.is_main:
+                    self._write_commit(p["step"], step_folder(self.root, p["step"]), time.perf_counter() - p["t0"],
+                                       False, p["steps"])
+        self.wait_purge()
 
     def close(self) -> None:
         self.wait()

@@ -110,6 +110,10 @@ def finished_already(cfg, world, info) -> bool:
               "(raise training.steps to train on)", flush=True)
     if c.last_save_hf and step == cfg.training.steps:
         export_last_hf(cfg, step, tokenizer_path(cfg)[0], world.rank, world.world_size)
+    elif c.last_save_hf and world.logs:
+        print(f"checkpoint.last_save_hf: no Hugging Face folder written: it is made of the step training.steps = "
+              f"{cfg.training.steps} ends at, and the newest checkpoint is of step {step} (python -m "
+              "engine.tools.convert_hf to-hf converts any step folder)", flush=True)
     return True
 
 
@@ -161,20 +165,20 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:  # user errors (ConfigError is one) name their field
         return user_error(e, 2, show=rank == 0)
     from engine.data.datasets import DataError
-    from engine.distributed import announce_user_error, peer_user_error
+    from engine.distributed import peer_user_error
     from engine.trainer import TrainingDiverged
 
     try:
         trainer.train()
     except TrainingDiverged as e:  # every rank sees it
         return user_error(e, 3, show=rank == 0)
-    except DataError as e:  # on the rank whose data shard holds the bad record
-        announce_user_error(str(e), 2)
+    except DataError as e:  # on the rank whose data shard holds the bad record (announced to the others)
         return user_error(e, 2, show=True)
     except Exception:  # a collective failed: maybe its peer left on a user error (above); then report that
         peer = peer_user_error()
         if peer is None:
             raise
+        trainer.checkpointer.close_alone()  # an async save the peer finished writing commits
         return user_error(ValueError(f"[rank {peer['rank']}] {peer['message']}"), peer["status"], show=rank == 0)
     finally:
         destroy_distributed()

@@ -26,8 +26,8 @@ from engine.config import Config, dump, grad_accumulation_steps, pp_microbatches
 from engine.data.datasets import DataError, validation_data
 from engine.data.loader import build_dataloader
 from engine.data.tokenizer import build_tokenizer
-from engine.distributed import (World, agree_on_user_errors, comm_trace_prefix, process_group_backend,
-                                set_collective_timeout, set_determinism)
+from engine.distributed import (World, agree_on_user_errors, announce_user_error, comm_trace_prefix,
+                                process_group_backend, set_collective_timeout, set_determinism)
 from engine.metrics import MetricsLogger
 from engine.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
 from engine.profiling import StepProfiler
@@ -295,6 +295,11 @@ class Trainer:
                 print(f"checkpoint: checkpoint.enable is off, so the {len(saved)} checkpoint(s) in "
                       f"{checkpoint_root(cfg)} (newest: step {saved[-1]}) are not resumed from and this run starts "
                       "at step 0 (add --checkpoint.enable to resume)", flush=True)
+            elif saved and saved[-1] > self.step and not cfg.checkpoint.create_seed_checkpoint:
+                print(f"checkpoint: step {saved[-1]} in {checkpoint_root(cfg)} holds the model only (no optimizer or "
+                      f"data state), so it is not resumed from and this run starts at step {self.step}; to start "
+                      "from its weights instead, give its folder as checkpoint.initial_load_path in a new "
+                      "job.dump_folder", flush=True)
 
     # ----------------------------------------------------------------------------------------------------
     def rebuild_dataloader(self, num_shards: int) -> None:
@@ -589,8 +594,13 @@ class Trainer:
                         break
                     window_start += time.perf_counter() - t_ckpt
                     profiler.step(self.step)
-        except (DataError, TrainingDiverged):  # a user error mid-run: the saves so far commit, then it stops
+        except TrainingDiverged:  # every rank sees it at the same step: the saves so far commit, then it stops
             ckpt.close()
+            self.metrics.close()
+            raise
+        except DataError as e:  # this rank's data shard alone: the others may be inside a collective of the step
+            announce_user_error(str(e), 2)  # first: a rank whose collective fails now reports this error
+            ckpt.close_alone()  # the saves so far commit, without a collective
             self.metrics.close()
             raise
         ckpt.close()

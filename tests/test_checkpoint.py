@@ -615,6 +615,8 @@ def _damage(kind: str, folder: Path) -> None:
             f.truncate(shard.stat().st_size // 2)
     elif kind == "no commit marker":
         (folder / COMMIT_FILE).unlink()
+    elif kind == "corrupt commit marker":
+        (folder / COMMIT_FILE).write_text('{"step": 10, "files": {')
     else:
         raise AssertionError(kind)
 
@@ -628,6 +630,7 @@ BAD = {
     "edited train state": "train_state.json has no valid lr_scheduler.last_epoch, dp (edited or damaged)",
     "truncated shard": "__0_0.distcp has",
     "no commit marker": "incomplete checkpoint",
+    "corrupt commit marker": f"cannot read '{{folder}}/{COMMIT_FILE}' as JSON",
 }
 
 
@@ -640,8 +643,8 @@ def test_bad_checkpoint_is_an_error_naming_the_field_and_nothing_is_deleted(refe
     cfg = parse_args([*BASE, "--job.dump_folder", str(tmp_path), "--checkpoint.load_step", "10"])
     with pytest.raises(ConfigError, match="checkpoint.load_step") as e:
         find_resume_point(cfg)
-    assert BAD[kind] in str(e.value), str(e.value)
-    if kind in ("edited train state", "truncated shard", "no commit marker"):  # the advice fits where it came from
+    assert BAD[kind].format(folder=root / "step-000010") in str(e.value), str(e.value)
+    if kind != "another flavor":  # damaged: the advice fits where the folder came from
         assert str(e.value).endswith("; pick another step with checkpoint.load_step"), str(e.value)
         with pytest.raises(ConfigError) as given:  # a folder given by path: initial weights, convert_hf
             inspect_checkpoint(str(root / "step-000010"), "checkpoint.initial_load_path")
@@ -865,6 +868,9 @@ def test_a_model_only_checkpoint_is_not_resumed_from(reference, tmp_path):
     assert all(k.startswith("model.") and v.dtype == torch.bfloat16 for k, v in last.items())
     cfg = parse_args([*BASE, "--job.dump_folder", str(dump), "--training.steps", "5"])
     assert find_resume_point(cfg) is None  # model only: a start point (initial_load_path), not a resume point
+    run = train(dump, "--training.steps", "4")  # a run there says so when it starts
+    assert ("checkpoint: step 3 in " in run.stdout and "holds the model only (no optimizer or data state), so it "
+            "is not resumed from and this run starts at step 0" in run.stdout), run.stdout[-2000:]
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -1123,6 +1129,8 @@ def test_last_save_hf_writes_the_final_model_for_transformers(tmp_path):
     assert tree(hf) == before and (dump / "config.toml").read_bytes() == config
     again = train(dump, *args, "--training.steps", "2").stdout
     assert "resumed at step 3: training.steps = 2 is reached, nothing to train" in again, again
+    assert ("checkpoint.last_save_hf: no Hugging Face folder written: it is made of the step training.steps = 2 "
+            "ends at, and the newest checkpoint is of step 3") in again, again
     assert (dump / "config.toml").read_bytes() == config and sorted(metrics(dump)) == [1, 2, 3]
 
 
@@ -1157,6 +1165,11 @@ def test_seed_checkpoint_starts_any_layout_from_the_same_weights(tmp_path):
     train(seed, "--checkpoint.create_seed_checkpoint", "--debug.seed", "7")
     folder = seed / "checkpoint" / "step-000000"
     assert inspect_checkpoint(str(folder), "checkpoint").model_only
+    # Made again in a folder that holds a trained checkpoint: the initialized weights, not the trained ones.
+    again = tmp_path / "again"
+    train(again, "--debug.seed", "7", "--training.steps", "1", "--checkpoint.enable", "--checkpoint.interval", "1")
+    train(again, "--checkpoint.create_seed_checkpoint", "--debug.seed", "7", "--checkpoint.enable")
+    assert same_tensors(read_full(str(again / "checkpoint" / "step-000000")), read_full(str(folder)))
     # Made on PP 2 x FSDP 2 x TP 2 (each rank writing its shards): the same weights.
     train(tmp_path / "seed8", "--checkpoint.create_seed_checkpoint", "--debug.seed", "7", "--parallelism.pp", "2",
           "--parallelism.dp_shard", "2", "--parallelism.tp", "2", "--training.global_batch_size", "8", ngpu=8)

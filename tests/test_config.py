@@ -231,6 +231,9 @@ def test_home_is_expanded_in_path_fields(tmp_path, monkeypatch):
         (["--debug.seed", "4294967296"], "debug.seed: must be in [0, 2**32 - 1]"),
         (["--debug.seed", "-1"], "debug.seed: must be in [0, 2**32 - 1]"),
         (["--checkpoint.last_save_model_only"], "checkpoint.last_save_model_only: "),  # needs checkpoint.enable
+        (["--checkpoint.create_seed_checkpoint", "--checkpoint.initial_load_path", "."],
+         "checkpoint.initial_load_path: a seed checkpoint (checkpoint.create_seed_checkpoint) is the freshly "
+         "initialized model"),
         # The values of options the layout does not use (pp = 1, cp = 1, no AC) are checked all the same.
         (["--parallelism.pp_schedule", "1f1b"], "parallelism.pp_schedule: '1f1b' is not one of GPipe, 1F1B, "
          "Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV (did you mean '1F1B'?)"),

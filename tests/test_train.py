@@ -286,6 +286,35 @@ def test_mid_run_error_of_a_hidden_rank_is_one_line(tmp_path):
     assert "d.jsonl" in ours[0]
 
 
+def test_mid_run_error_of_one_rank_commits_the_async_save_being_written(tmp_path):
+    """Rank 1's shard (files b and d, round robin) fails once b's 70 short documents are used up, a few steps in,
+    while the previous step's async save is being written (checkpoint.interval 1): rank 1 announces the error
+    and finishes writing its files without a collective (rank 0 is inside the next step's), rank 0 commits the
+    save; one error line, status 2, and the last step trained is the last checkpoint, committed, as with
+    synchronous saves (a collective commit on rank 1 alone waited for rank 0 until the collective timeout)."""
+    data = tmp_path / "data"
+    data.mkdir()
+    for name, count in (("a", 400), ("b", 70), ("c", 400)):
+        (data / f"{name}.jsonl").write_text("".join(json.dumps({"text": f"{name} {i} " * 6}) + "\n"
+                                                    for i in range(count)))
+    (data / "d.jsonl").write_text("{not json\n")
+    dump = tmp_path / "run"
+    proc = subprocess.run(["./run_train.sh", *SMALL, "--data.path", str(data), "--job.dump_folder", str(dump),
+                           "--training.steps", "30", "--checkpoint.enable", "--checkpoint.interval", "1",
+                           "--checkpoint.async_mode", "async", "--checkpoint.keep_latest_k", "2",
+                           "--comm.train_timeout_seconds", "60"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "PYTHON": sys.executable, "NGPU": "2"})
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    ours = proc.stderr.strip().splitlines()
+    assert len(ours) == 1 and ours[0].startswith("error: [rank 1] data.path: cannot read "), proc.stderr[-3000:]
+    trained = read_jsonl(dump / "metrics.jsonl")[-1]["step"]
+    assert 2 <= trained < 30, trained
+    folders = sorted(os.listdir(dump / "checkpoint"))
+    assert folders[-1] == f"step-{trained:06d}", (folders, trained)
+    assert (dump / "checkpoint" / folders[-1] / "COMMITTED.json").is_file(), folders
+    assert "did not finish" not in proc.stdout, proc.stdout[-3000:]
+
+
 def _failure(tmp_path, local_rank: int, record: dict | None, timestamp: int = 100):
     """A torchrun ProcessFailure of ``local_rank``, with engine.train's error-file record when ``record``."""
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
