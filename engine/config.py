@@ -1151,7 +1151,8 @@ def _check_split_backward(cfg: Config) -> None:
     p, ac = cfg.parallelism, cfg.activation_checkpoint
     field = "parallelism.pp_schedule_csv" if p.pp_schedule_csv else "parallelism.pp_schedule"
     head = f"{field}: {p.pp_schedule_csv or p.pp_schedule} splits the backward into input and weight passes"
-    fix = "use GPipe, 1F1B, Interleaved1F1B or LoopedBFS, or"
+    fix = ("use a CSV schedule with whole backwards (B) instead of I and W actions, or" if p.pp_schedule_csv else
+           "use GPipe, 1F1B, Interleaved1F1B or LoopedBFS, or")
     if cfg.compile.enable:  # a compiled block's backward donates its buffers: it may run once per forward
         raise ConfigError(
             f"{head}, and a compiled block's backward (compile.enable) runs only once per forward; {fix} turn "
@@ -1199,10 +1200,18 @@ def _validate_pipeline(cfg: Config, dims, args) -> None:
                 "(only the first and last stages, which hold the embedding and the output, may have 0)"
             )
     elif stages > args.n_layers + 2:
+        from parallelize.pipeline import V_SCHEDULES, is_multi_stage
+
+        if not is_multi_stage(p.pp_schedule, p.pp_schedule_csv):
+            fix = "lower parallelism.pp"
+        elif p.pp_schedule in V_SCHEDULES:  # two stages per rank, whatever pp_virtual_stages says
+            fix = "lower parallelism.pp, or use a schedule of one stage per rank (1F1B, GPipe)"
+        else:
+            fix = "lower parallelism.pp or parallelism.pp_virtual_stages"
         raise ConfigError(
             f"parallelism.pp: {stages} pipeline stages ({p.pp_schedule} on pp = {dims.pp}) but {cfg.model.flavor} "
             f"has only {args.n_layers} layers (plus the embedding and the output, which may be stages of their "
-            f"own); lower parallelism.pp or parallelism.pp_virtual_stages"
+            f"own); {fix}"
         )
     if splits_backward(p.pp_schedule, p.pp_schedule_csv):
         _check_split_backward(cfg)

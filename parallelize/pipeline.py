@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import io
 from typing import Callable
 
 import torch
@@ -39,13 +40,23 @@ V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
 SPLIT_BACKWARD_SCHEDULES = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 
 
+def read_schedule_csv(csv: str) -> str:
+    """The text of the CSV schedule file ``csv``; ``ValueError`` naming parallelism.pp_schedule_csv when it is not
+    UTF-8 text."""
+    try:
+        with open(csv, newline="", encoding="utf-8") as f:
+            return f.read()
+    except UnicodeDecodeError as e:
+        raise ValueError(f"parallelism.pp_schedule_csv: '{csv}' is not UTF-8 text (byte {e.start}: {e.reason}); "
+                         "save it as UTF-8") from None
+
+
 def splits_backward(schedule: str, csv: str = "") -> bool:
     """Whether the schedule (or the CSV schedule file) runs weight-gradient actions apart from the backward."""
     if csv:
         import re
 
-        with open(csv) as f:
-            return re.search(r"\b\d+W\d+\b", f.read()) is not None
+        return re.search(r"\b\d+W\d+\b", read_schedule_csv(csv)) is not None
     return schedule in SPLIT_BACKWARD_SCHEDULES
 
 
@@ -117,13 +128,15 @@ def check_schedule_csv(csv: str, pp: int, schedule: str, virtual_stages: int, mi
     for a stage it does not hold fails mid-step)."""
     import csv as csv_module
 
-    from torch.distributed.pipelining.schedules import _Action, _ComputationType
+    from torch.distributed.pipelining.schedules import _Action, _ComputationType, _validate_schedule
 
     from collections import Counter
 
     field = f"parallelism.pp_schedule_csv: '{csv}'"
-    with open(csv, newline="") as f:
-        rows = [row for row in csv_module.reader(f) if any(cell.strip() for cell in row)]
+    rows = list(csv_module.reader(io.StringIO(read_schedule_csv(csv))))
+    for line, row in enumerate(rows, 1):
+        if not any(cell.strip() for cell in row):  # torch's loader takes every line for a pp rank's
+            raise ValueError(f"{field}: line {line} is blank; each line is one pp rank's actions: remove it")
     if len(rows) != pp:
         raise ValueError(f"{field} has {len(rows)} row{'s' * (len(rows) != 1)}; it needs one per pipeline rank "
                          f"(parallelism.pp = {pp})")
@@ -141,6 +154,9 @@ def check_schedule_csv(csv: str, pp: int, schedule: str, virtual_stages: int, mi
                 raise ValueError(f"{field}: row {rank}: {e}") from None
             if action is None:
                 continue
+            if action.computation_type not in (*kinds, _ComputationType.OVERLAP_F_B):
+                raise ValueError(f"{field}: row {rank}: {cell.strip()} is a communication or sharding action; the file "
+                                 "lists compute actions only (F, B, I, W), the communication is derived from them")
             if action.stage_index not in held:
                 raise ValueError(
                     f"{field}: row {rank} runs stage {action.stage_index} ({cell.strip()}), but pp rank {rank} holds "
@@ -173,6 +189,13 @@ def check_schedule_csv(csv: str, pp: int, schedule: str, virtual_stages: int, mi
                     f"input backward(s) (I) and {w} weight backward(s) (W); a stage runs each microbatch's forward "
                     "once and its backward once, as B or as I and W"
                 )
+    # The order within each row: a microbatch's forward before its backward, I before W (torch checks it once the
+    # model is built, with a traceback).
+    try:
+        _validate_schedule({rank: [_Action.from_str(cell.strip()) for cell in row] for rank, row in enumerate(rows)},
+                           pp, n_stages, n_microbatches)
+    except AssertionError as e:
+        raise ValueError(f"{field}: {str(e).splitlines()[0].strip()}") from None
 
 
 def split_layers(n_layers: int, n_stages: int, layers_per_stage: list[int] | None = None) -> list[range]:

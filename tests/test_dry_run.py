@@ -56,6 +56,10 @@ def test_dry_run_405b_on_16384_ranks_under_a_minute():
                               "--training.local_batch_size", "8", "--parallelism.pp_schedule", "Interleaved1F1B",
                               "--activation_checkpoint.mode", "selective"],
      "pp 4 x dp_replicate 1 x dp_shard 4 x cp 2 x tp 8"),
+    # A stage without layers (nothing to compare with the formula's block) and a CSV schedule, named as such.
+    (2, "debug_model.toml", ["--parallelism.pp", "2", "--parallelism.pp_layers_per_stage", "6,0",
+                             "--parallelism.pp_schedule_csv", "tests/data/pp2_1f1b.csv"],
+     "pp 2 x dp_replicate 1 x dp_shard 1 x cp 1 x tp 1"),
 ])
 def test_dry_run_prints_mesh_and_table(ngpu, config, argv, layout):
     proc, seconds = run_dry(ngpu, "--config", f"train_configs/{config}", "--model.hf_assets_path=", *argv)
@@ -68,6 +72,8 @@ def test_dry_run_prints_mesh_and_table(ngpu, config, argv, layout):
     assert "largest peak:" in out and "warning" not in out
     if pp == 4:  # Interleaved1F1B: two stages per rank, r and r + 4
         assert [r[2] for r in rows] == ["0,4", "1,5", "2,6", "3,7"]
+    if "--parallelism.pp_schedule_csv" in argv:
+        assert "pipeline from pp2_1f1b.csv (1F1B placement), 2 microbatches" in out, out
     assert seconds < 60
 
 

@@ -84,6 +84,29 @@ def test_zero_bubble_refuses_what_cannot_run_twice(tmp_path, capsys, monkeypatch
     assert not (tmp_path / "run").exists()
     for feature in (["--compile.enable", *per_op, *fused_loss], [*ac, "full", *float8], every_2):
         train.check([*pp2, "--parallelism.pp_schedule", "1F1B", *feature])
+    # A CSV with I and W actions splits the backward whatever pp_schedule names: the advice is about the file.
+    csv = tmp_path / "split.csv"
+    csv.write_text("0F0,0F1,0I0,0W0,0I1,0W1\n1F0,1I0,1W0,1F1,1I1,1W1\n")
+    assert train.main([*pp2, "--parallelism.pp_schedule_csv", str(csv), *ac, "full"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: parallelism.pp_schedule_csv: {csv} splits the backward") \
+        and err[0].endswith("use a CSV schedule with whole backwards (B) instead of I and W actions, or set "
+                            "activation_checkpoint.mode to none"), err
+
+
+def test_too_many_stages_names_the_fix_that_applies(monkeypatch):
+    """More stages than the model has layers (+ embedding and output): a V schedule holds two stages per rank
+    whatever pp_virtual_stages says, so only the looped schedules are told to lower it."""
+    from engine.config import ConfigError
+
+    for schedule, pp, fix in (
+            ("ZBVZeroBubble", 8, "lower parallelism.pp, or use a schedule of one stage per rank (1F1B, GPipe)"),
+            ("Interleaved1F1B", 8, "lower parallelism.pp or parallelism.pp_virtual_stages"),
+            ("1F1B", 9, "own); lower parallelism.pp")):
+        monkeypatch.setenv("WORLD_SIZE", str(pp))
+        with pytest.raises(ConfigError) as e:
+            train.check(["--parallelism.pp", str(pp), "--parallelism.pp_schedule", schedule])
+        assert str(e.value).startswith("parallelism.pp: ") and str(e.value).endswith(fix), str(e.value)
 
 
 def test_schedule_csv_that_does_not_fit_the_layout_is_one_error_line(tmp_path, capsys, monkeypatch):
@@ -107,10 +130,19 @@ def test_schedule_csv_that_does_not_fit_the_layout_is_one_error_line(tmp_path, c
         "twice": (looped.replace("2F3,", "2F3,2F3,"), [], "stage 2, microbatch 3: 2 forward(s) (F)"),
         "half_backward": (looped.replace("0B3", "0I3"), [], "0 whole backward(s) (B), 1 input backward(s) (I) and "
                           "0 weight"),
+        # torch's loader takes every line for a rank's; its communication actions are Tessera's to add.
+        "blank_line": (looped.replace("\n", "\n\n", 1), [], "line 2 is blank; each line is one pp rank's actions"),
+        "comms": (looped.replace("0F1,", "0F1,0SEND_F1,"), [], "row 0: 0SEND_F1 is a communication or sharding "
+                  "action"),
+        # Each row's order: a backward after its forward (torch asserted mid-build).
+        "backward_first": ("\n".join(",".join(reversed(row.split(","))) if i == 0 else row
+                                     for i, row in enumerate(looped.splitlines())) + "\n", [],
+                           "Rank 0, step 0: Running Full Backward for stage 0, microbatch 3 without first running Forward"),
+        "not_utf8": ("\udcff" + looped, [], "is not UTF-8 text (byte 0: invalid start byte); save it as UTF-8"),
     }
     for name, (text, extra, message) in cases.items():
         path = tmp_path / f"{name}.csv"
-        path.write_text(text)
+        path.write_bytes(text.encode("utf-8", "surrogateescape"))
         dump = tmp_path / name
         argv = ["--parallelism.pp", "2", "--parallelism.pp_schedule", "Interleaved1F1B",
                 "--parallelism.pp_schedule_csv", str(path), "--job.dump_folder", str(dump), *extra]

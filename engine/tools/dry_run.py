@@ -260,6 +260,9 @@ def run(argv: list[str]) -> int:
     if cfg.compile.enable:
         print("compile.enable: blocks wrapped for torch.compile (lazy: nothing is traced in a dry run); activations "
               "estimated as compiled (engine/tools/memory.py)")
+    def sizes(stage: memory.StageParams) -> tuple:  # a stage of no layers has no block to measure
+        return stage.layers, stage.block if stage.layers else None, stage.embedding, stage.final
+
     mismatched = []
     for pp_rank in range(dims.pp):
         build = builds[pp_rank]
@@ -267,8 +270,7 @@ def run(argv: list[str]) -> int:
         own = memory.analytic_stages(cfg, dims, shape, pp_rank)
         stages = [memory.StageParams(o.stage, b.layers, b.block, b.embedding, b.final)
                   for o, b in zip(own, build.stages)]
-        if [(s.layers, s.block, s.embedding, s.final) for s in stages] != \
-                [(s.layers, s.block, s.embedding, s.final) for s in own]:
+        if [sizes(s) for s in stages] != [sizes(s) for s in own]:
             mismatched.append(pp_rank)
         rank = memory.first_rank_of_stage(dims, pp_rank)
         rows.append(memory.RankRow(pp_rank, rank, stages,

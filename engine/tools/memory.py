@@ -666,7 +666,10 @@ def describe_layout(cfg, dims) -> str:
     if dims.pp > 1:
         micro = pp_microbatches(cfg, dims)
         per_step = f" per local batch, {micro * accum} per schedule step" if accum > 1 else ""
-        text += f"; pipeline {cfg.parallelism.pp_schedule}, {micro} microbatches{per_step}"
+        p = cfg.parallelism
+        schedule = (f"from {os.path.basename(p.pp_schedule_csv)} ({p.pp_schedule} placement)" if p.pp_schedule_csv
+                    else p.pp_schedule)
+        text += f"; pipeline {schedule}, {micro} microbatches{per_step}"
     return text
 
 
