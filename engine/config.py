@@ -79,9 +79,9 @@ class Model:
     context parallelism the ring attention applies it)."""
     sdpa_backend: str = "auto"
     """With attn = sdpa: the kernel scaled_dot_product_attention may use: auto (torch's choice; flash on
-    Hopper), flash, cudnn or efficient (CUDA; K/V are repeated to the query heads for cudnn and efficient,
-    which lack grouped-query support), or math. Not with context parallelism (its ring calls its kernels
-    directly)."""
+    Hopper), flash, cudnn or efficient (CUDA; for efficient, which lacks grouped-query support, K/V are repeated
+    to the query heads, and for cudnn too unless a one-step probe at start-up shows that it takes grouped-query
+    attention), or math. Not with context parallelism (its ring calls its kernels directly)."""
     hf_assets_path: str = ""
     """Folder with a Hugging Face tokenizer.json (and config.json); its tokenizer is used when
     data.tokenizer is empty."""

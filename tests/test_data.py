@@ -543,7 +543,9 @@ def test_the_log_says_how_a_stream_splits_over_the_data_shards(tmp_path, tok):
                     "1 document in 3 (3x the reading; for large data, split it into a multiple of 3 files, or set "
                     "data.streaming = false)"), note
     note = build_dataloader(cfg, tok, 1, 2, num_shards=8).split_note  # 2 ranks: 2 or 4 shards would split by file
-    assert note.endswith("(8x the reading; set data.num_shards to a multiple of 2 (the dp degree) that divides 4)")
+    assert note.endswith("(8x the reading; for large data, split it into a multiple of 8 files, or set data.streaming "
+                         "= false; or, if no resume is to read it on another dp degree, set data.num_shards to a "
+                         "multiple of 2 (the dp degree) that divides 4)"), note
     assert build_dataloader(make_cfg(path, seq_len=16, batch=1, streaming=False), tok, 1, 3).split_note == ""
 
 

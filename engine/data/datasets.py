@@ -436,10 +436,10 @@ def split_note(stream_files: int, num_shards: int, dp: int) -> str:
         return ""
     if stream_files % num_shards == 0:
         return f"; {num_shards} data shards of {stream_files // num_shards} whole file(s) each"
-    if stream_files % dp == 0:  # some multiple of dp divides the file count: dp itself
-        fix = f"set data.num_shards to a multiple of {dp} (the dp degree) that divides {stream_files}"
-    else:
-        fix = f"for large data, split it into a multiple of {num_shards} files, or set data.streaming = false"
+    fix = f"for large data, split it into a multiple of {num_shards} files, or set data.streaming = false"
+    if stream_files % dp == 0:  # some multiple of dp divides the file count: dp itself (no resume on other degrees)
+        fix += (f"; or, if no resume is to read it on another dp degree, set data.num_shards to a multiple of {dp} "
+                f"(the dp degree) that divides {stream_files}")
     return (f"; its {stream_files} file(s) do not split evenly over {num_shards} data shards: every shard reads all "
             f"of them and keeps 1 document in {num_shards} ({num_shards}x the reading; {fix})")
 
