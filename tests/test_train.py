@@ -264,34 +264,16 @@ def test_malformed_json_line_is_one_error_line(tmp_path, streaming):
     assert not dump.exists()
 
 
-def test_mid_run_error_of_a_hidden_rank_is_one_line(tmp_path):
+def test_mid_run_error_of_a_hidden_rank_is_one_line_and_the_async_save_commits(tmp_path):
     """Rank 1 reads files b and d of a four-file folder (round robin), d malformed: its shard passes the start-up
-    check (b's first record) and fails in step 1, a DataError on rank 1 alone, whose output LOG_RANK=0 hides.
-    Rank 1 announces it before leaving; rank 0, whose collective then fails, prints rank 1's line instead of its
-    own traceback (or, when torchrun stops rank 0 first, the launcher prints it), and the launcher exits with the
-    status, without torchrun's report: one line either way."""
-    data = tmp_path / "data"
-    data.mkdir()
-    for name, count in (("a", 100), ("b", 3), ("c", 100)):
-        (data / f"{name}.jsonl").write_text("".join(json.dumps({"text": f"{name} document {i} " * 20}) + "\n"
-                                                    for i in range(count)))
-    (data / "d.jsonl").write_text("{not json\n")
-    proc = subprocess.run(["./run_train.sh", *SMALL, "--data.path", str(data), "--job.dump_folder",
-                           str(tmp_path / "run"), "--training.steps", "5"], cwd=ROOT, capture_output=True,
-                          text=True, timeout=300, env={**os.environ, "PYTHON": sys.executable, "NGPU": "2"})
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    ours = proc.stderr.strip().splitlines()
-    line = f"error: [rank 1] data.path: cannot read '{data}' (4 json files) past record 3 of shard 1 of 2 (epoch 0): "
-    assert len(ours) == 1 and ours[0].startswith(line), proc.stderr[-3000:]
-    assert "d.jsonl" in ours[0]
-
-
-def test_mid_run_error_of_one_rank_commits_the_async_save_being_written(tmp_path):
-    """Rank 1's shard (files b and d, round robin) fails once b's 70 short documents are used up, a few steps in,
-    while the previous step's async save is being written (checkpoint.interval 1): rank 1 announces the error
-    and finishes writing its files without a collective (rank 0 is inside the next step's), rank 0 commits the
-    save; one error line, status 2, and the last step trained is the last checkpoint, committed, as with
-    synchronous saves (a collective commit on rank 1 alone waited for rank 0 until the collective timeout)."""
+    check (b's first record) and fails once b's 70 short documents are used up, a few steps in: a DataError on
+    rank 1 alone, whose output LOG_RANK=0 hides. Rank 1 announces it before leaving; rank 0, whose collective
+    then fails, prints rank 1's line instead of its own traceback (or, when torchrun stops rank 0 first, the
+    launcher prints it), and the launcher exits with the status, without torchrun's report: one line either way.
+    The previous step's async save is being written then (checkpoint.interval 1): rank 1 finishes writing its
+    files without a collective (rank 0 is inside the next step's), rank 0 commits the save, so the last step
+    trained is the last checkpoint, committed, as with synchronous saves (a collective commit on rank 1 alone
+    waited for rank 0 until the collective timeout)."""
     data = tmp_path / "data"
     data.mkdir()
     for name, count in (("a", 400), ("b", 70), ("c", 400)):
@@ -306,7 +288,8 @@ def test_mid_run_error_of_one_rank_commits_the_async_save_being_written(tmp_path
                           timeout=300, env={**os.environ, "PYTHON": sys.executable, "NGPU": "2"})
     assert proc.returncode == 2, proc.stderr[-3000:]
     ours = proc.stderr.strip().splitlines()
-    assert len(ours) == 1 and ours[0].startswith("error: [rank 1] data.path: cannot read "), proc.stderr[-3000:]
+    line = f"error: [rank 1] data.path: cannot read '{data}' (4 json files) past record 70 of shard 1 of 2 (epoch 0): "
+    assert len(ours) == 1 and ours[0].startswith(line) and "d.jsonl" in ours[0], proc.stderr[-3000:]
     trained = read_jsonl(dump / "metrics.jsonl")[-1]["step"]
     assert 2 <= trained < 30, trained
     folders = sorted(os.listdir(dump / "checkpoint"))
