@@ -6,6 +6,13 @@
 # The device returns at most 8 files from its $OUT, so the run folders and logs stay on the machine, under
 # RUNS (default /tmp/tessera_bench/<script>), and `pack NAME` puts them into ONE tarball, $RET/NAME.tar.gz (plots left
 # out); RET is the device's $OUT (/tmp/tessera_bench_out elsewhere), where summaries go too.
+#
+# One deadline for the whole script: BUDGET seconds (default 570) from START (the script's start); `limit N`
+# gives min(N, the seconds left), the time limit of each launch, so that the summary and the tarball always
+# come back inside the device call's 10 minutes.
+START=${START:-$SECONDS}
+BUDGET=${BUDGET:-570}
+limit() { local left=$((BUDGET - (SECONDS - START))); (( left < $1 )) && echo $(( left > 1 ? left : 1 )) || echo "$1"; }
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -23,8 +30,10 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
 
 run() {  # LABEL ARGS...
-  local label=$1; shift
-  timeout "${RUN_LIMIT:-300}" python3 -m engine.train --config train_configs/debug_model.toml --job.dump_folder "$RUNS/$label" \
+  local label=$1 seconds; shift
+  seconds=$(limit "${RUN_LIMIT:-300}")
+  if (( seconds < 60 )); then echo "=== skip $label (budget: ${seconds} s left)"; return; fi
+  timeout "$seconds" python3 -m engine.train --config train_configs/debug_model.toml --job.dump_folder "$RUNS/$label" \
     --training.steps 20 --metrics.log_freq 5 --lr_scheduler.warmup_steps 2 --optimizer.lr 3e-4 "$@" \
     > "$RUNS/$label.log" 2>&1
   local rc=$?

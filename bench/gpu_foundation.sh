@@ -3,11 +3,10 @@
 # Llama-3-8B layer shapes with 8 layers (flavor 8B_L8), seq_len 8192, local batch 1, bf16 autocast, sdpa,
 # 20 steps; prints median tps, TFLOP/s, MFU and peak memory after warm-up (the windows after step 10).
 #
-#   device run (carry .whl):  bash bench/gpu_foundation.sh   (bench/README.md: with gpu_parallel.sh, one call)
+#   device run (carry .whl):  bash bench/gpu_foundation.sh   (bench/README.md: after perf_vs_reference.sh's runs)
 #
-# The machine has torch but not datasets/tomli_w: put their wheels in .whl/ first (README of the device tool):
-#   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
-#       -d .whl datasets dill multiprocess tomli_w
+# The machine has torch but not datasets, tomli_w or torchao: fill .whl/ as bench/README.md says (one version of
+# each wheel: two stop the install).
 set -uo pipefail
 source "$(dirname "$0")/common.sh"
 
@@ -15,7 +14,7 @@ run 8b_l8_bf16_sdpa --model.flavor 8B_L8 --training.seq_len 8192 --training.loca
 
 # The CUDA side of [profiling] (8B_L2, seq 2048, 10 steps): a trace of step 10 with CUDA kernels in it, and
 # the allocator's history at step 10 (tens of MB: not packed; their sizes and a count are printed).
-timeout 200 python3 -m engine.train --config train_configs/debug_model.toml --job.dump_folder "$RUNS/profiled" \
+timeout "$(limit 200)" python3 -m engine.train --config train_configs/debug_model.toml --job.dump_folder "$RUNS/profiled" \
   --model.flavor 8B_L2 --training.seq_len 2048 --training.local_batch_size 1 --training.steps 10 \
   --profiling.enable_profiling --profiling.enable_memory_snapshot > "$RUNS/8b_l2_profiled.log" 2>&1 \
   || { echo "8b_l2_profiled: failed"; tail -n 5 "$RUNS/8b_l2_profiled.log"; }

@@ -12,10 +12,11 @@
 #     cuda:nccl,cpu:gloo): its curve must match the single-rank one.
 #  3. bench/cuda_cp_check.py: ring attention's CUDA kernels (bf16 flash, fp32 matmul, bf16 document-masked) against full SDPA.
 #
-# Every launch has a time limit (LIMIT seconds, default 150; collectives time out after 60 s), so that a hang in
-# one check cannot take the device call's 10 minutes and with them every result.
+# Every launch has a time limit (LIMIT seconds, default 150, RUN_LIMIT 300 for the 8B_L8 run; collectives time out
+# after 60 s), and none goes past the script's deadline (BUDGET, bench/common.sh), so that a hang in one check
+# cannot take the device call's 10 minutes and with them every result.
 #
-#   device run (carry .whl):  bash bench/gpu_parallel.sh   (bench/README.md: with gpu_foundation.sh, one call)
+#   device run (carry .whl):  bash bench/gpu_parallel.sh   (bench/README.md: after perf_vs_reference.sh's runs)
 set -uo pipefail
 source "$(dirname "$0")/common.sh"
 
@@ -28,7 +29,7 @@ LIMIT=${LIMIT:-150}
 SMALL=(--training.steps 8 --training.seq_len 256 --training.local_batch_size 4 --metrics.log_freq 1
        --lr_scheduler.warmup_steps 2 --debug.deterministic --training.mixed_precision_param float32
        --comm.init_timeout_seconds 60 --comm.train_timeout_seconds 60)
-timeout "$LIMIT" python3 -m engine.train --config train_configs/debug_model.toml --job.dump_folder "$RUNS/one" "${SMALL[@]}" \
+timeout "$(limit "$LIMIT")" python3 -m engine.train --config train_configs/debug_model.toml --job.dump_folder "$RUNS/one" "${SMALL[@]}" \
   --training.global_batch_size 8 > "$RUNS/one.log" 2>&1 || tail -n 20 "$RUNS/one.log"
 compare_to_one() {  # the run in $RUNS/$1 beside the single-rank run's losses
   python3 - "$RUNS/one" "$RUNS/$1" <<'PY'
@@ -44,17 +45,17 @@ for layout in "--parallelism.dp_shard 2 --checkpoint.enable --checkpoint.interva
               "--parallelism.tp 2 --training.global_batch_size 8 --training.loss_chunk_tokens 300" \
               "--parallelism.cp 2 --training.global_batch_size 8"; do
   name=$(echo "$layout" | tr -d ' -' | tr '.' '_')
-  TESSERA_BACKEND=gloo timeout "$LIMIT" python3 -m torch.distributed.run --nproc_per_node 2 --local-ranks-filter 0 -m engine.train \
+  TESSERA_BACKEND=gloo timeout "$(limit "$LIMIT")" python3 -m torch.distributed.run --nproc_per_node 2 --local-ranks-filter 0 -m engine.train \
     --config train_configs/debug_model.toml --job.dump_folder "$RUNS/$name" "${SMALL[@]}" $layout \
     > "$RUNS/$name.log" 2>&1 || tail -n 30 "$RUNS/$name.log"
   compare_to_one "$name"
   [ -d "$RUNS/$name/checkpoint" ] && { grep -h "committed" "$RUNS/$name.log"; ls "$RUNS/$name/checkpoint"; }
 done
-timeout "$LIMIT" python3 -m engine.train --config train_configs/debug_model.toml --job.dump_folder "$RUNS/fsdp_cpu_offload" \
+timeout "$(limit "$LIMIT")" python3 -m engine.train --config train_configs/debug_model.toml --job.dump_folder "$RUNS/fsdp_cpu_offload" \
   "${SMALL[@]}" --training.global_batch_size 8 --parallelism.fsdp_single_rank --parallelism.fsdp_cpu_offload \
   > "$RUNS/fsdp_cpu_offload.log" 2>&1 || tail -n 30 "$RUNS/fsdp_cpu_offload.log"
 compare_to_one fsdp_cpu_offload
 
-timeout "$LIMIT" python3 bench/cuda_cp_check.py || echo "cuda_cp_check: exit $?"
+timeout "$(limit "$LIMIT")" python3 bench/cuda_cp_check.py || echo "cuda_cp_check: exit $?"
 python3 bench/memory_check.py --from-runs "$RUNS" --out "$RUNS"   # the 8B_L8 run's peak beside the estimate
 pack gpu_parallel

@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
-# Tessera against the reference trainer (torchtitan 0.2.2, ../shared/bench/anchor) on one H100, in ONE device
-# call of at most 10 minutes (issue 6, acceptance 1 and 2). Both train Llama-3-8B layer shapes with 8 layers
-# (flavor 8B_L8, 2.8B parameters), seq_len 8192, local batch 1, AdamW, with the expandable-segments allocator;
-# each run prints its median tps, TFLOP/s, MFU (bf16 peak, 989 TFLOP/s, for float8 too, as the reference
-# counts it) and peak memory after warm-up, then one table gives Tessera / reference for each pair.
+# A session's ONE device call (bench/README.md): Tessera against the reference trainer (torchtitan 0.2.2,
+# ../shared/bench/anchor) on one H100, at most 10 minutes, the most needed runs first (issue 6, acceptance 1
+# and 2; issue 2: 7; issue 3: 4; issue 4: 3; issue 7: 2). Both trainers train Llama-3-8B layer shapes with 8
+# layers (flavor 8B_L8, 2.8B parameters), seq_len 8192, local batch 1, AdamW, with the expandable-segments
+# allocator; each run prints its median tps, TFLOP/s, MFU (bf16 peak, 989 TFLOP/s, for float8 too, as the
+# reference counts it) and peak memory after warm-up, then one table gives Tessera / reference for each pair.
+# Order: the two acceptance pairs (reference bf16 and Tessera bf16, reference float8 and Tessera float8, all
+# compiled with per-op AC), bench/cuda_cp_check.py (ring attention's CUDA kernels), eager (issue 2's 8B_L8
+# run at seq 8192 in bf16 with sdpa), FSDP2 on the one rank (issue 3), no AC, full AC.
 #
 # Once, on this machine (both folders are git-ignored; wheels for the GPU machine's Python 3.12):
 #   bash ../shared/bench/anchor/prepare.sh         # .anchor/: the kit and the reference's wheels
@@ -14,7 +18,7 @@
 #   ANCHOR_LOGS=$OUT bash bench/perf_vs_reference.sh
 #
 # Environment:
-#   ONLY     Tessera configurations to run, in this order (default: the first five below)
+#   ONLY     Tessera configurations to run, in this order (default: the first six below)
 #   ANCHOR   reference configurations (default: those ONLY's runs are compared with among bf16_compile and
 #            fp8_compile; also: eager noac_compile)
 #   STEPS    steps of every run, both trainers (default 25). Both log every 5 steps (a logged tps is the mean
@@ -22,9 +26,10 @@
 #            the GPU's queue every step, which the reference does not do) and both take medians over the
 #            lines after step 10 (steps 11-15, 16-20, 21-25). A run that stopped before STEPS is marked
 #            partial and gets no ratio.
-#   BUDGET   seconds for the whole script (default 570): a run whose estimate no longer fits is skipped and
-#            named in the summary, so that the summary always comes back; run the rest in a second call
-#            with ONLY/ANCHOR.
+#   BUDGET   seconds for the whole script (default 570): a run whose estimate no longer fits is skipped, so
+#            that the summary always comes back; the summary ends with the ONLY/ANCHOR/CP_CHECK line that
+#            runs what was skipped (the next session lent a GPU starts there).
+#   CP_CHECK 1 (default): run bench/cuda_cp_check.py after the two pairs; 0: not.
 #   LEVERS=1 also run bench/hopper_levers.py (microbenchmarks of the speed levers) if time is left.
 # Comes back under $OUT: the reference's logs (ANCHOR_LOGS), summary.txt and tessera_runs.tar.gz (every
 # Tessera run's log and metrics.jsonl; the run folders themselves stay on the machine, under /tmp). The
@@ -32,23 +37,22 @@
 # --from-runs): every run here is also a check of the estimate.
 set -uo pipefail
 START=$SECONDS
-source "$(dirname "$0")/common.sh"                # cd to the repo, carried wheels, GPU and torch; RET, RUNS
-export ANCHOR_LOGS=${ANCHOR_LOGS:-$RET}
-export PYTORCH_ALLOC_CONF="expandable_segments:True"   # as the reference kit runs
-
-ONLY=${ONLY:-"bf16_compile_ac_op fp8_compile_ac_op eager_ac_op noac_compile fullac_compile"}
+ONLY=${ONLY:-"bf16_compile_ac_op fp8_compile_ac_op eager_ac_op fsdp1_compile_ac_op noac_compile fullac_compile"}
 STEPS=${STEPS:-25}
 BUDGET=${BUDGET:-570}
-SKIPPED=""
+CP_CHECK=${CP_CHECK:-1}
+SKIPPED=""  # Tessera configurations the budget left out
+SKIPPED_REF=""  # reference configurations likewise
 
 L8=(--model.flavor 8B_L8 --training.seq_len 8192 --training.local_batch_size 1)
 declare -A TESSERA=(
   [bf16_compile_ac_op]="--compile.enable --activation_checkpoint.mode selective"
   [fp8_compile_ac_op]="--compile.enable --activation_checkpoint.mode selective --float8.enable"
   [eager_ac_op]="--activation_checkpoint.mode selective"
+  [fsdp1_compile_ac_op]="--compile.enable --activation_checkpoint.mode selective --parallelism.fsdp_single_rank"
   [noac_compile]="--compile.enable"
   [fullac_compile]="--compile.enable --activation_checkpoint.mode full"
-  # Not in the default ONLY (a second call): per-op AC keeping every other matmul, as the reference's per-op
+  # Not in the default ONLY (a later call): per-op AC keeping every other matmul, as the reference's per-op
   # policy does (Tessera's keeps them all: less recompute; at these shapes the peak is at the end of backward,
   # parameters, gradients and AdamW, so the estimate gives both policies the same peak):
   [bf16_compile_ac_alt]="--compile.enable --activation_checkpoint.mode selective --activation_checkpoint.op_matmuls alternate"
@@ -67,12 +71,19 @@ declare -A REFERENCE=(
 # Each Tessera run and the reference run it is compared with (compare_reference.py's --pairs).
 declare -A PAIR=(
   [bf16_compile_ac_op]=bf16_compile [fp8_compile_ac_op]=fp8_compile [eager_ac_op]=eager
+  [fsdp1_compile_ac_op]=bf16_compile
   [noac_compile]=noac_compile [bf16_compile_ac_alt]=bf16_compile [fp8_compile_ac_alt]=fp8_compile
   [fused_loss]=bf16_compile [cudnn_sdpa]=bf16_compile [fused_loss_cudnn]=bf16_compile
 )
-for label in $ONLY; do
+for label in $ONLY; do  # before the set-up: a typo costs no device time
   [ -n "${TESSERA[$label]+set}" ] || { echo "ONLY: unknown configuration '$label'; choose from: ${!TESSERA[*]}"; exit 2; }
 done
+for label in ${ANCHOR:-}; do
+  [ -n "${REFERENCE[$label]+set}" ] || { echo "ANCHOR: unknown configuration '$label'; choose from: ${!REFERENCE[*]}"; exit 2; }
+done
+source "$(dirname "$0")/common.sh"                # cd to the repo, carried wheels, GPU and torch; RET, RUNS
+export ANCHOR_LOGS=${ANCHOR_LOGS:-$RET}
+export PYTORCH_ALLOC_CONF="expandable_segments:True"   # as the reference kit runs
 if [ -z "${ANCHOR+set}" ]; then  # the reference runs ONLY's runs are compared with (eager and no-AC: the kit's README)
   ANCHOR=""
   for label in $ONLY; do
@@ -88,7 +99,7 @@ fits() { (( SECONDS - START + $1 <= BUDGET )); }
 
 tessera() {  # LABEL: one Tessera run, summarized after 5 warm-up steps
   local label=$1 est; est=$(estimate "$label")
-  if ! fits "$est"; then SKIPPED+=" tessera:$label"; echo "=== skip Tessera $label (budget)"; return; fi
+  if ! fits "$est"; then SKIPPED+=" $label"; echo "=== skip Tessera $label (budget)"; return; fi
   echo "=== Tessera $label: ${TESSERA[$label]}"
   # shellcheck disable=SC2086
   timeout $((BUDGET - (SECONDS - START))) python3 -m engine.train --config train_configs/debug_model.toml \
@@ -101,7 +112,7 @@ tessera() {  # LABEL: one Tessera run, summarized after 5 warm-up steps
 
 reference() {  # LABEL: one reference run (its script prints its last logged steps)
   local label=$1
-  if ! fits 130; then SKIPPED+=" reference:$label"; echo "=== skip reference $label (budget)"; return; fi
+  if ! fits 130; then SKIPPED_REF+=" $label"; echo "=== skip reference $label (budget)"; return; fi
   timeout $((BUDGET - (SECONDS - START))) bash .anchor/run_anchor.sh \
     "$label|${REFERENCE[$label]} --training.steps $STEPS"
 }
@@ -109,13 +120,27 @@ reference() {  # LABEL: one reference run (its script prints its last logged ste
 [ -f .anchor/run_anchor.sh ] || { echo "no .anchor/: run bash ../shared/bench/anchor/prepare.sh here and carry .anchor"; }
 python3 -c "import torchao" 2>/dev/null || echo "warning: torchao missing (carry .whl with torchao==0.17.0): float8 runs will fail"
 
+cp_check() {  # ring attention's CUDA kernels against full SDPA (issue 4), about half a minute
+  if ! fits 45; then CP_CHECK=skipped; echo "=== skip cuda_cp_check.py (budget)"; return; fi
+  echo "=== bench/cuda_cp_check.py"
+  timeout "$(limit 90)" python3 bench/cuda_cp_check.py 2>&1 | tee "$RUNS/cuda_cp_check.log"
+  CP_CHECK=done
+}
+
 # Interleaved, so that each pair runs close in time; the acceptance pairs first.
-for pair in "bf16_compile bf16_compile_ac_op" "fp8_compile fp8_compile_ac_op" "eager eager_ac_op" \
-            "noac_compile noac_compile" "- fullac_compile" "- bf16_compile_ac_alt" "- fp8_compile_ac_alt" \
-            "- fused_loss" "- cudnn_sdpa" "- fused_loss_cudnn"; do
+for pair in "bf16_compile bf16_compile_ac_op" "fp8_compile fp8_compile_ac_op" "cp_check" "eager eager_ac_op" \
+            "- fsdp1_compile_ac_op" "noac_compile noac_compile" "- fullac_compile" "- bf16_compile_ac_alt" \
+            "- fp8_compile_ac_alt" "- fused_loss" "- cudnn_sdpa" "- fused_loss_cudnn"; do
   set -- $pair
+  if [ "$1" = cp_check ]; then [ "$CP_CHECK" = 1 ] && cp_check; continue; fi
   [[ " $ANCHOR " == *" $1 "* ]] && [ -f .anchor/run_anchor.sh ] && reference "$1"
-  [[ " $ONLY " == *" $2 "* ]] && tessera "$2"
+  if [[ " $ONLY " == *" $2 "* ]]; then
+    if [[ " $SKIPPED_REF " == *" $1 "* ]]; then  # no reference run to compare it with: next time, with its pair
+      SKIPPED+=" $2"; echo "=== skip Tessera $2 (its reference run was skipped)"
+    else
+      tessera "$2"
+    fi
+  fi
 done
 
 if [ "${LEVERS:-0}" = 1 ] && fits 60; then
@@ -128,7 +153,20 @@ fi
   pairs=""; for label in "${!PAIR[@]}"; do pairs+="$label=${PAIR[$label]},"; done
   python3 bench/compare_reference.py --tessera "$RUNS" --anchor "$ANCHOR_LOGS" --labels "$(echo $ONLY | tr ' ' ,)" \
     --pairs "$pairs" --skip 10 --anchor-skip 10 --steps "$STEPS" --json "$RET/summary.json"
-  [ -n "$SKIPPED" ] && echo "skipped for the time budget:$SKIPPED"
+  if [ -n "$SKIPPED$SKIPPED_REF" ] || [ "$CP_CHECK" = skipped ]; then  # the reference runs the skipped ones pair with
+    for label in $SKIPPED; do
+      case "${PAIR[$label]:-}" in
+        bf16_compile|fp8_compile) [[ " $SKIPPED_REF " == *" ${PAIR[$label]} "* ]] || SKIPPED_REF+=" ${PAIR[$label]}" ;;
+      esac
+    done
+    echo "skipped for the time budget; the next call runs them with:"
+    if [ -n "$SKIPPED" ]; then
+      echo "  ONLY=\"${SKIPPED# }\" ANCHOR=\"${SKIPPED_REF# }\" CP_CHECK=$([ "$CP_CHECK" = skipped ] && echo 1 || echo 0)" \
+           "ANCHOR_LOGS=\$OUT bash bench/perf_vs_reference.sh"
+    else
+      echo "  bash -c 'source bench/common.sh && python3 bench/cuda_cp_check.py'"
+    fi
+  fi
   echo
   echo "=== peak memory of each Tessera run beside engine/tools/memory.py's estimate (issue 7)"
   python3 bench/memory_check.py --from-runs "$RUNS" --out "$RUNS"   # its md/json go into the tarball

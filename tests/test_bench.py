@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import stat
 import subprocess
@@ -117,7 +118,7 @@ def test_gpu_parallel_configs_are_valid_on_hopper(tmp_path):
 
 def test_perf_vs_reference_configs_are_valid_on_hopper(tmp_path):
     only = "bf16_compile_ac_op fp8_compile_ac_op bf16_compile_ac_alt fp8_compile_ac_alt eager_ac_op noac_compile " \
-           "fullac_compile fused_loss cudnn_sdpa fused_loss_cudnn"
+           "fullac_compile fsdp1_compile_ac_op fused_loss cudnn_sdpa fused_loss_cudnn"
     rows = _run_script(tmp_path, "perf_vs_reference.sh", {"ONLY": only, "ANCHOR": "", "BUDGET": "100000"})
     assert len(rows) == len(only.split()), rows
     for r in rows:  # the reference kit's shapes, every one
@@ -151,6 +152,35 @@ def test_perf_vs_reference_runs_the_reference_its_runs_are_compared_with(tmp_pat
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     asked = [line.split(": ", 1)[1] for line in proc.stdout.splitlines() if line.startswith("reference asked: ")]
     assert asked == anchor.split(), proc.stdout[-2000:]
+
+
+def test_perf_vs_reference_ends_with_the_command_that_runs_what_its_budget_skipped(tmp_path):
+    """The session's one call runs the acceptance pairs first; a budget too short for a reference run (estimated
+    130 s) skips it and the Tessera run compared with it. The summary ends with the environment that runs the
+    skipped ones, which the script takes as it is (the next session lent a GPU starts there)."""
+    import shlex
+
+    repo = _copy_repo(str(tmp_path))
+    os.makedirs(os.path.join(repo, ".anchor"))
+    with open(os.path.join(repo, ".anchor", "run_anchor.sh"), "w") as f:
+        f.write('for spec in "$@"; do echo "reference asked: ${spec%%|*}"; done\n')
+    env = dict(os.environ, PATH=f"{_stub_bin(tmp_path)}:{os.environ['PATH']}", OUT=str(tmp_path / "out"),
+               RUNS=str(tmp_path / "runs"), BUDGET="120")
+    for name in ("ONLY", "ANCHOR", "CP_CHECK"):
+        env.pop(name, None)
+    proc = subprocess.run(["bash", os.path.join(repo, "bench", "perf_vs_reference.sh")], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    ran = re.findall(r"^=== Tessera (\w+): ", proc.stdout, re.MULTILINE)
+    assert ran == ["eager_ac_op", "fsdp1_compile_ac_op", "noac_compile", "fullac_compile"], proc.stdout[-3000:]
+    assert "=== bench/cuda_cp_check.py" in proc.stdout and "reference asked" not in proc.stdout
+    lines = proc.stdout.splitlines()
+    command = lines[lines.index("skipped for the time budget; the next call runs them with:") + 1].strip()
+    assert command == ('ONLY="bf16_compile_ac_op fp8_compile_ac_op" ANCHOR="bf16_compile fp8_compile" CP_CHECK=0 '
+                       'ANCHOR_LOGS=$OUT bash bench/perf_vs_reference.sh'), command
+    again = dict(word.split("=", 1) for word in shlex.split(command) if "=" in word and "$" not in word)
+    rows = _run_script(tmp_path / "again", "perf_vs_reference.sh", {**again, "BUDGET": "100000"})
+    assert ["--float8.enable" in r["argv"] for r in rows] == [False, True], rows
 
 
 def test_perf_vs_reference_refuses_an_unknown_configuration(tmp_path):
