@@ -33,6 +33,8 @@ case "$DRY_RUN" in
   0|1) ;;
   *) fail "DRY_RUN: expected 0 or 1, got '$DRY_RUN'" ;;
 esac
+command -v "$PYTHON" > /dev/null ||
+  fail "PYTHON: '$PYTHON' is not a program here; give the Python of the environment Tessera is installed in, e.g. PYTHON=.venv/bin/python"
 
 args=("$@")
 has_config=0
@@ -56,25 +58,26 @@ if [ "$DRY_RUN" = 1 ]; then
   WORLD_SIZE=$NGPU exec "$PYTHON" -m engine.tools.dry_run "${args[@]}"
 fi
 
+# NGPU and LOG_RANK, here, in no time: a positive whole number of processes on this node (a whole cluster's world
+# is planned with DRY_RUN=1 or launched with slurm/), and ranks among them.
+[[ "$NGPU" =~ ^[0-9]{1,7}$ ]] && [ "$((10#$NGPU))" -ge 1 ] && [ "$((10#$NGPU))" -le 1024 ] ||
+  fail "NGPU: expected the number of processes on this node, a whole number from 1 to 1024, got '$NGPU'"
+NGPU=$((10#$NGPU))
+[[ "$LOG_RANK" =~ ^[0-9]+(,[0-9]+)*$ ]] ||
+  fail "LOG_RANK: '$LOG_RANK' is not a comma-separated list of ranks in [0, $NGPU) (NGPU = $NGPU), e.g. 0 or 0,1"
+for rank in ${LOG_RANK//,/ }; do
+  [ "${#rank}" -le 7 ] && [ "$((10#$rank))" -lt "$NGPU" ] ||
+    fail "LOG_RANK: rank $rank is not in [0, $NGPU) (NGPU = $NGPU); show one of the ranks this run starts"
+done
+
 if [ "$NGPU" = 1 ]; then
-  # One process: no launcher needed, and user errors print exactly one line.
-  exec "$PYTHON" -m engine.train "${args[@]}"
+  # One process: no launcher needed, and user errors print exactly one line. (A WORLD_SIZE exported in the
+  # caller's shell does not make it a rank of a larger world.)
+  WORLD_SIZE=1 exec "$PYTHON" -m engine.train "${args[@]}"
 fi
 
-# Several processes: LOG_RANK (here, in no time; a malformed NGPU is left to the next check's message); then the
-# configuration, once, quietly, so that a user error prints one line and no launcher traceback (NGPU among
-# them); then launch.
-for rank in ${LOG_RANK//,/ }; do
-  case "$rank" in
-    *[!0-9]*) fail "LOG_RANK: '$LOG_RANK' is not a comma-separated list of ranks in [0, $NGPU) (NGPU = $NGPU)" ;;
-  esac
-  case "$NGPU" in
-    ''|*[!0-9]*) ;;
-    *) [ "$((10#$NGPU))" -eq 0 ] || [ "$((10#$rank))" -lt "$((10#$NGPU))" ] ||
-         fail "LOG_RANK: rank $rank is not in [0, $NGPU) (NGPU = $NGPU); show one of the ranks this run starts" ;;
-  esac
-done
-[ -n "${LOG_RANK//[, ]/}" ] || fail "LOG_RANK: empty; name the ranks whose output is shown, e.g. 0"
+# Several processes: the configuration, once, quietly, so that a user error prints one line and no launcher
+# traceback; then launch.
 WORLD_SIZE=$NGPU TESSERA_CHECK_ONLY=1 "$PYTHON" -m engine.train "${args[@]}"
 # SIGTERM (SLURM preemption, or a user's kill) goes straight to the training processes, which save a
 # checkpoint at the next step boundary and exit 0 (checkpoint.enable); torchrun then exits 0 too. (torchrun

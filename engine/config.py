@@ -551,15 +551,21 @@ def _convert(key: str, tp, value, from_cli: bool):
             return value
         raise ConfigError(f"{key}: expected true or false, got {_shown(value, from_cli)}")
     if tp is int:
+        number = None
         if from_cli:
             for base in (0, 10):  # 0x1f, 0o17, 1_000; base 10 for leading zeros (042), which base 0 refuses
                 try:
-                    return int(value, base)
+                    number = int(value, base)
+                    break
                 except ValueError:
                     pass
         elif isinstance(value, int) and not isinstance(value, bool):
-            return value
-        raise ConfigError(f"{key}: expected an integer, got {_shown(value, from_cli)}")
+            number = value
+        if number is None:
+            raise ConfigError(f"{key}: expected an integer, got {_shown(value, from_cli)}")
+        if not -2**63 <= number < 2**63:  # torch and the collectives' timeouts take 64-bit integers
+            raise ConfigError(f"{key}: {number} does not fit in a 64-bit integer; give a smaller value")
+        return number
     if tp is float:
         number = None
         if from_cli:
@@ -708,11 +714,12 @@ def set_value(cfg: Config, key: str, value, from_cli: bool) -> None:
 def load_toml(cfg: Config, path: str) -> None:
     if os.path.isdir(path):
         raise ConfigError(f"--config: '{path}' is a folder; pass a TOML file such as train_configs/debug_model.toml")
-    if not os.path.isfile(path):
+    if not os.path.exists(path):  # a file, or a pipe such as --config <(...)
         raise ConfigError(f"--config: file '{path}' not found; pass an existing TOML file such as train_configs/debug_model.toml")
     try:
         with open(path, "rb") as f:
-            data = tomllib.load(f)
+            text = f.read().decode("utf-8-sig")  # a byte-order mark (some Windows editors write one) is dropped
+        data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"--config: '{path}' is not valid TOML ({e})") from None
     except UnicodeDecodeError as e:
@@ -764,11 +771,12 @@ def parse_args(argv: list[str] | None = None) -> Config:
         if key == "config":
             if eq:
                 value = inline
-            elif i + 1 < len(argv):
+            elif i + 1 < len(argv) and not argv[i + 1].startswith("--"):
                 value = argv[i + 1]
                 i += 1
             else:
-                raise ConfigError("--config: expects a TOML file path")
+                raise ConfigError("--config: expects a TOML file path" + (f" before {argv[i + 1]}" if i + 1 < len(argv)
+                                                                         else ""))
             if config_file is not None:
                 raise ConfigError(f"--config: given twice ('{config_file}', then '{value}'); pass one file and "
                                   "override its values with --section.key value")
@@ -807,6 +815,10 @@ def parse_args(argv: list[str] | None = None) -> Config:
 def _choice(key: str, value: str, choices) -> None:
     if value not in choices:
         raise ConfigError(f"{key}: '{value}' is not one of {', '.join(choices)}{_did_you_mean(value, choices)}")
+
+
+MAX_SEQ_LEN = 2**24  # sanity bounds: a value past them is a typo, and would fail later with a traceback
+MAX_TIMEOUT_SECONDS = 10**8
 
 
 def _positive(key: str, value) -> None:
@@ -908,6 +920,8 @@ def validate(cfg: Config, world_size: int = 1, machine: Optional[Machine] = None
     t = cfg.training
     _positive("training.steps", t.steps)
     _positive("training.seq_len", t.seq_len)
+    if t.seq_len > MAX_SEQ_LEN:
+        raise ConfigError(f"training.seq_len: at most {MAX_SEQ_LEN:,} tokens (2**24), got {t.seq_len:,}")
     _positive("training.local_batch_size", t.local_batch_size)
     dp = validate_parallelism(cfg, world_size, spec, machine).dp
     ac, n_layers = cfg.activation_checkpoint, spec.flavors[cfg.model.flavor].n_layers
@@ -1016,9 +1030,11 @@ def validate(cfg: Config, world_size: int = 1, machine: Optional[Machine] = None
     if pr.enable_memory_snapshot and not machine.cuda:
         raise ConfigError("profiling.enable_memory_snapshot: records the CUDA caching allocator and needs CUDA "
                           "GPUs; turn it off on this machine (profiling.enable_profiling traces CPU runs)")
-    _positive("comm.init_timeout_seconds", cfg.comm.init_timeout_seconds)
-    _positive("comm.train_timeout_seconds", cfg.comm.train_timeout_seconds)
-    _positive("comm.checkpoint_timeout_seconds", cfg.comm.checkpoint_timeout_seconds)
+    for key in ("init_timeout_seconds", "train_timeout_seconds", "checkpoint_timeout_seconds"):
+        seconds = getattr(cfg.comm, key)
+        _positive(f"comm.{key}", seconds)
+        if seconds > MAX_TIMEOUT_SECONDS:  # Python's timedelta, which the collectives take, stops at 10**9 days
+            raise ConfigError(f"comm.{key}: at most {MAX_TIMEOUT_SECONDS:,} seconds (about 3 years), got {seconds:,}")
     if cfg.comm.trace_buf_size < 0:
         raise ConfigError(f"comm.trace_buf_size: must be >= 0 (0 = off), got {cfg.comm.trace_buf_size}")
 

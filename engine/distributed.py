@@ -71,6 +71,9 @@ def backend_from_env(cuda: bool) -> Optional[str]:
     return backend
 
 
+MAX_WORLD_SIZE = 2**20  # a sanity bound (the dry run simulates 16,384 ranks in seconds): beyond it, a typo
+
+
 def world_size_from_env() -> int:
     """WORLD_SIZE (run_train.sh sets it from NGPU; torchrun sets it), default 1; a ValueError naming both when
     it is not a positive integer."""
@@ -81,6 +84,8 @@ def world_size_from_env() -> int:
         world_size = 0
     if world_size < 1:
         raise ValueError(f"NGPU (WORLD_SIZE): must be a positive number of processes, got {text!r}")
+    if world_size > MAX_WORLD_SIZE:
+        raise ValueError(f"NGPU (WORLD_SIZE): at most {MAX_WORLD_SIZE:,} ranks, got {text!r}")
     return world_size
 
 

@@ -77,8 +77,11 @@ def check_writable_folder(folder: str, field: str) -> None:
     if os.path.exists(path) and not os.path.isdir(path):
         raise ConfigError(f"{field}: '{folder}' exists and is not a folder; give a folder path")
     existing = path
-    while not os.path.exists(existing):
+    while not os.path.lexists(existing):
         existing = os.path.dirname(existing)
+    if os.path.islink(existing) and not os.path.exists(existing):  # os.makedirs would fail on it mid-run
+        raise ConfigError(f"{field}: '{existing}' is a symbolic link to '{os.readlink(existing)}', which does not "
+                          "exist; create that folder, or give another")
     if not os.path.isdir(existing):
         raise ConfigError(f"{field}: cannot create '{folder}': '{existing}' is a file")
     try:  # permission bits do not tell (root, read-only mounts, /proc): make a folder there and remove it

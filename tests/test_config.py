@@ -180,6 +180,15 @@ def test_toml_errors(tmp_path):
     latin1.write_bytes('[job]\ndescription = "café"\n'.encode("latin-1"))
     with pytest.raises(ConfigError, match=r"^--config: '.*d\.toml' is not UTF-8 text"):
         parse_args(["--config", str(latin1)])
+    huge = tmp_path / "e.toml"
+    huge.write_text("[comm]\ninit_timeout_seconds = 99999999999999999999\n")  # TOML's integers are unbounded
+    with pytest.raises(ConfigError, match="^comm.init_timeout_seconds: 99999999999999999999 does not fit in a 64-bit"):
+        parse_args(["--config", str(huge)])
+    bom = tmp_path / "f.toml"  # a byte-order mark, as some Windows editors save: read as if absent
+    bom.write_bytes(b"\xef\xbb\xbf[training]\nsteps = 7\n")
+    assert parse_args(["--config", str(bom)]).training.steps == 7
+    with pytest.raises(ConfigError, match="^--config: expects a TOML file path before --training.steps$"):
+        parse_args(["--config", "--training.steps", "5"])
 
 
 def test_integers_take_leading_zeros_and_prefixes():
@@ -230,6 +239,9 @@ def test_home_is_expanded_in_path_fields(tmp_path, monkeypatch):
         (["--job.dump_folder", ""], "job.dump_folder"),
         (["--debug.seed", "4294967296"], "debug.seed: must be in [0, 2**32 - 1]"),
         (["--debug.seed", "-1"], "debug.seed: must be in [0, 2**32 - 1]"),
+        (["--training.seq_len", "4000000000000"], "training.seq_len: at most 16,777,216 tokens (2**24)"),
+        (["--comm.train_timeout_seconds", "100000000000000"], "comm.train_timeout_seconds: at most 100,000,000 "
+         "seconds"),
         (["--checkpoint.last_save_model_only"], "checkpoint.last_save_model_only: "),  # needs checkpoint.enable
         (["--checkpoint.create_seed_checkpoint", "--checkpoint.initial_load_path", "."],
          "checkpoint.initial_load_path: a seed checkpoint (checkpoint.create_seed_checkpoint) is the freshly "

@@ -194,8 +194,14 @@ def test_log_rank_shows_that_ranks_log_lines(tmp_path):
     ({"TESSERA_BACKEND": "nccl"}, [], "TESSERA_BACKEND: nccl needs CUDA GPUs"),
     ({"NGPU": "2"}, ["--debug.seed", "4294967296"], "debug.seed: must be in [0, 2**32 - 1]"),  # before any worker
     ({}, ["--config", "a.toml", "--config", "b.toml"], "--config: given twice"),
+    ({"NGPU": "+2"}, [], "NGPU: expected the number of processes on this node, a whole number from 1 to 1024"),
+    ({"NGPU": "2", "LOG_RANK": "0,,1"}, [], "LOG_RANK: '0,,1' is not a comma-separated list of ranks"),
+    ({"LOG_RANK": "7"}, [], "LOG_RANK: rank 7 is not in [0, 1)"),
+    ({"PYTHON": "/no/such/python"}, [], "PYTHON: '/no/such/python' is not a program here"),
+    # A WORLD_SIZE left in the caller's shell does not make a one-process run a rank of a larger world.
+    ({"WORLD_SIZE": "2"}, ["--parallelism.dp_shard", "2"], "parallelism: the degrees multiply to 2"),
 ], ids=["DRY_RUN", "CONFIG_FILE", "LOG_RANK=abc", "LOG_RANK=0,5", "TESSERA_BACKEND=foo", "TESSERA_BACKEND=nccl",
-        "seed", "config-twice"])
+        "seed", "config-twice", "NGPU=+2", "LOG_RANK=0,,1", "LOG_RANK=7", "PYTHON", "WORLD_SIZE"])
 def test_run_train_sh_bad_environment_is_one_error_line(env, argv, message, tmp_path):
     import torch
 
@@ -221,7 +227,12 @@ def test_unusable_dump_folder_is_one_error_line(tmp_path, capsys):
     a_file.write_text("not a folder")
     toml = tmp_path / "inf.toml"
     toml.write_text('[optimizer]\nlr = inf\n')
+    dangling = tmp_path / "link"  # to a folder that does not exist: os.makedirs fails on it (at the first save)
+    dangling.symlink_to(tmp_path / "gone")
     for argv, message in [
+        (["--job.dump_folder", str(dangling / "run")], f"is a symbolic link to '{tmp_path / 'gone'}', which does not"),
+        (["--job.dump_folder", str(tmp_path / "run"), "--checkpoint.enable", "--checkpoint.folder", str(dangling)],
+         "checkpoint.folder: "),
         (["--job.dump_folder", str(a_file)], "exists and is not a folder"),
         (["--job.dump_folder", str(a_file / "run")], "is a file"),
         (["--job.dump_folder", "/proc/tessera/run"], "cannot write '/proc/tessera/run' (in '/proc')"),
@@ -244,7 +255,7 @@ def test_unusable_dump_folder_is_one_error_line(tmp_path, capsys):
     with pytest.raises(ConfigError, match="^profiling.save_memory_snapshot_folder: "):
         train.check(["--job.dump_folder", str(tmp_path / "run"), "--profiling.enable_memory_snapshot",
                      "--profiling.save_memory_snapshot_folder", str(a_file)], HOPPER)
-    assert a_file.read_text() == "not a folder" and sorted(os.listdir(tmp_path)) == ["a_file", "inf.toml"]
+    assert a_file.read_text() == "not a folder" and sorted(os.listdir(tmp_path)) == ["a_file", "inf.toml", "link"]
 
 
 @pytest.mark.parametrize("streaming", ["true", "false"])
