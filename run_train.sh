@@ -33,8 +33,8 @@ case "$DRY_RUN" in
   0|1) ;;
   *) fail "DRY_RUN: expected 0 or 1, got '$DRY_RUN'" ;;
 esac
-command -v "$PYTHON" > /dev/null ||
-  fail "PYTHON: '$PYTHON' is not a program here; give the Python of the environment Tessera is installed in, e.g. PYTHON=.venv/bin/python"
+command -v "$PYTHON" > /dev/null || fail "PYTHON: '$PYTHON' is not a program here; give the Python of the \
+environment Tessera is installed in, e.g. PYTHON=.venv/bin/python"
 
 args=("$@")
 has_config=0
@@ -71,14 +71,14 @@ for rank in ${LOG_RANK//,/ }; do
 done
 
 if [ "$NGPU" = 1 ]; then
-  # One process: no launcher needed, and user errors print exactly one line. (A WORLD_SIZE exported in the
-  # caller's shell does not make it a rank of a larger world.)
-  WORLD_SIZE=1 exec "$PYTHON" -m engine.train "${args[@]}"
+  # One process: no launcher needed, and user errors print exactly one line. (A WORLD_SIZE or RANK exported in
+  # the caller's shell does not make it a rank of a larger world.)
+  WORLD_SIZE=1 RANK=0 LOCAL_RANK=0 exec "$PYTHON" -m engine.train "${args[@]}"
 fi
 
 # Several processes: the configuration, once, quietly, so that a user error prints one line and no launcher
 # traceback; then launch.
-WORLD_SIZE=$NGPU TESSERA_CHECK_ONLY=1 "$PYTHON" -m engine.train "${args[@]}"
+WORLD_SIZE=$NGPU RANK=0 LOCAL_RANK=0 TESSERA_CHECK_ONLY=1 "$PYTHON" -m engine.train "${args[@]}"
 # SIGTERM (SLURM preemption, or a user's kill) goes straight to the training processes, which save a
 # checkpoint at the next step boundary and exit 0 (checkpoint.enable); torchrun then exits 0 too. (torchrun
 # itself, signalled, would stop its workers after a grace period and exit non-zero.) engine.launch is torchrun

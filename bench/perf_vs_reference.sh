@@ -160,7 +160,8 @@ fi
       esac
     done
     echo "skipped for the time budget; the next call runs them with:"
-    if [ -n "$SKIPPED" ]; then
+    if [ -n "$SKIPPED$SKIPPED_REF" ]; then  # (ONLY="" runs the default list: name a Tessera run then)
+      [ -n "$SKIPPED" ] || SKIPPED=" bf16_compile_ac_op"
       echo "  ONLY=\"${SKIPPED# }\" ANCHOR=\"${SKIPPED_REF# }\" CP_CHECK=$([ "$CP_CHECK" = skipped ] && echo 1 || echo 0)" \
            "ANCHOR_LOGS=\$OUT bash bench/perf_vs_reference.sh"
     else

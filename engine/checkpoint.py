@@ -233,7 +233,7 @@ def _set_aside(folder: str, suffix: str) -> str:
     return aside
 
 
-def _is_model_only(folder: str) -> bool:
+def is_model_only(folder: str) -> bool:
     try:
         with open(os.path.join(folder, TRAIN_STATE_FILE)) as f:
             return bool(json.load(f).get("model_only"))
@@ -699,7 +699,7 @@ class Checkpointer:
         k = self.cfg.checkpoint.keep_latest_k
         if k <= 0:
             return
-        full = [(s, f) for s, f, ok in list_steps(self.root) if ok and not _is_model_only(f)]
+        full = [(s, f) for s, f, ok in list_steps(self.root) if ok and not is_model_only(f)]
         removing = [os.path.join(self.root, name) for name in os.listdir(self.root) if _REMOVING_DIR.match(name)]
         for step, folder in full[:-k]:  # out of the way at once (a rename), deleted in the background
             try:
@@ -892,8 +892,10 @@ class Checkpointer:
         (a user error in its own data shard, or a peer's): an async save being written is finished, since
         its background writer has a process group of its own, then committed by rank 0. DCP's coordinator
         (rank 0) completes the save only once every rank has written its files, so rank 0's finished save is
-        whole: the last save before the error commits, as with synchronous saves. Every rank must wait for its
-        own writer before leaving, or rank 0's would never finish."""
+        whole: the last save before the error commits, as with synchronous saves, when rank 0 gets here (it
+        is the failing rank, or its collective failed when the failing rank left, as on gloo; a NCCL collective
+        may instead wait until the launcher kills it, and the save then stays incomplete, never loaded). Every
+        rank waits for its own writer before leaving, or rank 0's would fail."""
         p, self.pending = self.pending, None
         if p is not None:
             try:

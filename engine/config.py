@@ -716,6 +716,9 @@ def load_toml(cfg: Config, path: str) -> None:
         raise ConfigError(f"--config: '{path}' is a folder; pass a TOML file such as train_configs/debug_model.toml")
     if not os.path.exists(path):  # a file, or a pipe such as --config <(...)
         raise ConfigError(f"--config: file '{path}' not found; pass an existing TOML file such as train_configs/debug_model.toml")
+    if not os.path.isfile(path) and os.environ.get("WORLD_SIZE", "1").strip() not in ("", "1"):
+        raise ConfigError(f"--config: '{path}' is not a file (a pipe, such as <(...)?), which the launcher's processes "
+                          "cannot each read; save it to a file")
     try:
         with open(path, "rb") as f:
             text = f.read().decode("utf-8-sig")  # a byte-order mark (some Windows editors write one) is dropped

@@ -155,15 +155,18 @@ def check_schedule_csv(csv: str, pp: int, schedule: str, virtual_stages: int, mi
             if action is None:
                 continue
             if action.computation_type not in (*kinds, _ComputationType.OVERLAP_F_B):
-                raise ValueError(f"{field}: row {rank}: {cell.strip()} is a communication or sharding action; the file "
-                                 "lists compute actions only (F, B, I, W), the communication is derived from them")
-            if action.stage_index not in held:
-                raise ValueError(
-                    f"{field}: row {rank} runs stage {action.stage_index} ({cell.strip()}), but pp rank {rank} holds "
-                    f"stages {held} ({schedule} placement with parallelism.pp_virtual_stages = {virtual_stages}); "
-                    "set parallelism.pp_schedule to the schedule whose placement the CSV follows"
-                )
-            for part in getattr(action, "sub_actions", None) or [action]:  # OVERLAP_F_B: a forward and a backward
+                raise ValueError(f"{field}: row {rank}: {cell.strip()} is a communication or sharding action; the "
+                                 "file lists compute actions only (F, B, I, W), the communication is derived from them")
+            parts = getattr(action, "sub_actions", None) or [action]  # OVERLAP_F_B: a forward and a backward
+            for part in parts:
+                if part.stage_index not in held:
+                    raise ValueError(
+                        f"{field}: row {rank} runs stage {part.stage_index} ({cell.strip()}), but pp rank {rank} "
+                        f"holds stages {held} ({schedule} placement with parallelism.pp_virtual_stages = "
+                        f"{virtual_stages}); set parallelism.pp_schedule to the schedule whose placement the CSV "
+                        "follows"
+                    )
+            for part in parts:
                 if part.computation_type in kinds:
                     runs[part.stage_index, part.microbatch_index, kinds[part.computation_type]] += 1
                 if part.computation_type == _ComputationType.FORWARD:

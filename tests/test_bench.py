@@ -181,6 +181,13 @@ def test_perf_vs_reference_ends_with_the_command_that_runs_what_its_budget_skipp
     again = dict(word.split("=", 1) for word in shlex.split(command) if "=" in word and "$" not in word)
     rows = _run_script(tmp_path / "again", "perf_vs_reference.sh", {**again, "BUDGET": "100000"})
     assert ["--float8.enable" in r["argv"] for r in rows] == [False, True], rows
+    # A reference run skipped beside no Tessera run of ONLY is named too (with a Tessera run it pairs with).
+    env.update(ONLY="fullac_compile", ANCHOR="bf16_compile", BUDGET="120")
+    proc = subprocess.run(["bash", os.path.join(repo, "bench", "perf_vs_reference.sh")], env=env,
+                          capture_output=True, text=True, timeout=300)
+    lines = proc.stdout.splitlines()
+    command = lines[lines.index("skipped for the time budget; the next call runs them with:") + 1].strip()
+    assert command.startswith('ONLY="bf16_compile_ac_op" ANCHOR="bf16_compile" CP_CHECK=0 '), command
 
 
 def test_perf_vs_reference_refuses_an_unknown_configuration(tmp_path):

@@ -320,6 +320,7 @@ def test_rollback_and_retention_keep_the_run_resumable(tmp_path):
     train(short, *args)
     again = train(short, *args, "--checkpoint.load_step", "2")
     assert "already exists" not in again.stdout and "Hugging Face folder of" in again.stdout
+    assert "holds the model only" not in again.stdout  # step 4 is whole: passed over by choice (load_step)
     assert sorted(os.listdir(short / "checkpoint")) == ["step-000002", "step-000004", "step-000004-hf",
                                                         "step-000004-hf.replaced", "step-000004.replaced"]
 

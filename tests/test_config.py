@@ -1,6 +1,7 @@
 """Config: TOML + CLI overrides, types, unknown keys, --help, docstrings, dump."""
 
 import dataclasses
+import os
 import sys
 
 import pytest
@@ -189,6 +190,15 @@ def test_toml_errors(tmp_path):
     assert parse_args(["--config", str(bom)]).training.steps == 7
     with pytest.raises(ConfigError, match="^--config: expects a TOML file path before --training.steps$"):
         parse_args(["--config", "--training.steps", "5"])
+
+
+def test_a_pipe_as_config_is_read_by_one_process_only(tmp_path, monkeypatch):
+    """--config <(...) is a pipe: one process reads it; the processes of a launch could not each read it."""
+    pipe = tmp_path / "config.pipe"
+    os.mkfifo(pipe)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match=r"^--config: '.*config\.pipe' is not a file \(a pipe"):
+        parse_args(["--config", str(pipe)])
 
 
 def test_integers_take_leading_zeros_and_prefixes():

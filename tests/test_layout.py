@@ -137,7 +137,8 @@ def test_schedule_csv_that_does_not_fit_the_layout_is_one_error_line(tmp_path, c
         # Each row's order: a backward after its forward (torch asserted mid-build).
         "backward_first": ("\n".join(",".join(reversed(row.split(","))) if i == 0 else row
                                      for i, row in enumerate(looped.splitlines())) + "\n", [],
-                           "Rank 0, step 0: Running Full Backward for stage 0, microbatch 3 without first running Forward"),
+                           "Rank 0, step 0: Running Full Backward for stage 0, microbatch 3 without first running "
+                           "Forward"),
         "not_utf8": ("\udcff" + looped, [], "is not UTF-8 text (byte 0: invalid start byte); save it as UTF-8"),
     }
     for name, (text, extra, message) in cases.items():
@@ -157,6 +158,12 @@ def test_schedule_csv_that_does_not_fit_the_layout_is_one_error_line(tmp_path, c
     # A CSV given with a single-stage schedule (1F1B, the default) places one stage on each rank.
     train.check(["--parallelism.pp", "2", "--parallelism.pp_schedule_csv",
                  os.path.join(ROOT, "tests", "data", "pp2_1f1b.csv"), "--job.dump_folder", str(tmp_path / "good")])
+    # An action that overlaps a forward and a backward (torch's runtime runs it) holds the stages of its parts.
+    overlap = tmp_path / "overlap.csv"
+    overlap.write_text("0F0,0F1,(0F2;0B0)OVERLAP_F_B,0B1,0B2\n1F0,1B0,1F1,1B1,1F2,1B2\n")
+    train.check(["--parallelism.pp", "2", "--parallelism.pp_schedule_csv", str(overlap), "--parallelism.pp_microbatches",
+                 "3", "--training.local_batch_size", "3", "--training.global_batch_size", "3", "--job.dump_folder",
+                 str(tmp_path / "good")])
 
 
 def test_pipeline_microbatch_rules_count_every_accumulation_batch(tmp_path, monkeypatch):

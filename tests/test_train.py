@@ -200,8 +200,10 @@ def test_log_rank_shows_that_ranks_log_lines(tmp_path):
     ({"PYTHON": "/no/such/python"}, [], "PYTHON: '/no/such/python' is not a program here"),
     # A WORLD_SIZE left in the caller's shell does not make a one-process run a rank of a larger world.
     ({"WORLD_SIZE": "2"}, ["--parallelism.dp_shard", "2"], "parallelism: the degrees multiply to 2"),
+    ({"RANK": "1"}, ["--training.steps", "abc"], "training.steps: expected an integer"),  # else rank 1's: silent
+    ({"RANK": "1", "NGPU": "2"}, ["--training.steps", "abc"], "training.steps: expected an integer"),
 ], ids=["DRY_RUN", "CONFIG_FILE", "LOG_RANK=abc", "LOG_RANK=0,5", "TESSERA_BACKEND=foo", "TESSERA_BACKEND=nccl",
-        "seed", "config-twice", "NGPU=+2", "LOG_RANK=0,,1", "LOG_RANK=7", "PYTHON", "WORLD_SIZE"])
+        "seed", "config-twice", "NGPU=+2", "LOG_RANK=0,,1", "LOG_RANK=7", "PYTHON", "WORLD_SIZE", "RANK", "RANK-NGPU2"])
 def test_run_train_sh_bad_environment_is_one_error_line(env, argv, message, tmp_path):
     import torch
 
