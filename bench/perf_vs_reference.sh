@@ -84,14 +84,17 @@ done
 source "$(dirname "$0")/common.sh"                # cd to the repo, carried wheels, GPU and torch; RET, RUNS
 export ANCHOR_LOGS=${ANCHOR_LOGS:-$RET}
 export PYTORCH_ALLOC_CONF="expandable_segments:True"   # as the reference kit runs
-if [ -z "${ANCHOR+set}" ]; then  # the reference runs ONLY's runs are compared with (eager and no-AC: the kit's README)
-  ANCHOR=""
-  for label in $ONLY; do
+compared_with() {  # LABELS...: the reference runs (bf16 and float8 compiled) these Tessera runs pair with, once each
+  local refs="" label
+  for label; do
     case "${PAIR[$label]:-}" in
-      bf16_compile|fp8_compile) [[ " $ANCHOR " == *" ${PAIR[$label]} "* ]] || ANCHOR+=" ${PAIR[$label]}" ;;
+      bf16_compile|fp8_compile) [[ " $refs " == *" ${PAIR[$label]} "* ]] || refs+=" ${PAIR[$label]}" ;;
     esac
   done
-fi
+  echo "${refs# }"
+}
+# Default: the reference runs ONLY's runs are compared with (eager and no-AC: the kit's README has them).
+[ -n "${ANCHOR+set}" ] || ANCHOR=$(compared_with $ONLY)
 
 # Seconds a run is expected to take on a fresh machine (start, cold compile, steps), to keep inside BUDGET.
 estimate() { case $1 in eager*) echo 45 ;; *) echo 100 ;; esac; }
@@ -153,11 +156,9 @@ fi
   pairs=""; for label in "${!PAIR[@]}"; do pairs+="$label=${PAIR[$label]},"; done
   python3 bench/compare_reference.py --tessera "$RUNS" --anchor "$ANCHOR_LOGS" --labels "$(echo $ONLY | tr ' ' ,)" \
     --pairs "$pairs" --skip 10 --anchor-skip 10 --steps "$STEPS" --json "$RET/summary.json"
-  if [ -n "$SKIPPED$SKIPPED_REF" ] || [ "$CP_CHECK" = skipped ]; then  # the reference runs the skipped ones pair with
-    for label in $SKIPPED; do
-      case "${PAIR[$label]:-}" in
-        bf16_compile|fp8_compile) [[ " $SKIPPED_REF " == *" ${PAIR[$label]} "* ]] || SKIPPED_REF+=" ${PAIR[$label]}" ;;
-      esac
+  if [ -n "$SKIPPED$SKIPPED_REF" ] || [ "$CP_CHECK" = skipped ]; then
+    for ref in $(compared_with $SKIPPED); do  # the reference runs the skipped ones pair with
+      [[ " $SKIPPED_REF " == *" $ref "* ]] || SKIPPED_REF+=" $ref"
     done
     echo "skipped for the time budget; the next call runs them with:"
     if [ -n "$SKIPPED$SKIPPED_REF" ]; then  # (ONLY="" runs the default list: name a Tessera run then)

@@ -21,7 +21,7 @@ from torch import nn
 import torch.distributed as dist
 
 from engine.checkpoint import (Checkpointer, check_data_source, check_fits_model, checkpoint_root, fault_point,
-                               find_resume_point, is_model_only, list_steps, step_folder)
+                               find_resume_point, is_model_only, list_steps)
 from engine.config import Config, dump, grad_accumulation_steps, pp_microbatches, to_toml
 from engine.data.datasets import DataError, validation_data
 from engine.data.loader import build_dataloader
@@ -290,18 +290,18 @@ class Trainer:
                        f"{', ...' if len(source.ignored) > 3 else ''}") if source.ignored else ""
             print(f"data: {source.describe()}{ignored}{self.dataloader.split_note}; tokenizer {self.tokenizer.path} "
                   f"({self.tokenizer.vocab_size:,} tokens)", flush=True)
-            saved = [step for step, _, ok in list_steps(checkpoint_root(cfg)) if ok]
+            root = checkpoint_root(cfg)
+            saved = [(step, folder) for step, folder, ok in list_steps(root) if ok]
+            newest, newest_folder = saved[-1] if saved else (0, "")
             if saved and not cfg.checkpoint.enable:
-                print(f"checkpoint: checkpoint.enable is off, so the {len(saved)} checkpoint(s) in "
-                      f"{checkpoint_root(cfg)} (newest: step {saved[-1]}) are not resumed from and this run starts "
-                      "at step 0 (add --checkpoint.enable to resume)", flush=True)
-            elif saved and saved[-1] > self.step and cfg.checkpoint.load_step == -1 and \
-                    not cfg.checkpoint.create_seed_checkpoint and \
-                    is_model_only(step_folder(checkpoint_root(cfg), saved[-1])):  # the newest, passed over
-                print(f"checkpoint: step {saved[-1]} in {checkpoint_root(cfg)} holds the model only (no optimizer or "
-                      f"data state), so it is not resumed from and this run starts at step {self.step}; to start "
-                      "from its weights instead, give its folder as checkpoint.initial_load_path in a new "
-                      "job.dump_folder", flush=True)
+                print(f"checkpoint: checkpoint.enable is off, so the {len(saved)} checkpoint(s) in {root} (newest: "
+                      f"step {newest}) are not resumed from and this run starts at step 0 (add --checkpoint.enable "
+                      "to resume)", flush=True)
+            elif newest > self.step and cfg.checkpoint.load_step == -1 and \
+                    not cfg.checkpoint.create_seed_checkpoint and is_model_only(newest_folder):  # passed over
+                print(f"checkpoint: step {newest} in {root} holds the model only (no optimizer or data state), so it "
+                      f"is not resumed from and this run starts at step {self.step}; to start from its weights "
+                      "instead, give its folder as checkpoint.initial_load_path in a new job.dump_folder", flush=True)
 
     # ----------------------------------------------------------------------------------------------------
     def rebuild_dataloader(self, num_shards: int) -> None:

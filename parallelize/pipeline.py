@@ -145,20 +145,22 @@ def check_schedule_csv(csv: str, pp: int, schedule: str, virtual_stages: int, mi
     runs: Counter = Counter()  # (stage, microbatch, F / B / I / W) -> times the CSV runs it
     kinds = {_ComputationType.FORWARD: "F", _ComputationType.FULL_BACKWARD: "B",
              _ComputationType.BACKWARD_INPUT: "I", _ComputationType.BACKWARD_WEIGHT: "W"}
+    actions: dict[int, list] = {}  # each row's parsed cells (None for an empty one), for torch's order check below
     for rank, row in enumerate(rows):
         held = stage_ids(rank, pp, schedule, virtual_stages, csv)
+        actions[rank] = []
         for cell in row:
             try:
                 action = _Action.from_str(cell.strip())
             except (ValueError, RuntimeError) as e:
                 raise ValueError(f"{field}: row {rank}: {e}") from None
+            actions[rank].append(action)
             if action is None:
                 continue
             if action.computation_type not in (*kinds, _ComputationType.OVERLAP_F_B):
                 raise ValueError(f"{field}: row {rank}: {cell.strip()} is a communication or sharding action; the "
                                  "file lists compute actions only (F, B, I, W), the communication is derived from them")
-            parts = getattr(action, "sub_actions", None) or [action]  # OVERLAP_F_B: a forward and a backward
-            for part in parts:
+            for part in getattr(action, "sub_actions", None) or [action]:  # OVERLAP_F_B: a forward and a backward
                 if part.stage_index not in held:
                     raise ValueError(
                         f"{field}: row {rank} runs stage {part.stage_index} ({cell.strip()}), but pp rank {rank} "
@@ -166,7 +168,6 @@ def check_schedule_csv(csv: str, pp: int, schedule: str, virtual_stages: int, mi
                         f"{virtual_stages}); set parallelism.pp_schedule to the schedule whose placement the CSV "
                         "follows"
                     )
-            for part in parts:
                 if part.computation_type in kinds:
                     runs[part.stage_index, part.microbatch_index, kinds[part.computation_type]] += 1
                 if part.computation_type == _ComputationType.FORWARD:
@@ -195,8 +196,7 @@ def check_schedule_csv(csv: str, pp: int, schedule: str, virtual_stages: int, mi
     # The order within each row: a microbatch's forward before its backward, I before W (torch checks it once the
     # model is built, with a traceback).
     try:
-        _validate_schedule({rank: [_Action.from_str(cell.strip()) for cell in row] for rank, row in enumerate(rows)},
-                           pp, n_stages, n_microbatches)
+        _validate_schedule(actions, pp, n_stages, n_microbatches)
     except AssertionError as e:
         raise ValueError(f"{field}: {str(e).splitlines()[0].strip()}") from None
 
