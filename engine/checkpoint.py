@@ -651,7 +651,7 @@ class Checkpointer:
         if model_only:
             return
         if t.dims.is_dp_leader():  # one copy per data-parallel rank
-            write_json(os.path.join(folder, "dataloader", f"dp-{t.dp_rank:05d}.json"), t.dataloader.state_dict())
+            write_json(os.path.join(folder, "dataloader", f"dp-{t.dp_rank:05d}.json"), t.data_state())
         write_json(os.path.join(folder, "rng", f"rank-{self.rank:05d}.json"), rng_state())
 
     def _commit(self, step: int, folder: str, seconds: float, model_only: bool, overlapped: int = 0) -> None:

@@ -8,6 +8,7 @@ decay. Gradient clipping over DTensor gradients on any mesh.
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 from torch.optim.lr_scheduler import LambdaLR
@@ -94,13 +95,30 @@ def load_lr_scheduler_state(scheduler: LambdaLR, state: dict) -> None:
         group["lr"], group["initial_lr"] = lr, base
 
 
-def clip_grad_norm_(parameters, max_norm: float, pp_group=None) -> torch.Tensor:
+def scales_gradients(optimizer: Optional[torch.optim.Optimizer]) -> bool:
+    """Whether ``optimizer`` divides the gradients by its ``grad_scale`` tensor as it reads them: torch's fused
+    Adam and AdamW kernels do (the hook GradScaler uses), in the pass that updates the parameters."""
+    return (
+        isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW))
+        and all(group.get("fused") for group in optimizer.param_groups)
+    )
+
+
+def clip_grad_norm_(parameters, max_norm: float, pp_group=None,
+                    optimizer: Optional[torch.optim.Optimizer] = None, scale_in_optimizer: bool = True) -> torch.Tensor:
     """Clip the gradients to a total L2 norm of ``max_norm``; returns the total norm before clipping.
 
     Gradients may be DTensors sharded or replicated over any mesh dimensions (FSDP, TP, ...), on several
     meshes at once: each mesh's norm is computed with DTensor semantics (sharded contributions summed,
     replicated ones counted once) and made whole, then the meshes are combined. With pipeline stages
     (``pp_group``) every stage holds different parameters, so their squared norms are summed over it.
+
+    With a fused Adam/AdamW ``optimizer`` (``scales_gradients``) the gradients are not scaled here: the
+    optimizer's kernel divides each one by ``optimizer.grad_scale`` (set here to the inverse of the clip
+    factor) as it reads it for the update, and writes the clipped gradient back. That saves a read and a
+    write of every gradient per step (on 8B_L8, 11 GB of fp32 gradients: about 4 ms on an H100). The
+    gradients are then clipped only once the optimizer has stepped: ``scale_in_optimizer=False`` scales them
+    here, for a caller that reads them in between.
     """
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
@@ -124,6 +142,11 @@ def clip_grad_norm_(parameters, max_norm: float, pp_group=None) -> torch.Tensor:
     # replicated or partial), and a foreach op on the DTensors themselves would cost DTensor's sharding
     # propagation over every gradient at once (seconds per process on the first step).
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    if optimizer is not None:
+        optimizer.grad_scale = None  # nothing left from an earlier step
+        if scale_in_optimizer and scales_gradients(optimizer):
+            optimizer.grad_scale = 1.0 / coef
+            return total
     by_device: dict = {}
     with torch.no_grad():
         for p in params:

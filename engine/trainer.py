@@ -196,6 +196,7 @@ class Trainer:
             init_path = cfg.checkpoint.initial_load_path
             self.tokenizer = build_tokenizer(cfg)
             self.dataloader = build_dataloader(cfg, self.tokenizer, self.dp_rank, self.dp_size)
+            self._read_ahead_from: Optional[dict] = None  # see data_state
             if cfg.validation.enable:  # built now, so that its errors (naming validation.* fields) come now too
                 vcfg, fields = validation_data(cfg)
                 self._val_loader = build_dataloader(vcfg, self.tokenizer, self.dp_rank, self.dp_size, fields=fields)
@@ -307,6 +308,12 @@ class Trainer:
     def rebuild_dataloader(self, num_shards: int) -> None:
         """The loader over ``num_shards`` logical data shards (a checkpoint's count, to resume on it)."""
         self.dataloader = build_dataloader(self.cfg, self.tokenizer, self.dp_rank, self.dp_size, num_shards)
+        self._read_ahead_from = None
+
+    def data_state(self) -> dict:
+        """The data position after the last step trained (what a checkpoint saves): the loader's, unless the
+        loop has read the next step's batches ahead (before a log's host sync), then the position before them."""
+        return self._read_ahead_from if self._read_ahead_from is not None else self.dataloader.state_dict()
 
     def _pipeline_schedule(self):
         p = self.cfg.parallelism
@@ -416,8 +423,11 @@ class Trainer:
         if self.dims.tp_enabled and not self.dims.data_parallel:
             reduce_partial_grads(self.model.parameters())  # once, not in every op that reads them
         fault_point(self.step, "sigterm")  # tests: a preemption signal arriving mid-step
+        # With the fused optimizer the clip factor is applied inside its kernel (engine/optim.py), unless
+        # ``after_clip`` reads the clipped gradients before it runs.
         grad_norm = clip_grad_norm_(self.model.parameters(), self.cfg.training.max_norm, self.dims.group("pp")
-                                    if self.dims.pp_enabled else None)
+                                    if self.dims.pp_enabled else None,
+                                    optimizer=self.optimizer, scale_in_optimizer=after_clip is None)
         # On this rank's device, as the loss: under FSDP's CPU offload the gradients, so their norm, are in host
         # memory, and the log step stacks the two.
         grad_norm = grad_norm.to(self.device, non_blocking=True)
@@ -514,6 +524,7 @@ class Trainer:
             ckpt.install_sigterm_handler()
         tokens_per_step = cfg.training.local_batch_size * cfg.training.seq_len * self.grad_accum * self.dp_size
         data_iter = iter(self.dataloader)
+        read_ahead: Optional[list] = None  # the next step's microbatches, read before a log's sync
         logged = []
         # A logged loss is the mean over the steps since the previous multiple of metrics.log_freq (as Megatron-LM
         # logs it): one step's loss swings with the content of its batch; the window mean shows the trend. A run's
@@ -538,7 +549,10 @@ class Trainer:
                     self.step += 1
                     collect_garbage(self.step)
                     t0 = time.perf_counter()
-                    microbatches = [next(data_iter) for _ in range(self.grad_accum)]
+                    if read_ahead is None:
+                        microbatches = [next(data_iter) for _ in range(self.grad_accum)]
+                    else:
+                        microbatches, read_ahead, self._read_ahead_from = read_ahead, None, None
                     window_data_wait += time.perf_counter() - t0
 
                     lr = self.lr_scheduler.get_last_lr()[0]
@@ -552,6 +566,14 @@ class Trainer:
 
                     logging_now, saving_now = self._should_log(self.step), ckpt.should_save(self.step)
                     last = self.step == cfg.training.steps
+                    if logging_now and not saving_now and not last:
+                        # The log's host sync below drains the GPU's queue: the next step's batches are read
+                        # now, while the GPU still works on this step, not in the idle time after the sync.
+                        # (A checkpoint of this step, on SIGTERM, saves the data position before them.)
+                        t0 = time.perf_counter()
+                        self._read_ahead_from = self.dataloader.state_dict()
+                        read_ahead = [next(data_iter) for _ in range(self.grad_accum)]
+                        window_data_wait += time.perf_counter() - t0
                     if logging_now or saving_now:
                         loss_value, grad_norm_value, nonfinite = window_values()
                         if logging_now:

@@ -15,7 +15,7 @@ import torch
 from engine.config import parse_args
 from engine.tools import dry_run, memory
 from models.llama3.flavors import llama3_flavors
-from models.llama3.model import Transformer, TransformerBlock, num_params, precompute_freqs_cis
+from models.llama3.model import Transformer, TransformerBlock, num_params, precompute_rope_table
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -130,18 +130,21 @@ def test_stage_params_count_the_model():
     assert sharded.block.local == sum(-(-rows // 16) * cols for rows, cols, _ in memory.block_tensors(shape, 8))
 
 
-def _saved_activation_bytes(block, x, freqs, ctx) -> int:
-    """Bytes of the distinct tensors autograd saves in a block's forward, weights (and their casts) excluded."""
+def _saved_activation_bytes(block, x, rope_table, ctx) -> int:
+    """Bytes of the distinct tensors autograd saves in a block's forward, weights (and their casts) and the RoPE
+    table (a buffer of the model, saved as its cosines and sines) excluded."""
     param_shapes = {tuple(p.shape) for p in block.parameters()} | {tuple(p.shape)[::-1] for p in block.parameters()}
     storages = {}
+    table = rope_table.untyped_storage().data_ptr()
 
     def pack(t):
-        if t.dtype != torch.complex64 and tuple(t.shape) not in param_shapes:  # RoPE table, weight copies
-            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        ptr = t.untyped_storage().data_ptr()
+        if ptr != table and tuple(t.shape) not in param_shapes:
+            storages[ptr] = t.untyped_storage().nbytes()
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), ctx():
-        block(x, freqs)
+        block(x, rope_table)
     return sum(storages.values())
 
 
@@ -152,7 +155,7 @@ def test_block_activation_formula_matches_autograd(precision):
     block = TransformerBlock(0, args)
     B, S = 3, 32  # T = 96 tokens: no activation has a weight's shape
     x = torch.randn(B, S, args.dim, requires_grad=True)
-    freqs = precompute_freqs_cis(args.head_dim, S, args.rope_theta)
+    freqs = precompute_rope_table(args.head_dim, S, args.rope_theta)
     ctx = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if precision == "bfloat16" else contextlib.nullcontext
     measured = _saved_activation_bytes(block, x, freqs, ctx)
     shape = memory.ModelShape.from_args(args)
@@ -182,7 +185,7 @@ def test_compiled_block_formula_matches_autograd(precision, mode):
     block = torch.compile(blocks["0"], fullgraph=True)
     B, S = 3, 32
     x = torch.randn(B, S, args.dim, requires_grad=True)
-    freqs = precompute_freqs_cis(args.head_dim, S, args.rope_theta)
+    freqs = precompute_rope_table(args.head_dim, S, args.rope_theta)
     ctx = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if precision == "bfloat16" else contextlib.nullcontext
     measured = _saved_activation_bytes(block, x, freqs, ctx)
     shape = memory.ModelShape.from_args(args)
@@ -246,7 +249,7 @@ def test_selective_op_formula_matches_the_policy(op_matmuls):
     B, S = 3, 32
     x = torch.randn(B, S, args.dim)
     with Record():
-        block(x, precompute_freqs_cis(args.head_dim, S, args.rope_theta))
+        block(x, precompute_rope_table(args.head_dim, S, args.rope_theta))
     shape = memory.ModelShape.from_args(args)
     lay = memory.RankLayout(S, B, 1, 1, 1, 1, 0, "", 1, 1, False, "default", False, False, "selective", "op",
                             memory.precision_for("float32", data_parallel=False), ac_op_matmuls=op_matmuls)

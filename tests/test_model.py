@@ -152,8 +152,8 @@ def test_update_from_config():
 def test_debugmodel_meta_init_forward_backward():
     args = debug_args()
     model = build(args, seed=0)
-    assert model.freqs_cis.device.type == "cpu" and model.freqs_cis.is_complex()
-    assert "freqs_cis" not in model.state_dict()
+    assert model.rope_table.device.type == "cpu" and model.rope_table.dtype == torch.float32
+    assert "rope_table" not in model.state_dict()
     assert list(model.layers.keys()) == [str(i) for i in range(6)]
     for name, p in model.named_parameters():
         assert torch.isfinite(p).all(), name
@@ -185,13 +185,13 @@ def test_debugmodel_meta_init_forward_backward():
     assert not torch.equal(model.layers["0"].attention.wq.weight, other.layers["0"].attention.wq.weight)
 
 
-def test_init_weights_recomputes_freqs_cis_matches_eager_build():
+def test_init_weights_recomputes_rope_table_matches_eager_build():
     args = debug_args(n_layers=1)
     torch.manual_seed(0)
     eager = Transformer(args)
     model = build(args)
-    assert torch.equal(model.freqs_cis, eager.freqs_cis)
-    assert model.freqs_cis.shape == (args.max_seq_len, args.head_dim // 2)
+    assert torch.equal(model.rope_table, eager.rope_table)
+    assert model.rope_table.shape == (args.max_seq_len, args.head_dim // 2, 2)
 
 
 def test_pipeline_style_pieces_can_be_none():
@@ -421,20 +421,20 @@ def test_rope_scaling_matches_transformers():
     unscaled = precompute_rope_inv_freq(args.head_dim, args.rope_theta, rope_scaling=False)
     assert not torch.allclose(ours, unscaled)  # scaling changes the low frequencies
     torch.testing.assert_close(ours[:10], unscaled[:10], rtol=0, atol=0)  # and keeps the high ones
-    # The model's freqs_cis uses those frequencies: angle(position p) = p * inv_freq.
+    # The model's RoPE table uses those frequencies: angle(position p) = p * inv_freq.
     model_args = dataclasses.replace(args, n_layers=1, dim=256, n_heads=2, n_kv_heads=2, max_seq_len=16, vocab_size=8)
     with torch.device("meta"):
         m = Transformer(model_args)
     m.to_empty(device="cpu")
     m.init_weights()
-    torch.testing.assert_close(m.freqs_cis[5], torch.polar(torch.ones(64), 5 * ours))
+    torch.testing.assert_close(m.rope_table[5], torch.stack((torch.cos(5 * ours), torch.sin(5 * ours)), dim=-1))
 
 
 def test_rope_is_interleaved_meta_layout():
     # Meta's layout rotates the pairs (x[2i], x[2i+1]); check one pair by hand.
-    from models.llama3.model import apply_rotary_emb, precompute_freqs_cis
+    from models.llama3.model import apply_rotary_emb, precompute_rope_table
 
-    fc = precompute_freqs_cis(4, 3, theta=10000.0)
+    fc = precompute_rope_table(4, 3, theta=10000.0)
     x = torch.zeros(1, 3, 1, 4)
     x[..., 0] = 1.0  # first pair = (1, 0)
     q, _ = apply_rotary_emb(x, x, fc)
@@ -442,3 +442,37 @@ def test_rope_is_interleaved_meta_layout():
     expected = torch.tensor([torch.cos(torch.tensor(angle)), torch.sin(torch.tensor(angle))])
     torch.testing.assert_close(q[0, 2, 0, :2], expected)
     assert q[0, 2, 0, 2:].abs().max() == 0
+
+
+def test_rope_real_arithmetic_equals_the_complex_product():
+    # The rotation is the complex product (a + ib) e^(i angle) of Meta's reference, written in real arithmetic.
+    from models.llama3.model import apply_rotary_emb, precompute_rope_inv_freq, precompute_rope_table
+
+    torch.manual_seed(0)
+    head_dim, S = 16, 11
+    xq, xk = torch.randn(2, S, 4, head_dim), torch.randn(2, S, 2, head_dim)
+    q, k = apply_rotary_emb(xq, xk, precompute_rope_table(head_dim, S, 500000.0, rope_scaling=True))
+    angles = torch.outer(torch.arange(S, dtype=torch.float32), precompute_rope_inv_freq(head_dim, 500000.0, True))
+    cis = torch.polar(torch.ones_like(angles), angles).view(1, S, 1, head_dim // 2)
+    for x, out in ((xq, q), (xk, k)):
+        expected = torch.view_as_real(torch.view_as_complex(x.reshape(*x.shape[:-1], -1, 2)) * cis).flatten(3)
+        torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
+    bf = apply_rotary_emb(xq.bfloat16(), xk.bfloat16(), precompute_rope_table(head_dim, S, 500000.0, True))
+    assert bf[0].dtype == bf[1].dtype == torch.bfloat16
+
+
+def test_rope_compiles_without_complex_operators():
+    # Inductor generates no code for complex operators (it warns and runs them as eager kernels): the RoPE a
+    # compiled block runs must be real arithmetic, fused with its neighbours.
+    import warnings
+
+    from models.llama3.model import apply_rotary_emb, precompute_rope_table
+
+    torch._dynamo.reset()
+    x = torch.randn(1, 8, 2, 8, requires_grad=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        q, k = torch.compile(apply_rotary_emb, fullgraph=True)(x, x, precompute_rope_table(8, 8, 10000.0))
+        (q.sum() + k.sum()).backward()
+    assert not [w for w in caught if "complex" in str(w.message)], [str(w.message) for w in caught]
+    torch.testing.assert_close(q, apply_rotary_emb(x, x, precompute_rope_table(8, 8, 10000.0))[0])

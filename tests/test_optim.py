@@ -1,5 +1,6 @@
 """Optimizer parameter groups and the warmup-stable-decay schedule."""
 
+import copy
 import math
 
 import pytest
@@ -89,3 +90,45 @@ def test_clip_grad_norm_matches_torch(max_norm):
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-6, atol=1e-7)
     if max_norm == 0.5:
         assert torch.cat([p.grad.flatten() for p in ours]).norm().item() == pytest.approx(0.5, rel=1e-4)
+
+
+@pytest.mark.parametrize("max_norm", [0.5, 1e6])
+def test_clip_folded_into_the_fused_optimizer(max_norm):
+    """With fused AdamW the clip factor is applied inside the optimizer's kernel (optimizer.grad_scale): three
+    steps give the parameters, moments and (clipped) gradients of scaling the gradients first, and a foreach
+    optimizer, or a caller that reads the clipped gradients first (scale_in_optimizer=False), gets them scaled
+    before the step, with no grad_scale left from an earlier step."""
+    from engine.optim import clip_grad_norm_, scales_gradients
+
+    cfg = Optimizer(lr=0.1, weight_decay=0.1, implementation="fused")
+    g = torch.Generator().manual_seed(0)
+    init = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 3))
+    models = [init, *(copy.deepcopy(init) for _ in range(2))]
+    folded, explicit = (build_optimizer(m, cfg, torch.device("cpu")) for m in models[:2])
+    foreach = build_optimizer(models[2], Optimizer(lr=0.1, weight_decay=0.1, implementation="foreach"),
+                              torch.device("cpu"))
+    assert scales_gradients(folded) and not scales_gradients(foreach)
+    for step in range(3):
+        grads = [torch.randn(p.shape, generator=g) for p in init.parameters()]
+        for m in models:
+            for p, grad in zip(m.parameters(), grads):
+                p.grad = grad.clone()
+        norms = [clip_grad_norm_(models[0].parameters(), max_norm, optimizer=folded)]
+        if max_norm == 0.5:  # not scaled yet: the kernel does it
+            assert all(torch.equal(p.grad, grad) for p, grad in zip(models[0].parameters(), grads))
+        norms.append(clip_grad_norm_(models[1].parameters(), max_norm, optimizer=explicit,
+                                     scale_in_optimizer=False))
+        norms.append(clip_grad_norm_(models[2].parameters(), max_norm, optimizer=foreach))
+        assert explicit.grad_scale is None and foreach.grad_scale is None
+        assert norms[0].item() == norms[1].item() == norms[2].item()
+        for opt in (folded, explicit, foreach):
+            opt.step()
+        for p, q, r in zip(*(m.parameters() for m in models)):
+            torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+            torch.testing.assert_close(p, r, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-7)  # written back, clipped
+            for key in ("exp_avg", "exp_avg_sq"):
+                torch.testing.assert_close(folded.state[p][key], explicit.state[q][key], rtol=1e-6, atol=1e-9)
+    # A later step that must scale before the optimizer clears the factor the folded ones set.
+    clip_grad_norm_(models[0].parameters(), max_norm, optimizer=folded, scale_in_optimizer=False)
+    assert folded.grad_scale is None

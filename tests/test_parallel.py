@@ -95,6 +95,9 @@ LAYOUTS = {
         "fsdp4_ac_full": _layout(2, "--parallelism.dp_shard", "4", "--activation_checkpoint.mode", "full"),
         "fsdp2_tp2_ac_op": _layout(4, *FSDP2_TP2, "--activation_checkpoint.mode", "selective"),
         "fsdp2_tp2_accum2": _layout(2, *FSDP2_TP2, "--training.global_batch_size", "8"),
+        # CUDA's default optimizer: fused AdamW, which applies the clip factor in its kernel (engine/optim.py),
+        # over DTensor gradients of two meshes (from the second step: the harness reads the first's gradients).
+        "fsdp2_tp2_fused_adamw": _layout(4, *FSDP2_TP2, "--optimizer.implementation", "fused"),
         "fsdp4_reshard_never_ac_every2": _layout(2, "--parallelism.dp_shard", "4",
                                                  "--parallelism.fsdp_reshard_after_forward", "never",
                                                  "--activation_checkpoint.mode", "selective",

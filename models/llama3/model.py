@@ -1,7 +1,8 @@
 """The Llama 3 / 3.1 architecture, following Meta's reference implementation and torchtitan's llama3.
 
 Rotary embeddings use Meta's layout: each head's features are taken as ``D/2`` interleaved pairs
-``(x[2i], x[2i+1])`` rotated as complex numbers by ``freqs_cis``. (Hugging Face checkpoints store ``wq``/``wk``
+``(x[2i], x[2i+1])`` rotated by each position's angles (the table ``rope_table`` holds their cosines and sines; real
+arithmetic, not complex numbers, which inductor does not compile). (Hugging Face checkpoints store ``wq``/``wk``
 with a permutation that turns this into the rotate-half layout; the state-dict adapter undoes it.)
 
 Build on the meta device, then materialize::
@@ -33,7 +34,7 @@ from models.loss import linear_cross_entropy_sum
 __all__ = [
     "TransformerModelArgs",
     "precompute_rope_inv_freq",
-    "precompute_freqs_cis",
+    "precompute_rope_table",
     "apply_rotary_emb",
     "Attention",
     "FeedForward",
@@ -74,7 +75,7 @@ class TransformerModelArgs:
     """Apply Llama 3.1's RoPE frequency scaling (factor 8, low_freq_factor 1, high_freq_factor 4, original max
     positions 8192)."""
     max_seq_len: int = 2048
-    """Longest sequence the RoPE table (``freqs_cis``) covers."""
+    """Longest sequence the RoPE table (``rope_table``) covers."""
     attn: str = "sdpa"
     """Attention backend: sdpa, flex or flash_attn (see models.attention)."""
     attn_mask: str = "causal"
@@ -158,22 +159,31 @@ def precompute_rope_inv_freq(head_dim: int, theta: float, rope_scaling: bool = F
     return torch.where(is_medium, smoothed, scaled)
 
 
-def precompute_freqs_cis(head_dim: int, end: int, theta: float, rope_scaling: bool = False) -> Tensor:
-    """Complex rotations ``[end, head_dim // 2]`` (complex64): ``exp(i * position * inv_freq)``."""
+def precompute_rope_table(head_dim: int, end: int, theta: float, rope_scaling: bool = False) -> Tensor:
+    """The rotations of positions ``0 .. end - 1``: ``[end, head_dim // 2, 2]`` fp32, the cosine and the sine of
+    ``position * inv_freq`` for each pair of features."""
     inv_freq = precompute_rope_inv_freq(head_dim, theta, rope_scaling)
     t = torch.arange(end, dtype=torch.float32, device=inv_freq.device)
-    freqs = torch.outer(t, inv_freq)
-    return torch.polar(torch.ones_like(freqs), freqs)
+    angles = torch.outer(t, inv_freq)
+    return torch.stack((torch.cos(angles), torch.sin(angles)), dim=-1)
 
 
-def apply_rotary_emb(xq: Tensor, xk: Tensor, freqs_cis: Tensor) -> tuple[Tensor, Tensor]:
-    """Rotate ``xq [B, S, Hq, D]`` and ``xk [B, S, Hkv, D]`` by ``freqs_cis [S, D/2]`` (Meta's interleaved layout)."""
-    xq_ = torch.view_as_complex(xq.float().reshape(*xq.shape[:-1], -1, 2))
-    xk_ = torch.view_as_complex(xk.float().reshape(*xk.shape[:-1], -1, 2))
-    freqs = freqs_cis.view(1, xq_.shape[1], 1, xq_.shape[-1])
-    xq_out = torch.view_as_real(xq_ * freqs).flatten(3)
-    xk_out = torch.view_as_real(xk_ * freqs).flatten(3)
-    return xq_out.type_as(xq), xk_out.type_as(xk)
+def apply_rotary_emb(xq: Tensor, xk: Tensor, rope_table: Tensor) -> tuple[Tensor, Tensor]:
+    """Rotate ``xq [B, S, Hq, D]`` and ``xk [B, S, Hkv, D]`` by ``rope_table [S, D/2, 2]`` (Meta's interleaved
+    layout): each pair ``(a, b) = (x[2i], x[2i+1])`` becomes ``(a cos - b sin, a sin + b cos)`` in fp32, the
+    product of complex numbers ``(a + ib) e^(i angle)`` written out in real arithmetic, so that a compiled block
+    fuses it with its neighbours (inductor generates no code for complex operators: a complex product runs as
+    separate eager kernels over fp32 copies of q and k)."""
+    seqlen, pairs = rope_table.shape[0], rope_table.shape[1]
+    cos = rope_table[..., 0].view(1, seqlen, 1, pairs)
+    sin = rope_table[..., 1].view(1, seqlen, 1, pairs)
+
+    def rotate(x: Tensor) -> Tensor:
+        x2 = x.float().unflatten(-1, (pairs, 2))
+        a, b = x2[..., 0], x2[..., 1]
+        return torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(3).type_as(x)
+
+    return rotate(xq), rotate(xk)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -204,15 +214,15 @@ class Attention(nn.Module):
         nn.init.trunc_normal_(self.wo.weight, mean=0.0, std=init_std)
 
     def forward(
-        self, x: Tensor, freqs_cis: Tensor, doc_ids: Optional[Tensor] = None, block_mask: Any = None
+        self, x: Tensor, rope_table: Tensor, doc_ids: Optional[Tensor] = None, block_mask: Any = None
     ) -> Tensor:
         bs, seqlen, _ = x.shape
-        freqs_cis = freqs_cis[:seqlen]  # the whole table comes in: under sequence parallelism only here is x whole
+        rope_table = rope_table[:seqlen]  # the whole table comes in: under sequence parallelism only here is x whole
         # -1 heads rather than n_heads: under tensor parallelism each rank holds a slice of the heads.
         xq = self.wq(x).view(bs, seqlen, -1, self.head_dim)
         xk = self.wk(x).view(bs, seqlen, -1, self.head_dim)
         xv = self.wv(x).view(bs, seqlen, -1, self.head_dim)
-        xq, xk = apply_rotary_emb(xq, xk, freqs_cis)
+        xq, xk = apply_rotary_emb(xq, xk, rope_table)
         q, k, v = xq.transpose(1, 2), xk.transpose(1, 2), xv.transpose(1, 2)
         if self.attn_fn is not None:
             out = self.attn_fn(q, k, v, doc_ids=doc_ids)
@@ -268,9 +278,9 @@ class TransformerBlock(nn.Module):
         self.feed_forward.init_weights(self.weight_init_std)
 
     def forward(
-        self, x: Tensor, freqs_cis: Tensor, doc_ids: Optional[Tensor] = None, block_mask: Any = None
+        self, x: Tensor, rope_table: Tensor, doc_ids: Optional[Tensor] = None, block_mask: Any = None
     ) -> Tensor:
-        h = x + self.attention(self.attention_norm(x), freqs_cis, doc_ids=doc_ids, block_mask=block_mask)
+        h = x + self.attention(self.attention_norm(x), rope_table, doc_ids=doc_ids, block_mask=block_mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -290,7 +300,7 @@ class Transformer(nn.Module):
         self.n_layers = args.n_layers
         self.tok_embeddings: Optional[nn.Embedding] = nn.Embedding(args.vocab_size, args.dim)
         # Non-persistent: recomputed by init_weights (the model is usually built on the meta device).
-        self.register_buffer("freqs_cis", self._precompute_freqs_cis(), persistent=False)
+        self.register_buffer("rope_table", self._precompute_rope_table(), persistent=False)
         self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
         self.norm: Optional[nn.RMSNorm] = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.output: Optional[nn.Linear] = nn.Linear(args.dim, args.vocab_size, bias=False)
@@ -310,9 +320,9 @@ class Transformer(nn.Module):
         # a forward argument: a pipeline schedule hands every forward keyword to autograd as a stage input.
         self.loss_chunk_tokens = 2048
 
-    def _precompute_freqs_cis(self) -> Tensor:
+    def _precompute_rope_table(self) -> Tensor:
         a = self.args
-        return precompute_freqs_cis(a.head_dim, a.max_seq_len, a.rope_theta, a.rope_scaling)
+        return precompute_rope_table(a.head_dim, a.max_seq_len, a.rope_theta, a.rope_scaling)
 
     def init_weights(
         self,
@@ -320,7 +330,7 @@ class Transformer(nn.Module):
         materialize: Callable[[Any], Any] = _no_materialize,
         seed: Optional[int] = None,
     ) -> None:
-        """Initialize every parameter and recompute ``freqs_cis`` on ``buffer_device`` (default: where it is).
+        """Initialize every parameter and recompute ``rope_table`` on ``buffer_device`` (default: where it is).
 
         Embedding ~ N(0, 0.02); wq/wk/wv/w1 ~ truncN(0, 0.02); wo/w2/w3 ~ truncN(0, 0.02 / sqrt(2 (layer_id + 1)));
         output ~ truncN(0, dim^-0.5) cut at 3 std; norms = 1. Each unit (embedding, block, norm, output) is
@@ -336,11 +346,11 @@ class Transformer(nn.Module):
                 torch.manual_seed(seed * 100_003 + index)
             return materialize(module)
 
-        buffer_device = buffer_device if buffer_device is not None else self.freqs_cis.device
+        buffer_device = buffer_device if buffer_device is not None else self.rope_table.device
         with torch.device(buffer_device):
-            self.freqs_cis = self._precompute_freqs_cis()
+            self.rope_table = self._precompute_rope_table()
         if self.rope_transform is not None:
-            self.freqs_cis = self.rope_transform(self.freqs_cis)
+            self.rope_table = self.rope_transform(self.rope_table)
         if self.tok_embeddings is not None:
             with unit(self.tok_embeddings, 0):
                 nn.init.normal_(self.tok_embeddings.weight, mean=0.0, std=0.02)
@@ -370,10 +380,9 @@ class Transformer(nn.Module):
         # The whole sequence's length: tokens are whole before the embedding; a later pipeline stage's hidden state
         # holds a slice of the positions under sequence parallelism.
         seqlen = tokens.shape[1] * (1 if self.tok_embeddings is not None else self.sequence_shards)
-        if seqlen > self.freqs_cis.shape[0]:
-            raise ValueError(f"sequence length {seqlen} exceeds max_seq_len {self.freqs_cis.shape[0]}")
+        if seqlen > self.rope_table.shape[0]:
+            raise ValueError(f"sequence length {seqlen} exceeds max_seq_len {self.rope_table.shape[0]}")
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        freqs_cis = self.freqs_cis
 
         if self.args.attn_mask == "block_causal":
             if doc_ids is None:
@@ -387,7 +396,7 @@ class Transformer(nn.Module):
             block_mask = flex_block_mask(doc_ids, seqlen, h.device)
 
         for layer in self.layers.values():
-            h = layer(h, freqs_cis, doc_ids=doc_ids, block_mask=block_mask)
+            h = layer(h, self.rope_table, doc_ids=doc_ids, block_mask=block_mask)
         if self.norm is not None:
             h = self.norm(h)
         if self.output is not None:
