@@ -524,7 +524,7 @@ class Trainer:
             ckpt.install_sigterm_handler()
         tokens_per_step = cfg.training.local_batch_size * cfg.training.seq_len * self.grad_accum * self.dp_size
         data_iter = iter(self.dataloader)
-        read_ahead: Optional[list] = None  # the next step's microbatches, read before a log's sync
+        read_ahead: Any = None  # the next step's microbatches (or their DataError), read before a log's sync
         logged = []
         # A logged loss is the mean over the steps since the previous multiple of metrics.log_freq (as Megatron-LM
         # logs it): one step's loss swings with the content of its batch; the window mean shows the trend. A run's
@@ -551,6 +551,8 @@ class Trainer:
                     t0 = time.perf_counter()
                     if read_ahead is None:
                         microbatches = [next(data_iter) for _ in range(self.grad_accum)]
+                    elif isinstance(read_ahead, DataError):  # raised by the read-ahead: this step's, so now
+                        raise read_ahead
                     else:
                         microbatches, read_ahead, self._read_ahead_from = read_ahead, None, None
                     window_data_wait += time.perf_counter() - t0
@@ -570,9 +572,14 @@ class Trainer:
                         # The log's host sync below drains the GPU's queue: the next step's batches are read
                         # now, while the GPU still works on this step, not in the idle time after the sync.
                         # (A checkpoint of this step, on SIGTERM, saves the data position before them.)
+                        # (A bad record in them stops the run at the next step, as it would without reading
+                        # ahead: this step is logged, validated and, on SIGTERM, saved first.)
                         t0 = time.perf_counter()
                         self._read_ahead_from = self.dataloader.state_dict()
-                        read_ahead = [next(data_iter) for _ in range(self.grad_accum)]
+                        try:
+                            read_ahead = [next(data_iter) for _ in range(self.grad_accum)]
+                        except DataError as e:
+                            read_ahead = e
                         window_data_wait += time.perf_counter() - t0
                     if logging_now or saving_now:
                         loss_value, grad_norm_value, nonfinite = window_values()

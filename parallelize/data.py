@@ -9,6 +9,8 @@ is built on DTensor like the rest, it composes with tensor parallelism (torch's 
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
@@ -45,12 +47,16 @@ def apply_fsdp(
     freeing them after each microbatch's forward would only gather them again, twice per microbatch.
     """
     offload: OffloadPolicy = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
+    # The root casts the model's floating-point inputs to param_dtype; a block's come from the blocks before it
+    # (in param_dtype already) and the model's buffers: the fp32 RoPE table, which must stay fp32 (cosines and
+    # sines rounded to bf16 no longer rotate without stretching).
+    block_policy = dataclasses.replace(mp_policy, cast_forward_inputs=False)
     for i, block in enumerate(blocks):
         if reshard_after_forward == "default":
             reshard = i < len(blocks) - 1 and not pipelined
         else:
             reshard = reshard_after_forward == "always"
-        fully_shard(block, mesh=mesh, mp_policy=mp_policy, offload_policy=offload, reshard_after_forward=reshard)
+        fully_shard(block, mesh=mesh, mp_policy=block_policy, offload_policy=offload, reshard_after_forward=reshard)
     fully_shard(
         model,
         mesh=mesh,

@@ -364,3 +364,36 @@ def test_tp_without_fsdp_reduces_the_norm_gradients_once(tmp_path):
 
     counts = run_jobs(2, tp_step_all_reduces, {"tp2": (str(tmp_path / "run"),)}, str(tmp_path / "jobs"))["tp2"]
     assert counts["step"] - counts["forward_backward"] == 3, counts
+
+
+def rope_table_dtype_under_fsdp(world_size: int, rank: int) -> dict:
+    """FSDP with CUDA's bf16 parameter policy, on CPU: the dtypes of the hidden state and of the RoPE table that
+    each block's attention receives."""
+    import dataclasses
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from models.llama3 import Transformer, llama3_flavors
+    from parallelize.data import apply_fsdp
+
+    args = dataclasses.replace(llama3_flavors["debugmodel"], vocab_size=64, n_layers=2, max_seq_len=256)
+    torch.manual_seed(0)
+    model = Transformer(args)
+    seen = []
+    for block in model.layers.values():
+        block.attention.register_forward_pre_hook(lambda module, a: seen.append((a[0].dtype, a[1].dtype)))
+    apply_fsdp(model, list(model.layers.values()), init_device_mesh("cpu", (world_size,)),
+               MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    model(torch.randint(0, 64, (1, 256)))
+    return {"seen": seen}
+
+
+def test_fsdp_bf16_keeps_the_rope_table_fp32(tmp_path):
+    """FSDP's bf16 policy casts a module's floating-point forward inputs; the blocks receive the model's fp32 RoPE
+    table as one, and cosines and sines rounded to bf16 stretch the rotated vectors (by up to 3e-3). Only the root casts the model's inputs: each block gets the bf16 hidden state and the fp32
+    table."""
+    from tests.parallel_harness import run_jobs
+
+    seen = run_jobs(2, rope_table_dtype_under_fsdp, {"run": ()}, str(tmp_path))["run"]["seen"]
+    assert seen == [(torch.bfloat16, torch.float32)] * 2

@@ -586,3 +586,36 @@ def test_wandb_without_a_login_is_one_error_line_before_anything_is_written(tmp_
     assert rc == 2 and len(lines) == 1, err
     assert lines[0].startswith("error: metrics.enable_wandb: wandb.init failed (") and "wandb login" in lines[0]
     assert not dump.exists()
+
+
+@pytest.mark.parametrize("log_freq", ["1", "3"])
+def test_a_data_error_stops_the_run_after_every_step_before_it_is_logged(tmp_path, capsys, monkeypatch, log_freq):
+    """The batches of the step after a logged one are read before the log's host sync (read ahead): a bad
+    record in them still stops the run at that step, one error line, after the steps before it are logged
+    and checkpointed as without reading ahead."""
+    import engine.trainer as trainer_module
+    from engine.data.datasets import DataError
+
+    build = trainer_module.build_dataloader
+
+    class FailsAtBatch7:
+        def __init__(self, loader):
+            self.loader = loader
+
+        def __getattr__(self, name):
+            return getattr(self.loader, name)
+
+        def __iter__(self):
+            for i, batch in enumerate(self.loader, start=1):
+                if i == 7:
+                    raise DataError("data.path: a bad record in batch 7")
+                yield batch
+
+    monkeypatch.setattr(trainer_module, "build_dataloader", lambda *a, **k: FailsAtBatch7(build(*a, **k)))
+    dump = tmp_path / "run"
+    rc, out, err = run_main(["--job.dump_folder", str(dump), *SMALL, "--metrics.log_freq", log_freq,
+                             "--training.steps", "20", "--checkpoint.enable", "--checkpoint.interval", "5"], capsys)
+    assert rc == 2 and err.strip().splitlines() == ["error: data.path: a bad record in batch 7"], err
+    logged = [r["step"] for r in read_jsonl(dump / "metrics.jsonl") if "loss" in r]
+    assert logged == ([1, 2, 3, 4, 5, 6] if log_freq == "1" else [1, 3, 6])  # step 6 trained, then step 7 failed
+    assert sorted(p.name for p in (dump / "checkpoint").iterdir() if p.name.startswith("step-")) == ["step-000005"]
