@@ -3,7 +3,7 @@ batch 1), measured before any of them is built into the trainer (docs/performanc
 predictions). Prints one table per lever: median milliseconds of forward + backward (CUDA events, after
 warm-up) and peak memory above the inputs.
 
-    python bench/hopper_levers.py [--only sdpa,ce,adamw] [--reps 20]
+    python bench/hopper_levers.py [--only sdpa,ce,adamw,rope,clip] [--reps 20]
 
 1. sdpa: the attention kernel F.scaled_dot_product_attention dispatches to for causal GQA (32 query heads,
    8 KV heads, head_dim 128) against each backend forced (flash, cuDNN, memory-efficient), with GQA left to
@@ -13,15 +13,22 @@ warm-up) and peak memory above the inputs.
    recomputed in backward (never materializing [8192, 128256]); liger-kernel's fused linear cross-entropy too
    when it is installed.
 3. adamw: one optimizer step over the 8B_L8 parameter shapes (2.8B fp32 parameters): fused, foreach.
-Needs a CUDA GPU; on a CPU it says so and exits 0.
+4. rope: rotary embeddings of one layer's q [1, 8192, 32, 128] and k [1, 8192, 8, 128] in bf16, forward and
+   backward, compiled: the complex product (Meta's reference, and the reference trainer's; inductor runs it as
+   eager kernels over fp32 copies) against Tessera's real arithmetic (models/llama3/model.py), eager too.
+5. clip: gradient clipping then fused AdamW over the 8B_L8 parameters: the clip scaling the gradients in a
+   pass of its own, against the clip factor applied inside the optimizer's kernel (engine/optim.py).
+Needs a CUDA GPU; on a CPU it says so and exits 0 (tests call the rope and clip levers on CPU, small).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import sys
+import time
 
 import torch
 import torch.nn.functional as F
@@ -32,9 +39,17 @@ GIB = 2**30
 
 
 def bench(fn, reps: int, warmup: int = 3) -> tuple[float, float]:
-    """(median ms, peak GiB allocated above what was allocated before) of fn()."""
+    """(median ms, peak GiB allocated above what was allocated before) of fn(); on CPU (tests) the host's
+    time and no memory figure."""
     for _ in range(warmup):
         fn()
+    if not torch.cuda.is_available():
+        times = []
+        for _ in range(reps):
+            start = time.perf_counter()
+            fn()
+            times.append(1e3 * (time.perf_counter() - start))
+        return statistics.median(times), 0.0
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
@@ -54,7 +69,8 @@ def row(name: str, fn, reps: int, flops: float | None = None) -> None:
         ms, mem = bench(fn, reps)
     except Exception as e:  # an unsupported backend or an out-of-memory is a result too
         print(f"  {name:<44} not available: {str(e).splitlines()[0][:90]}")
-        torch.cuda.empty_cache()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
         return
     rate = f"  {flops / ms / 1e9:6.0f} TFLOP/s" if flops else ""
     print(f"  {name:<44} {ms:8.2f} ms  {mem:6.2f} GiB{rate}")
@@ -130,9 +146,9 @@ def lever_ce(reps: int) -> None:
     def bf16_logits():
         F.cross_entropy(h @ w.t(), labels, reduction="sum").backward()
 
-    row("logits.float() then cross_entropy (Tessera now)", trainer_way, reps, flops)
+    row("logits.float() then cross_entropy (Tessera eager)", trainer_way, reps, flops)
     row("cross_entropy on bf16 logits", bf16_logits, reps, flops)
-    row("compiled: matmul + float + cross_entropy", _compiled_ce(h, w, labels), reps, flops)
+    row("compiled: matmul + float + cross_entropy (compile)", _compiled_ce(h, w, labels), reps, flops)
     for chunks in (4, 8):
         row(f"chunked x{chunks}, logits recomputed in backward",
             lambda c=chunks: ChunkedLinearCrossEntropy.apply(h, w, labels, c).backward(), reps, flops)
@@ -175,16 +191,89 @@ def lever_adamw(reps: int) -> None:
         torch.cuda.empty_cache()
 
 
+def _complex_rope(xq, xk, rope_table):
+    """The complex product of Meta's reference (and the reference trainer's), for comparison."""
+    cis = torch.view_as_complex(rope_table).view(1, xq.shape[1], 1, -1)
+    out = []
+    for x in (xq, xk):
+        xc = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+        out.append(torch.view_as_real(xc * cis).flatten(3).type_as(x))
+    return out[0], out[1]
+
+
+def lever_rope(reps: int, device: str = "cuda", seq: int = 8192) -> dict:
+    from models.llama3.model import apply_rotary_emb, precompute_rope_table
+
+    hq, hkv, d = 32, 8, 128
+    print(f"rope: rotary embeddings fwd+bwd of one layer, q [1,{seq},{hq},{d}], k [1,{seq},{hkv},{d}] bf16")
+    g = torch.Generator(device=device).manual_seed(0)
+    q = torch.randn(1, seq, hq, d, device=device, dtype=torch.bfloat16, generator=g, requires_grad=True)
+    k = torch.randn(1, seq, hkv, d, device=device, dtype=torch.bfloat16, generator=g, requires_grad=True)
+    table = precompute_rope_table(d, seq, 500000.0, rope_scaling=True).to(device)
+    dq, dk = torch.randn_like(q), torch.randn_like(k)
+    outputs = {}
+
+    def run(fn, name):
+        def step():
+            a, b = fn(q, k, table)
+            outputs[name] = (a.detach(), b.detach())
+            torch.autograd.backward((a, b), (dq, dk))
+        return step
+
+    for name, fn in (("complex product, eager", _complex_rope), ("real arithmetic, eager (Tessera)", apply_rotary_emb),
+                     ("complex product, compiled", torch.compile(_complex_rope)),
+                     ("real arithmetic, compiled (Tessera)", torch.compile(apply_rotary_emb))):
+        row(name, run(fn, name), reps)
+    return outputs
+
+
+def lever_clip(reps: int, device: str = "cuda", flavor: str = "8B_L8") -> dict:
+    from engine.optim import clip_grad_norm_
+    from models.llama3.flavors import llama3_flavors
+    from models.llama3.model import Transformer
+
+    args = llama3_flavors[flavor]
+    if args.vocab_size <= 0:  # the debug flavor takes its vocabulary from the tokenizer
+        args = dataclasses.replace(args, vocab_size=512)
+    with torch.device("meta"):
+        model = Transformer(args)
+    shapes = [p.shape for p in model.parameters()]
+    g = torch.Generator(device=device).manual_seed(0)
+    grads = [torch.randn(s, device=device, generator=g) for s in shapes]
+    n = sum(x.numel() for x in grads)
+    print(f"clip: gradient norm, clip (max_norm 1) and fused AdamW over {n / 1e9:.2f}B fp32 parameters")
+    results = {}
+    for name, in_optimizer in (("clip scales the gradients, then the step", False),
+                               ("clip factor inside the fused kernel (Tessera)", True)):
+        params = [torch.zeros(s, device=device, requires_grad=True) for s in shapes]
+        opt = torch.optim.AdamW(params, lr=1e-4, fused=True)
+
+        def step():
+            for p, grad in zip(params, grads):
+                p.grad = grad.clone() if device == "cpu" else grad  # kept unchanged on CPU, for the test
+            clip_grad_norm_(params, 1.0, optimizer=opt, scale_in_optimizer=in_optimizer)
+            opt.step()
+        if device == "cpu":  # one step from the same start, for the test's comparison
+            step()
+            results[name] = [p.detach().clone() for p in params]
+        else:
+            row(name, step, max(3, reps // 4))
+        del opt, params
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return results
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--only", default="sdpa,ce,adamw")
+    p.add_argument("--only", default="sdpa,ce,adamw,rope,clip")
     p.add_argument("--reps", type=int, default=20)
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("hopper_levers: no CUDA GPU here; run it on the H100 machine")
         return 0
     print(torch.cuda.get_device_name(), "torch", torch.__version__)
-    levers = {"sdpa": lever_sdpa, "ce": lever_ce, "adamw": lever_adamw}
+    levers = {"sdpa": lever_sdpa, "ce": lever_ce, "adamw": lever_adamw, "rope": lever_rope, "clip": lever_clip}
     for name in args.only.split(","):
         levers[name](args.reps)
         torch.cuda.empty_cache()

@@ -320,3 +320,24 @@ def test_memory_check_from_runs_sets_each_single_gpu_runs_peak_beside_its_estima
     (row,) = json.loads((tmp_path / "memory_runs.json").read_text())
     assert row["name"] == "fullac" and row["memory_gib"] == pytest.approx(43.99)
     assert row["ratio"] == pytest.approx(row["estimate_gib"] / 43.99) and row["moment"]
+
+
+def test_hopper_levers_rope_and_clip_compare_like_with_like():
+    """The rope and clip microbenchmarks (run on the H100) on CPU, small: each pair of variants computes the
+    same thing, so the GPU call times two ways of doing one job."""
+    import torch
+
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import hopper_levers
+
+    torch._dynamo.reset()
+    outs = hopper_levers.lever_rope(1, device="cpu", seq=64)
+    assert len(outs) == 4
+    reference = outs["complex product, eager"]
+    for name, (q, k) in outs.items():
+        torch.testing.assert_close(q.float(), reference[0].float(), rtol=0, atol=2e-2, msg=name)  # bf16 rounding
+        torch.testing.assert_close(k.float(), reference[1].float(), rtol=0, atol=2e-2, msg=name)
+    params = hopper_levers.lever_clip(1, device="cpu", flavor="debugmodel")
+    explicit, folded = params.values()
+    assert max((a - b).abs().max().item() for a, b in zip(explicit, folded)) < 1e-6
+    assert max(a.abs().max().item() for a in folded) > 0  # the step moved the parameters
