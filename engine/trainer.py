@@ -524,6 +524,11 @@ class Trainer:
             ckpt.install_sigterm_handler()
         tokens_per_step = cfg.training.local_batch_size * cfg.training.seq_len * self.grad_accum * self.dp_size
         data_iter = iter(self.dataloader)
+
+        def read_step() -> list:
+            """The microbatches of one optimizer step."""
+            return [next(data_iter) for _ in range(self.grad_accum)]
+
         read_ahead: Any = None  # the next step's microbatches (or their DataError), read before a log's sync
         logged = []
         # A logged loss is the mean over the steps since the previous multiple of metrics.log_freq (as Megatron-LM
@@ -550,7 +555,7 @@ class Trainer:
                     collect_garbage(self.step)
                     t0 = time.perf_counter()
                     if read_ahead is None:
-                        microbatches = [next(data_iter) for _ in range(self.grad_accum)]
+                        microbatches = read_step()
                     elif isinstance(read_ahead, DataError):  # raised by the read-ahead: this step's, so now
                         raise read_ahead
                     else:
@@ -577,7 +582,7 @@ class Trainer:
                         t0 = time.perf_counter()
                         self._read_ahead_from = self.dataloader.state_dict()
                         try:
-                            read_ahead = [next(data_iter) for _ in range(self.grad_accum)]
+                            read_ahead = read_step()
                         except DataError as e:
                             read_ahead = e
                         window_data_wait += time.perf_counter() - t0
