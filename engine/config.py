@@ -135,6 +135,12 @@ class Training:
     float32 regardless."""
     mixed_precision_reduce: str = "float32"
     """On CUDA: dtype of gradient reductions across data-parallel ranks."""
+    bf16_weights: bool = True
+    """On one CUDA GPU with bfloat16 compute (autocast: no FSDP, no other parallelism) and no gradient
+    accumulation: store the linear layers' weights in bf16, each fp32 weight kept exactly as its bf16 value plus
+    a 16-bit low half that the optimizer updates with it, instead of autocast casting every fp32 weight in each
+    forward, recomputation and backward: no casts, bf16 gradients, the same memory for weights, autocast's
+    numbers and the same (fp32) checkpoints (parallelize/bf16_weights.py). false = plain autocast."""
     loss_chunk_tokens: int = 0
     """Fuse the output projection with the cross-entropy over chunks of this many tokens: each chunk's logits,
     loss and gradients are computed in the forward and the [tokens, vocabulary] logits never exist whole

@@ -2,7 +2,9 @@
 
 AdamW with decoupled weight decay on matrices only (norm weights and biases, the 1-D parameters, never
 decay), the fused kernel on CUDA, and a warmup-stable-decay (WSD) schedule with linear, cosine or sqrt
-decay. Gradient clipping over DTensor gradients on any mesh.
+decay. Gradient clipping over DTensor gradients on any mesh. With split bf16 weights
+(parallelize/bf16_weights.py) the optimizer is ``AdamWWithBf16Weights``: the same update on the fp32 weights
+that each bf16 weight and its low half hold, written back as both halves in the same pass.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from engine.config import LRScheduler as LRSchedulerConfig
 from engine.config import Optimizer as OptimizerConfig
+from parallelize.bf16_weights import master_weight, split
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
@@ -30,10 +33,113 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     return groups
 
 
-def build_optimizer(model: torch.nn.Module, cfg: OptimizerConfig, device: torch.device) -> torch.optim.Optimizer:
+def _adam_update(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
+                 exp_avg_sqs: list[torch.Tensor], lows: list[Optional[torch.Tensor]], steps: list[torch.Tensor],
+                 lr: torch.Tensor, grad_scale: Optional[torch.Tensor], beta1: float, beta2: float, eps: float,
+                 weight_decay: float, decoupled: bool) -> None:
+    """Adam (``decoupled=False``: weight decay added to the gradient) or AdamW, in place, with torch's formulas
+    and fp32 numbers: a parameter with a ``lows`` entry is the bf16 high half of its fp32 weight
+    (parallelize/bf16_weights.py), which is rebuilt, updated and split again; the others are fp32. Gradients
+    of any float dtype are computed on in fp32, divided by ``grad_scale`` (the clip, ``clip_grad_norm_``) if
+    given. ``lr`` (float64), ``grad_scale`` and ``steps`` are tensors, so one compiled graph serves every step;
+    the scalars are computed in float64 and rounded to fp32, as torch's kernels take Python floats (the same
+    bits as torch's foreach AdamW). Compiled, each parameter's update is one kernel: on a split weight it reads
+    14 bytes per element (bf16 gradient, both halves, the moments) and writes 12, where torch's fused kernel
+    on autocast's fp32 weights reads 16 and writes 12, besides autocast's casts."""
+    for p, g, m, v, low, step in zip(params, grads, exp_avgs, exp_avg_sqs, lows, steps):
+        step.add_(1)
+        w = master_weight(p, low) if low is not None else p
+        g = g.float()
+        if grad_scale is not None:
+            g = g / grad_scale
+        if weight_decay != 0.0:
+            if decoupled:
+                w = w * (1 - lr * weight_decay).float()
+            else:
+                g = g.add(w, alpha=weight_decay)
+        m.lerp_(g, 1 - beta1)
+        v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        bias_correction1 = 1 - beta1 ** step.double()
+        bias_correction2_sqrt = (1 - beta2 ** step.double()).sqrt().float()
+        step_size = (lr / bias_correction1).float()
+        denom = (v.sqrt() / bias_correction2_sqrt).add_(eps)
+        w = w - step_size * m / denom
+        if low is not None:
+            high, new_low = split(w)
+            p.copy_(high)
+            low.copy_(new_low)
+        else:
+            p.copy_(w)
+
+
+class AdamWWithBf16Weights(torch.optim.Optimizer):
+    """AdamW (or Adam) over parameters of which the linear weights are split bf16 weights (``set_low_halves``;
+    parallelize/bf16_weights.py): each update rebuilds the fp32 weight from the bf16 parameter and its low half,
+    reads the bf16 gradient the matmul wrote, and writes both halves back; the other parameters are fp32 as
+    usual. The state is torch's AdamW's (``step``, fp32 ``exp_avg`` and ``exp_avg_sq`` per parameter), so
+    checkpoints are interchangeable with runs without split weights. ``grad_scale`` (a device tensor, set by
+    ``clip_grad_norm_``) divides every gradient as the update reads it, as in torch's fused kernels.
+    ``compiled``: the update runs as torch.compile'd kernels (CUDA), else eagerly (tests)."""
+
+    def __init__(self, params, lr: float, betas: tuple[float, float], eps: float, weight_decay: float = 0.01,
+                 decoupled: bool = True, compiled: bool = False):
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        self.decoupled = decoupled
+        self.lows: dict[torch.Tensor, torch.Tensor] = {}
+        self.grad_scale: Optional[torch.Tensor] = None
+        self._update = torch.compile(_adam_update, fullgraph=True, dynamic=False) if compiled else _adam_update
+
+    def set_low_halves(self, lows: dict[torch.Tensor, torch.Tensor]) -> None:
+        """parameter -> low half, for the parameters that hold the bf16 half of a split weight."""
+        self.lows = lows
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            params, grads, exp_avgs, exp_avg_sqs, lows, steps = [], [], [], [], [], []
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+                    state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32,
+                                                           memory_format=torch.preserve_format)
+                params.append(p)
+                grads.append(p.grad)
+                exp_avgs.append(state["exp_avg"])
+                exp_avg_sqs.append(state["exp_avg_sq"])
+                lows.append(self.lows.get(p))
+                steps.append(state["step"])
+            if not params:
+                continue
+            device = params[0].device
+            lr = group["lr"]
+            lr = lr.to(device, torch.float64) if isinstance(lr, torch.Tensor) else \
+                torch.full((), lr, dtype=torch.float64, device=device)
+            scale = self.grad_scale.to(device) if self.grad_scale is not None else None
+            beta1, beta2 = group["betas"]
+            self._update(params, grads, exp_avgs, exp_avg_sqs, lows, steps, lr, scale, beta1=beta1, beta2=beta2,
+                         eps=group["eps"], weight_decay=group["weight_decay"], decoupled=self.decoupled)
+        return loss
+
+
+def build_optimizer(model: torch.nn.Module, cfg: OptimizerConfig, device: torch.device,
+                    bf16_weights: bool = False) -> torch.optim.Optimizer:
+    """The configured optimizer over ``model``'s parameters; ``bf16_weights``: one that updates split bf16
+    weights (``AdamWWithBf16Weights``, compiled unless optimizer.implementation is foreach or for-loop)."""
     impl = cfg.implementation
     if impl == "auto":
         impl = "fused" if device.type == "cuda" else "foreach"
+    if bf16_weights:
+        return AdamWWithBf16Weights(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+                                     eps=cfg.eps, weight_decay=cfg.weight_decay, decoupled=cfg.name == "AdamW",
+                                     compiled=impl == "fused")
     kwargs = dict(
         lr=cfg.lr,
         betas=(cfg.beta1, cfg.beta2),
@@ -98,10 +204,25 @@ def load_lr_scheduler_state(scheduler: LambdaLR, state: dict) -> None:
 def scales_gradients(optimizer: Optional[torch.optim.Optimizer]) -> bool:
     """Whether ``optimizer`` divides the gradients by its ``grad_scale`` tensor as it reads them: torch's fused
     Adam and AdamW kernels do (the hook GradScaler uses), in the pass that updates the parameters."""
+    if isinstance(optimizer, AdamWWithBf16Weights):
+        return True
     return (
         isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW))
         and all(group.get("fused") for group in optimizer.param_groups)
     )
+
+
+def _fp32_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The L2 norm of plain tensors of any float dtypes, each tensor's norm computed and returned in fp32
+    (torch's ``get_total_norm`` returns a bf16 tensor's norm in bf16: 3 significant digits)."""
+    by_kind: dict = {}
+    for i, t in enumerate(tensors):
+        by_kind.setdefault((t.device, t.dtype), []).append(i)
+    norms: list = [None] * len(tensors)
+    for indices in by_kind.values():
+        for i, n in zip(indices, torch._foreach_norm([tensors[i] for i in indices], 2.0, dtype=torch.float32)):
+            norms[i] = n.to(tensors[0].device)
+    return torch.linalg.vector_norm(torch.stack(norms))  # in the tensors' order, as torch's
 
 
 def clip_grad_norm_(parameters, max_norm: float, pp_group=None,
@@ -129,8 +250,11 @@ def clip_grad_norm_(parameters, max_norm: float, pp_group=None,
         key = p.grad.device_mesh if isinstance(p.grad, DTensor) else None
         by_mesh.setdefault(key, []).append(p.grad)
     squares = []
-    for grads in by_mesh.values():
-        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
+    for mesh, grads in by_mesh.items():
+        if mesh is None:  # plain tensors, bf16 ones (split bf16 weights' gradients) included: fp32 norms
+            norm = _fp32_norm(grads)
+        else:
+            norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
         squares.append(norm.float() ** 2)

@@ -42,6 +42,7 @@ from parallelize.float8 import check_float8_layers, float8_after_optimizer_step
 from parallelize.init import materialize
 from parallelize.mesh import ParallelDims
 from parallelize.tensor import loss_context, reduce_partial_grads, to_local_scalar
+from parallelize.bf16_weights import bf16_weights_apply, split_linear_weights
 
 
 def host_memory_available() -> int | None:
@@ -99,6 +100,12 @@ def scheduled_gc(every: int):
 
 class TrainingDiverged(RuntimeError):
     """The loss or the gradient norm became nan or inf (every rank sees the same, so every rank raises it)."""
+
+
+def bf16_autocast(device: torch.device, mixed_precision_param: str, data_parallel: bool) -> bool:
+    """Whether the compute runs under bf16 autocast: on CUDA, unless FSDP2's mixed precision casts the
+    parameters already (on CPU training runs in fp32; tests patch this to run autocast there)."""
+    return device.type == "cuda" and mixed_precision_param == "bfloat16" and not data_parallel
 
 
 def check_finite(step: int, loss: float, grad_norm: float, nonfinite: float) -> None:
@@ -255,7 +262,15 @@ class Trainer:
         if self.dims.pp_enabled:
             self.pp_schedule = self._pipeline_schedule()
 
-        self.optimizer = build_optimizer(self.model, cfg.optimizer, self.device)
+        # bf16 compute: autocast on CUDA unless FSDP2's mixed precision casts the parameters already; on one GPU,
+        # with the matmul weights stored in bf16 and their fp32 masters split in two (parallelize/bf16_weights.py).
+        use_bf16 = bf16_autocast(self.device, cfg.training.mixed_precision_param, self.dims.data_parallel)
+        self.autocast = (
+            (lambda: torch.autocast(self.device.type, dtype=torch.bfloat16)) if use_bf16 else contextlib.nullcontext
+        )
+        self.bf16_weights = use_bf16 and bf16_weights_apply(cfg.training.bf16_weights, self.dims.distributed,
+                                                            self.grad_accum)
+        self.optimizer = build_optimizer(self.model, cfg.optimizer, self.device, bf16_weights=self.bf16_weights)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.training.steps)
         # The training state so far: a checkpoint of this run, or initial weights, or a fresh start.
         self.step = 0
@@ -265,21 +280,16 @@ class Trainer:
         elif init_path:
             self.checkpointer.load_model_only(init_path)
 
-        # bf16 autocast on CUDA unless FSDP2's mixed precision casts the parameters already.
-        use_bf16 = (
-            self.device.type == "cuda"
-            and cfg.training.mixed_precision_param == "bfloat16"
-            and not self.dims.data_parallel
-        )
-        self.autocast = (
-            (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if use_bf16 else contextlib.nullcontext
-        )
+        if self.bf16_weights:  # from the final weights (initialized or loaded), before the first forward
+            self.optimizer.set_low_halves(split_linear_weights(self.model_parts))
         self.doc_masking = cfg.model.attn_mask == "block_causal"
         if world.logs:
             print(
                 f"model {cfg.model.name}/{cfg.model.flavor}: {self.num_params:,} parameters, "
                 f"{self.num_flops_per_token / 1e9:.3f} GFLOP per token; device {self.device}; "
                 f"grad accumulation {self.grad_accum}; layout {self.dims.describe()}; attention {cfg.model.attn}"
+                + ("; bf16 autocast" + (" on bf16 weights (fp32 masters split in two)" if self.bf16_weights
+                                        else "") if use_bf16 else "")
                 + (f" ({sdpa_choice})" if cfg.model.attn == "sdpa" else "")
                 + (f"; float8 {cfg.float8.recipe}{' (emulated)' if cfg.float8.emulate else ''}: "
                    f"{self.float8_layers[0]} of {self.float8_layers[1]} linear layers" if cfg.float8.enable else ""),

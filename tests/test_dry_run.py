@@ -438,5 +438,11 @@ def test_estimate_counts_the_pipeline_steps_autocast_cache():
     compiled = _peak(argv + ["--compile.enable", "true"], world=2)
     last = compiled[-1]
     assert last.estimate.moments["loss"].working == 2 * last.stages[-1].final.matmul_tp  # the output's only
-    single = _peak(argv[:-4])[0]  # no PP: a region per forward; checkpointed blocks cast again when recomputed
+    # No PP: a region per forward; checkpointed blocks cast again when recomputed.
+    single = _peak(argv[:-4] + ["--training.no-bf16_weights"])[0]
     assert single.estimate.moments["loss"].working == 2 * single.stages[0].final.matmul_tp
+    # The default on one GPU, split bf16 weights: no copies at all, bf16 gradients of the matmul weights.
+    split = _peak(argv[:-4])[0]
+    assert all(m.working == 0 for m in split.estimate.moments.values())
+    mm = sum(s.block.matmul_tp * s.layers + (s.final.matmul_tp if s.final else 0) for s in split.stages)
+    assert split.estimate.grads == single.estimate.grads - 2 * mm

@@ -11,7 +11,8 @@ Llama 3 family (the activation formulas follow its block).
 What is counted (bytes per rank; the target is a CUDA GPU with ``training.mixed_precision_param``)
 ------------------------------------------------------------------------------------------------
 - params: the fp32 master weights this rank stores (after TP and FSDP sharding): 4 bytes per element.
-- grads: fp32 gradients of those elements: 4 bytes per element (FSDP keeps them sharded).
+- grads: fp32 gradients of those elements: 4 bytes per element (FSDP keeps them sharded); 2 for the matmul
+  weights stored in bf16 (``training.bf16_weights`` on one GPU: parallelize/bf16_weights.py).
 - optimizer: AdamW/Adam's two fp32 moments: 8 bytes per element.
 - working params: the compute copies alive at the peak. FSDP2 with bf16 mixed precision all-gathers bf16
   blocks: the root module (embedding, final norm, output; never resharded after forward by default) and two
@@ -19,9 +20,10 @@ What is counted (bytes per rank; the target is a CUDA GPU with ``training.mixed_
   ``fsdp_reshard_after_forward = never``. Without FSDP, bf16 autocast casts each matmul weight to bf16 once
   per forward and autograd keeps the copy until that matmul's backward; under pipeline parallelism the step's
   one autocast region caches a copy of every matmul weight for the whole step (measured on CPU: a
-  checkpointed block's bf16 copy lives until the autocast region ends). Under pipeline parallelism with
-  FSDP, torch's pipeline stages keep the whole stage unsharded (bf16) with fp32 unsharded gradient
-  accumulators between microbatches.
+  checkpointed block's bf16 copy lives until the autocast region ends). With split bf16 weights (one GPU) the
+  matmul weights are bf16 themselves (their fp32 masters 2 + 2 bytes) and nothing is cast. Under pipeline
+  parallelism with FSDP, torch's pipeline stages keep the whole stage unsharded (bf16) with fp32 unsharded
+  gradient accumulators between microbatches.
 
 Activations (the formula)
 -------------------------
@@ -255,13 +257,27 @@ class Precision:
     """Bytes per element of the compute copy of a weight (FSDP all-gather output or autocast cast)."""
 
 
-def precision_for(param_dtype: str, data_parallel: bool) -> Precision:
-    """The compute precision on CUDA: FSDP2 mixed precision when the model is data parallel, else autocast."""
+SPLIT = "bf16 (autocast, bf16 weights)"
+
+
+def precision_for(param_dtype: str, data_parallel: bool, bf16_weights: bool = False) -> Precision:
+    """The compute precision on CUDA: FSDP2 mixed precision when the model is data parallel, else autocast,
+    on split bf16 weights where ``bf16_weights`` (parallelize/bf16_weights.py)."""
     if param_dtype != "bfloat16":
         return Precision("fp32", 4, 4, 1, 1, 4)
     if data_parallel:
         return Precision("bf16 (FSDP mixed precision)", 2, 2, 1, 1, 2)
-    return Precision("bf16 (autocast)", 2, 4, 3, 2, 2)
+    return Precision(SPLIT if bf16_weights else "bf16 (autocast)", 2, 4, 3, 2, 2)
+
+
+def layout_precision(cfg, dims) -> Precision:
+    """The Precision a validated config runs with on CUDA (split bf16 weights as the trainer decides them)."""
+    from engine.config import grad_accumulation_steps
+    from parallelize.bf16_weights import bf16_weights_apply
+
+    t = cfg.training
+    split = bf16_weights_apply(t.bf16_weights, dims.distributed, grad_accumulation_steps(cfg, dims.dp))
+    return precision_for(t.mixed_precision_param, dims.data_parallel, split)
 
 
 @dataclass
@@ -330,7 +346,7 @@ def rank_layout(cfg, dims, pp_rank: int) -> RankLayout:
         loss_parallel=dims.tp > 1 and not p.disable_loss_parallel,
         ac_mode=cfg.activation_checkpoint.mode,
         ac_option=cfg.activation_checkpoint.selective_option,
-        precision=precision_for(t.mixed_precision_param, dims.data_parallel),
+        precision=layout_precision(cfg, dims),
         loss_chunk_tokens=t.loss_chunk_tokens,
         compiled=cfg.compile.enable,
         ac_op_matmuls=cfg.activation_checkpoint.op_matmuls,
@@ -484,9 +500,15 @@ def estimate(shape: ModelShape, stages: list[StageParams], lay: RankLayout) -> M
         held = held + s.total
         root = root + s.root
     P = held.local
+    split = pr.name == SPLIT  # one rank: local elements are whole (local == tp)
+
+    def grad_bytes(part: PartSizes) -> int:
+        """Gradients of ``part``: fp32, but bf16 on split bf16 matmul weights."""
+        return 4 * part.local - (2 * part.matmul_tp if split else 0)
+
     params = 0 if lay.cpu_offload else 4 * P
     optimizer = 0 if lay.cpu_offload else 4 * lay.optimizer_states * P
-    grads = 0 if lay.cpu_offload else 4 * P
+    grads = 0 if lay.cpu_offload else grad_bytes(held)
     has_last = any(s.final is not None for s in stages)
     block = next((s.block for s in stages if s.layers), stages[0].block)
     kinds: dict[str, int] = {}
@@ -530,17 +552,17 @@ def estimate(shape: ModelShape, stages: list[StageParams], lay: RankLayout) -> M
     elif autocast:  # a bf16 copy of every matmul weight outside checkpointed blocks
         final_mm = sum(s.final.matmul_tp for s in stages if s.final is not None)
         working = pr.working * (kinds.get("none", 0) * block.matmul_tp + final_mm)
-    else:
+    else:  # fp32, or split bf16 weights: the matmuls read the (bf16) parameters, nothing is cast
         working = 0
 
     moments: dict[str, Moment] = {}
     loss = loss_bytes(shape, lay, T) if has_last else 0
     moments["loss"] = Moment(grads_early, working, activations, loss)
 
-    if autocast:  # the end of the forward: autocast's cache holds every bf16 weight copy made in eager code
+    if autocast or split:  # the end of the forward: autocast's cache holds every bf16 weight copy made in eager code
         logits = pr.compute * shape.vocab_size / lay.tp * T if has_last and not lay.loss_chunk_tokens else 0
         # compiled blocks cast inside their graphs: they keep the copies of blocks without AC only
-        cached = working if lay.compiled else pr.working * all_mm
+        cached = working if lay.compiled or split else pr.working * all_mm
         moments["forward"] = Moment(grads_early, cached, activations, logits)
 
     if checkpointed:  # a checkpointed block recomputed in backward, at the first and at the last one
@@ -555,11 +577,11 @@ def estimate(shape: ModelShape, stages: list[StageParams], lay: RankLayout) -> M
         if lay.fsdp and not pp_fsdp:  # FSDP reduces the root's (unsharded) gradients at the very end
             root_grads = pr.compute * root.tp
         else:
-            root_grads = 4 * root.local
+            root_grads = grad_bytes(root)
         if grads_early:
             top = bottom = grads_early + (root_grads if lay.fsdp and not pp_fsdp else 0)
         else:
-            top, bottom = root_grads, root_grads + 4 * block.local * max(n_blocks - 1, 0)
+            top, bottom = root_grads, root_grads + grad_bytes(block) * max(n_blocks - 1, 0)
         if autocast and not step_cache:  # blocks without checkpointing keep their weight copies until their backward
             at_top_working, at_bottom_working = pr.working * kinds.get("none", 0) * block.matmul_tp, 0
         else:
@@ -656,7 +678,7 @@ def describe_layout(cfg, dims) -> str:
     from engine.config import grad_accumulation_steps, pp_microbatches
 
     t, ac = cfg.training, cfg.activation_checkpoint
-    pr = precision_for(t.mixed_precision_param, dims.data_parallel)
+    pr = layout_precision(cfg, dims)
     ac_text = ac.mode if ac.mode != "selective" else f"selective ({ac.selective_option})"
     if ac.mode == "selective" and ac.selective_option == "op" and ac.op_matmuls != "all":
         ac_text = f"selective (op, {ac.op_matmuls} matmuls)"

@@ -1,0 +1,106 @@
+"""bf16 matmul weights whose fp32 masters are kept as a bf16 high half and a 16-bit low half (one GPU).
+
+Without FSDP, bf16 compute on CUDA is autocast: every ``nn.Linear`` weight is fp32, and autocast casts it to
+bf16 wherever a matmul reads it (in each forward, and again in each recomputation under activation
+checkpointing); the matmul's bf16 weight gradient is then cast back up to fp32 in the backward. At Llama-3-8B
+layer shapes that is 6 bytes read and written per weight element three times per step, some 35 GB per step on
+8B_L8 (10-15 ms on an H100), for casts whose results the optimizer could have written once.
+
+``split_linear_weights`` stores each linear layer's weight (``nn.Linear`` and its subclasses, torchao's
+``Float8Linear`` included) as what the matmuls read: the parameter becomes the bf16 rounding (round to nearest
+even, as autocast's cast) of the fp32 weight, and a 16-bit buffer ``weight_low`` keeps the rest, so the
+parameter and the buffer hold the fp32 weight exactly (``master_weight``) in the same 4 bytes per element.
+The matmuls read the parameter with no cast, their gradient stays bf16 (the parameter's ``.grad``), and the
+optimizer (``engine.optim.AdamWWithBf16Weights``) rebuilds each fp32 weight, updates it in fp32 and writes
+both halves back, in one pass.
+
+What does not change:
+
+- The numbers, in bf16: autocast's matmul reads the bf16 rounding of the fp32 weight and its gradient is the bf16
+  result cast up, exactly what the parameter and its gradient hold here; the update is computed on the fp32
+  weight, so losses and updates are those of autocast. One exception, 1 fp32 ulp: a weight whose low 16 bits
+  are exactly half a bf16 step (a tie that rounds down to an even high half) would need a low half of +2^15,
+  one past int16's range; it is stored 1 fp32 ulp lower (about 1 element in 130,000 per update), which leaves
+  its bf16 value as it was. Under float8 each weight is cast to float8 from its bf16 value, as under FSDP's
+  bf16 mixed precision (not from the fp32 weight directly).
+- The state: the module's state dict gives the fp32 weight (a hook rebuilds it; loading one splits it again),
+  the optimizer's state is torch's AdamW's, so checkpoints and Hugging Face exports are those of a run without
+  split weights, and either kind of run resumes the other's checkpoints. Saving builds the fp32 weights for the
+  moment (4 bytes per element, on the GPU).
+- Autocast itself stays on: it casts the activations (the residual stream stays fp32) and finds the weights
+  already in bf16.
+
+Memory: 4 bytes per weight element as before (2 + 2), no bf16 copies in flight (autocast keeps one per
+matmul weight from the forward to its backward outside checkpointed blocks, and one per recomputed block),
+and bf16 gradients (2 bytes instead of 4: 4.2 GiB less at the end of the backward on 8B_L8).
+
+Where (``bf16_weights_apply``): under bf16 autocast (CUDA, ``training.mixed_precision_param = bfloat16``, no
+FSDP), on one rank, without gradient accumulation. FSDP2 casts each weight once per all-gather already; a
+pipeline's microbatches and gradient accumulation would add the gradients up in bf16; tensor-parallel weights
+are DTensors. Those layouts keep plain autocast, as does ``training.bf16_weights = false``.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+LOW = "weight_low"
+
+
+def bf16_weights_apply(enabled: bool, distributed: bool, grad_accum: int) -> bool:
+    """Whether a run that computes under bf16 autocast (CUDA, bfloat16, no FSDP) gets split bf16 weights: one
+    rank and no gradient accumulation (the module docstring says why)."""
+    return enabled and not distributed and grad_accum == 1
+
+
+def master_weight(high: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
+    """The fp32 weight that the bf16 ``high`` half and the int16 ``low`` half hold."""
+    return ((high.view(torch.int16).to(torch.int32) << 16) + low.to(torch.int32)).view(torch.float32)
+
+
+def split(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (bf16 high, int16 low) halves of an fp32 ``weight``: high is its round-to-nearest-even bf16 value,
+    low the difference of the two bit patterns (in [-2^15, 2^15]; +2^15, a tie kept even, is stored as
+    2^15 - 1: the weight 1 fp32 ulp lower, with the same high half)."""
+    high = weight.to(torch.bfloat16)
+    low = weight.view(torch.int32) - (high.view(torch.int16).to(torch.int32) << 16)
+    return high, low.clamp(max=2**15 - 1).to(torch.int16)
+
+
+def _state_dict_hook(module: nn.Module, state_dict: dict, prefix: str, local_metadata) -> None:
+    """The fp32 weight in the state dict, as without split weights."""
+    state_dict[prefix + "weight"] = master_weight(module._parameters["weight"].detach(), module._buffers[LOW])
+
+
+def _load_state_dict_pre_hook(module: nn.Module, state_dict: dict, prefix: str, *args) -> None:
+    """Loading an fp32 weight: its low half into the buffer; load_state_dict then copies it into the bf16
+    parameter, rounding to nearest even, which is the high half."""
+    value = state_dict.get(prefix + "weight")
+    if value is not None:
+        with torch.no_grad():
+            module._buffers[LOW].copy_(split(value.detach().to(module._buffers[LOW].device, torch.float32))[1])
+
+
+def split_linear_weights(parts: Iterable[nn.Module]) -> dict[nn.Parameter, torch.Tensor]:
+    """Store every linear weight of ``parts`` as bf16 + low half (in place: the same Parameter objects, so an
+    optimizer built over them keeps them); returns parameter -> low half, for the optimizer. Call it once the
+    weights are final (initialized or loaded) and before the first forward (compiled blocks trace then)."""
+    lows: dict[nn.Parameter, torch.Tensor] = {}
+    for part in parts:
+        for module in part.modules():
+            if not isinstance(module, nn.Linear) or LOW in module._buffers:
+                continue
+            weight = module._parameters["weight"]
+            assert weight is not None and weight.dtype == torch.float32, (type(module), weight)
+            assert not isinstance(weight, DTensor), "split weights are for one rank"
+            high, low = split(weight.detach())
+            weight.data = high
+            module.register_buffer(LOW, low, persistent=False)
+            module.register_state_dict_post_hook(_state_dict_hook)
+            module.register_load_state_dict_pre_hook(_load_state_dict_pre_hook)
+            lows[weight] = low
+    return lows

@@ -1,0 +1,265 @@
+"""Split bf16 weights: linear weights stored in bf16 with their fp32 masters' low halves beside them, updated
+by the optimizer (parallelize/bf16_weights.py, engine/optim.py).
+
+On CUDA they are on by default on one GPU; here the trainer's bf16 autocast is switched on for the CPU
+(``engine.trainer.bf16_autocast`` patched), so the split weights run the same code as on the GPU, against plain
+autocast on fp32 weights."""
+
+import copy
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+from engine import train, trainer
+from engine.checkpoint import step_folder
+from engine.config import Optimizer
+from engine.optim import AdamWWithBf16Weights, build_optimizer, clip_grad_norm_, scales_gradients
+from models.loss import cross_entropy_sum
+from parallelize.bf16_weights import bf16_weights_apply, master_weight, split, split_linear_weights
+from tests.test_model import build, debug_args
+
+SMALL = ["--training.seq_len", "64", "--training.local_batch_size", "4", "--metrics.log_freq", "1",
+         "--lr_scheduler.warmup_steps", "2", "--debug.deterministic"]
+
+
+@pytest.fixture
+def cpu_autocast(monkeypatch):
+    """The trainer computes under bf16 autocast on the CPU, as it does on one GPU."""
+    monkeypatch.setattr(trainer, "bf16_autocast", lambda device, param, data_parallel: param == "bfloat16"
+                        and not data_parallel)
+
+
+def _train(dump, capsys, *args):
+    rc = train.main(["--job.dump_folder", str(dump), *SMALL, *args])
+    out, err = capsys.readouterr()
+    assert rc == 0, err[-3000:]
+    with open(os.path.join(dump, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    return rows, out
+
+
+def _curve(rows):
+    return [(r["loss"], r["grad_norm"]) for r in rows]
+
+
+def _forward_backward(model, tokens, labels):
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(tokens)
+    loss = cross_entropy_sum(out.float(), labels) / labels.numel()
+    loss.backward()
+    return loss
+
+
+def test_split_holds_the_fp32_weight_exactly():
+    """The bf16 half is the round-to-nearest-even value (autocast's cast) and the two halves give back every fp32
+    weight bit for bit, at every magnitude and sign; a tie that rounds down to an even high half (low half
+    +2^15) is the one exception: it comes back 1 fp32 ulp lower, with the same bf16 half."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(200_000, generator=g) * torch.logspace(-30, 30, 200_000)
+    high, low = split(x)
+    assert high.dtype == torch.bfloat16 and low.dtype == torch.int16
+    assert torch.equal(high, x.bfloat16())
+    back = master_weight(high, low)
+    exact = back == x
+    assert exact.float().mean() > 1 - 1e-4
+    bits = torch.randint(-2**31, 2**31 - 1, (100_000,), generator=g, dtype=torch.int64)
+    ties = ((bits & ~0xFFFF) | 0x8000).to(torch.int32).view(torch.float32)
+    ties = ties[torch.isfinite(ties)]
+    high, low = split(ties)
+    back = master_weight(high, low)
+    off = back.view(torch.int32).long() - ties.view(torch.int32).long()
+    assert set(off.unique().tolist()) == {-1, 0} and torch.equal(high, ties.bfloat16())
+    assert torch.equal(back.bfloat16(), high) and torch.equal(split(back)[1], low)  # stable once stored
+
+
+def _as_stored(key: str, value: torch.Tensor) -> torch.Tensor:
+    """An fp32 weight of the debug model as split weights hold it (ties 1 ulp lower; norms, embedding as is)."""
+    return value if "norm" in key or "embeddings" in key else master_weight(*split(value))
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_split_weights_give_autocasts_loss_and_gradients_exactly(compiled):
+    """The same model under autocast on fp32 weights, and on split bf16 weights: the same loss, and every
+    gradient the same bits (a bf16 weight's gradient is the one autocast casts up to fp32), eager and with the
+    blocks compiled. The state dict still holds the fp32 weights, bit for bit, and loading one splits it again."""
+    ref = build(debug_args())
+    ours = copy.deepcopy(ref)
+    lows = split_linear_weights([ours])
+    assert len(lows) == 1 + 7 * len(ours.layers)  # the output projection and each block's seven
+    assert all(p.dtype == torch.bfloat16 and low.dtype == torch.int16 for p, low in lows.items())
+    assert ours.output.weight in lows
+    theirs = ref.state_dict()
+    mine = ours.state_dict()
+    assert sorted(mine) == sorted(theirs) and all(mine[k].dtype == theirs[k].dtype for k in theirs)
+    for k in theirs:  # the fp32 weights, but for a tie's 1 ulp (above)
+        assert torch.equal(mine[k], _as_stored(k, theirs[k])), k
+        assert (mine[k] != theirs[k]).float().mean() < 1e-4, k
+    if compiled:
+        for block in [*ref.layers.values(), *ours.layers.values()]:
+            block.compile(fullgraph=True)
+    g = torch.Generator().manual_seed(0)
+    tokens, labels = (torch.randint(0, 512, (2, 64), generator=g) for _ in range(2))
+    assert _forward_backward(ref, tokens, labels).item() == _forward_backward(ours, tokens, labels).item()
+    for (name, p), q in zip(ref.named_parameters(), ours.parameters()):
+        assert q.grad.dtype == (torch.bfloat16 if q in lows else torch.float32), name
+        assert torch.equal(p.grad, q.grad.float()), name
+    # Loading fp32 weights (another model's) splits them: the state dict gives them back exactly.
+    other = build(debug_args(), seed=1).state_dict()
+    ours.load_state_dict(other)
+    assert all(torch.equal(ours.state_dict()[k], _as_stored(k, other[k])) for k in other)
+
+
+def _model_and_grads(seed: int):
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 3))
+    torch.manual_seed(seed)
+    grads = [[torch.randn_like(p) for p in model.parameters()] for _ in range(3)]
+    return model, grads
+
+
+@pytest.mark.parametrize("name", ["AdamW", "Adam"])
+@pytest.mark.parametrize("compiled", [False, True])
+def test_optimizer_computes_torchs_update_on_the_fp32_weights(name, compiled):
+    """Three steps, weight decay on the matrices only, from the same gradients (bf16 values on the split
+    weights): eager and without clipping the fp32 weights (both halves) and moments of torch's own foreach AdamW
+    (Adam), bit for bit; with the clip folded in (grad_scale) or compiled (CUDA's kernel), within fp32 rounding.
+    The state has torch's keys and dtypes."""
+    for max_norm in (1e9, 0.5):
+        cfg = Optimizer(name=name, lr=0.1, weight_decay=0.1, implementation="fused" if compiled else "foreach")
+        model, grads = _model_and_grads(0)
+        theirs = copy.deepcopy(model)
+        ours = build_optimizer(model, cfg, torch.device("cpu"), bf16_weights=True)
+        assert isinstance(ours, AdamWWithBf16Weights) and scales_gradients(ours)
+        lows = split_linear_weights([model])
+        ours.set_low_halves(lows)
+        reference = build_optimizer(theirs, Optimizer(name=name, lr=0.1, weight_decay=0.1,
+                                                      implementation="foreach"), torch.device("cpu"))
+        for step_grads in grads:
+            for p, q, g in zip(model.parameters(), theirs.parameters(), step_grads):
+                p.grad = g.to(p.dtype)
+                q.grad = p.grad.float().clone()  # not the same tensor: the reference clip scales it
+            total = clip_grad_norm_(list(model.parameters()), max_norm, optimizer=ours)
+            assert total.item() == pytest.approx(clip_grad_norm_(list(theirs.parameters()), max_norm).item(),
+                                                 rel=1e-6)
+            ours.step()
+            reference.step()
+            ours.zero_grad()
+        for p, q in zip(model.parameters(), theirs.parameters()):
+            fp32 = master_weight(p.detach(), lows[p]) if p in lows else p.detach()
+            if p in lows:
+                assert p.dtype == torch.bfloat16 and torch.equal(p.detach(), fp32.bfloat16())
+            state, ref_state = ours.state[p], reference.state[q]
+            assert sorted(state) == sorted(ref_state) == ["exp_avg", "exp_avg_sq", "step"]
+            assert state["exp_avg"].dtype == torch.float32 and float(state["step"]) == 3.0
+            if max_norm == 1e9 and not compiled:
+                assert torch.equal(fp32, q.detach())
+                assert all(torch.equal(state[k], ref_state[k]) for k in ("exp_avg", "exp_avg_sq"))
+            else:  # inductor's kernels round on their own (fp32 updates of 0.1 on weights of 0.1-0.5)
+                torch.testing.assert_close(fp32, q.detach(), rtol=1e-6, atol=1e-6)
+                for k in ("exp_avg", "exp_avg_sq"):
+                    torch.testing.assert_close(state[k], ref_state[k], rtol=1e-5, atol=1e-7)
+
+
+def test_clip_norm_of_bf16_gradients_is_computed_in_fp32():
+    """torch's norm of a bf16 tensor is a bf16 number (3 significant digits); the clip's total norm over bf16
+    gradients is the fp32 norm of their values, and it scales them as it scales fp32 ones."""
+    torch.manual_seed(0)
+    values = [torch.randn(300).bfloat16() for _ in range(3)]
+    bf16 = [torch.nn.Parameter(torch.zeros(300, dtype=torch.bfloat16)) for _ in values]
+    fp32 = [torch.nn.Parameter(torch.zeros(300)) for _ in values]
+    for a, b, v in zip(bf16, fp32, values):
+        a.grad, b.grad = v.clone(), v.float()
+    total = clip_grad_norm_(bf16, 1.0)
+    exact = torch.cat([v.double() for v in values]).norm().item()
+    assert total.dtype == torch.float32 and total.item() == pytest.approx(exact, rel=1e-6)
+    assert torch.nn.utils.get_total_norm([v.clone() for v in values]).item() != pytest.approx(exact, rel=1e-4)
+    assert clip_grad_norm_(fp32, 1.0).item() == pytest.approx(exact, rel=1e-6)
+    assert torch.cat([p.grad.float() for p in bf16]).norm().item() == pytest.approx(1.0, rel=1e-2)
+
+
+def test_where_split_weights_apply():
+    assert bf16_weights_apply(True, distributed=False, grad_accum=1)
+    assert not bf16_weights_apply(False, distributed=False, grad_accum=1)
+    assert not bf16_weights_apply(True, distributed=True, grad_accum=1)  # FSDP, TP, PP, CP: plain autocast
+    assert not bf16_weights_apply(True, distributed=False, grad_accum=2)  # bf16 would accumulate the gradients
+
+
+COMPILED_OP_AC = ["--compile.enable", "--activation_checkpoint.mode", "selective"]
+SPLIT_LINE = "bf16 autocast on bf16 weights (fp32 masters split in two)"
+
+
+@pytest.mark.parametrize("layout", [[], COMPILED_OP_AC], ids=["eager", "compile_op_ac"])
+def test_training_on_split_weights_is_autocast_bit_for_bit(layout, tmp_path, capsys, cpu_autocast):
+    """The trainer on one rank under bf16 autocast, on split bf16 weights (the default) and on fp32 weights,
+    eager and with compiled blocks under per-op AC: 8 steps of the same losses, bit for bit (the update is
+    torch's foreach AdamW's, the CPU's default kernel, on the same fp32 weights). The clip is off (max_norm 1e9)
+    because it differs by design: the split weights' update divides by the inverse clip factor as it reads a
+    gradient, as torch's fused kernel does, where foreach multiplies by the factor."""
+    common = ["--training.steps", "8", "--training.max_norm", "1e9", *layout]
+    ours, out = _train(tmp_path / "split", capsys, *common)
+    assert SPLIT_LINE in out
+    plain, out = _train(tmp_path / "plain", capsys, *common, "--training.no-bf16_weights")
+    assert "bf16 autocast" in out and SPLIT_LINE not in out
+    assert [r["loss"] for r in ours] == [r["loss"] for r in plain]
+    # The norms differ in fp32's last bits: a bf16 gradient's norm is summed by another kernel than the fp32 one's.
+    assert [r["grad_norm"] for r in ours] == pytest.approx([r["grad_norm"] for r in plain], rel=1e-6)
+    assert ours[-1]["loss"] < ours[0]["loss"] - 0.1
+
+
+def test_a_lost_low_half_would_show(tmp_path, capsys, cpu_autocast, monkeypatch):
+    """The comparison above can fail: an optimizer that drops the low halves (fp32 weights rounded to bf16 at
+    every update, updates smaller than half a bf16 step lost) gives another curve."""
+    original = AdamWWithBf16Weights.step
+
+    def lossy_step(self, closure=None):
+        original(self, closure)
+        for low in self.lows.values():
+            low.zero_()
+
+    common = ["--training.steps", "4", "--training.max_norm", "1e9"]
+    monkeypatch.setattr(AdamWWithBf16Weights, "step", lossy_step)
+    lossy, _ = _train(tmp_path / "lossy", capsys, *common)
+    plain, _ = _train(tmp_path / "plain", capsys, *common, "--training.no-bf16_weights")
+    assert lossy[0]["loss"] == plain[0]["loss"] and lossy[-1]["loss"] != plain[-1]["loss"]
+
+
+def test_gradient_accumulation_keeps_plain_autocast(tmp_path, capsys, cpu_autocast):
+    _, out = _train(tmp_path / "acc", capsys, "--training.steps", "1", "--training.global_batch_size", "8")
+    assert "grad accumulation 2; " in out and "bf16 autocast" in out and SPLIT_LINE not in out
+
+
+def test_resume_on_split_weights_is_bit_identical_and_checkpoints_are_interchangeable(tmp_path, capsys,
+                                                                                      cpu_autocast):
+    """Checkpoints hold the fp32 weights and torch's AdamW state with or without split weights: a run resumed at
+    step 4 on split weights continues bit-identically, and so does one resumed on fp32 weights (the clip off,
+    as above)."""
+    ckpt = ["--training.steps", "8", "--training.max_norm", "1e9", "--checkpoint.enable", "--checkpoint.interval", "4"]
+    whole, _ = _train(tmp_path / "whole", capsys, *ckpt)
+    for name, extra in (("split", []), ("plain", ["--training.no-bf16_weights"])):
+        dump = tmp_path / name
+        shutil.copytree(tmp_path / "whole", dump)
+        shutil.rmtree(step_folder(str(dump / "checkpoint"), 8))
+        rows, out = _train(dump, capsys, *ckpt, *extra)
+        assert "resumed from step 4" in out
+        resumed = [r for r in rows if r["step"] > 4][-4:]
+        assert [r["step"] for r in resumed] == [5, 6, 7, 8]
+        if name == "split":
+            assert _curve(resumed) == _curve(whole[4:])
+        else:  # the same losses (no clip: see above); the norms of fp32 gradients in fp32's last bits
+            assert [r["loss"] for r in resumed] == [r["loss"] for r in whole[4:]]
+            assert [r["grad_norm"] for r in resumed] == pytest.approx([r["grad_norm"] for r in whole[4:]], rel=1e-6)
+
+
+def test_float8_layers_train_on_split_weights(tmp_path, capsys, cpu_autocast):
+    """torchao's Float8Linear (emulated) on split bf16 weights, compiled under per-op AC: the layers keep their
+    class and read their bf16 weights; the curve follows float8 on fp32 weights within float8's tolerance
+    (each weight is cast to float8 from its bf16 value, not from fp32: not the same bits)."""
+    pytest.importorskip("torchao")
+    common = ["--training.steps", "6", "--float8.enable", "--float8.emulate", *COMPILED_OP_AC]
+    ours, out = _train(tmp_path / "split", capsys, *common)
+    assert SPLIT_LINE in out and "float8 tensorwise (emulated)" in out
+    plain, _ = _train(tmp_path / "plain", capsys, *common, "--training.no-bf16_weights")
+    assert [r["loss"] for r in ours] == pytest.approx([r["loss"] for r in plain], rel=1e-2)
+    assert ours[-1]["loss"] < ours[0]["loss"] - 0.5
