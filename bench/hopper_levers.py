@@ -3,7 +3,7 @@ batch 1), measured before any of them is built into the trainer (docs/performanc
 predictions). Prints one table per lever: median milliseconds of forward + backward (CUDA events, after
 warm-up) and peak memory above the inputs.
 
-    python bench/hopper_levers.py [--only sdpa,ce,adamw,rope,clip] [--reps 20]
+    python bench/hopper_levers.py [--only sdpa,ce,adamw,rope,clip,bf16] [--reps 20]
 
 1. sdpa: the attention kernel F.scaled_dot_product_attention dispatches to for causal GQA (32 query heads,
    8 KV heads, head_dim 128) against each backend forced (flash, cuDNN, memory-efficient), with GQA left to
@@ -18,7 +18,12 @@ warm-up) and peak memory above the inputs.
    eager kernels over fp32 copies) against Tessera's real arithmetic (models/llama3/model.py), eager too.
 5. clip: gradient clipping then fused AdamW over the 8B_L8 parameters: the clip scaling the gradients in a
    pass of its own, against the clip factor applied inside the optimizer's kernel (engine/optim.py).
-Needs a CUDA GPU; on a CPU it says so and exits 0 (tests call the rope and clip levers on CPU, small).
+6. bf16: split bf16 weights (parallelize/bf16_weights.py) against autocast on fp32 weights, in two parts: the
+   matmuls of the 8B_L8 model (8 blocks' seven projections and the output, one token batch of 8192, forward
+   and backward under autocast: fp32 weights cast in the forward and their gradients cast back, or bf16 weights
+   read as they are), and the clip with the optimizer step over 8B_L8's parameters (fused AdamW on fp32 weights
+   and gradients, or the compiled update of the split weights from bf16 gradients).
+Needs a CUDA GPU; on a CPU it says so and exits 0 (tests call the rope, clip and bf16 levers on CPU, small).
 """
 
 from __future__ import annotations
@@ -264,16 +269,90 @@ def lever_clip(reps: int, device: str = "cuda", flavor: str = "8B_L8") -> dict:
     return results
 
 
+def _linear_shapes(flavor: str) -> tuple[list, list]:
+    """(the linear weights' shapes, every parameter's shape) of ``flavor``."""
+    from models.llama3.flavors import llama3_flavors
+    from models.llama3.model import Transformer
+
+    args = llama3_flavors[flavor]
+    if args.vocab_size <= 0:  # the debug flavor takes its vocabulary from the tokenizer
+        args = dataclasses.replace(args, vocab_size=512)
+    with torch.device("meta"):
+        model = Transformer(args)
+    linear = [m.weight.shape for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    return linear, [p.shape for p in model.parameters()]
+
+
+def lever_bf16(reps: int, device: str = "cuda", flavor: str = "8B_L8", tokens: int = 8192) -> dict:
+    from engine.config import Optimizer
+    from engine.optim import build_optimizer, clip_grad_norm_
+    from parallelize.bf16_weights import master_weight, split_linear_weights
+
+    linear, shapes = _linear_shapes(flavor)
+    g = torch.Generator(device=device).manual_seed(0)
+    print(f"bf16: {len(linear)} matmuls fwd+bwd under autocast over {tokens} tokens, then clip + optimizer step "
+          f"over {sum(torch.Size(s).numel() for s in shapes) / 1e9:.2f}B parameters")
+    results = {}
+    inputs = {s[1]: torch.randn(tokens, s[1], device=device, dtype=torch.bfloat16, generator=g) for s in linear}
+    for name, dtype in (("matmuls, fp32 weights (autocast casts)", torch.float32),
+                        ("matmuls, bf16 weights (split, Tessera)", torch.bfloat16)):
+        weights = [(torch.randn(s, device=device, generator=g) * 0.02).to(dtype).requires_grad_() for s in linear]
+
+        def matmuls():
+            with torch.autocast(device, dtype=torch.bfloat16):
+                total = sum(F.linear(inputs[w.shape[1]], w).float().mean() for w in weights)
+            total.backward()
+            for w in weights:
+                w.grad = None
+        if device == "cuda":
+            row(name, matmuls, reps)
+        else:
+            matmuls()
+        del weights
+    grads = [torch.randn(s, device=device, generator=g) * 1e-3 for s in shapes]
+    for name, split in (("clip + fused AdamW, fp32 weights and gradients", False),
+                        ("clip + AdamW on split bf16 weights, bf16 gradients (Tessera)", True)):
+        model = torch.nn.Module()
+        model.params = torch.nn.ParameterList([torch.nn.Parameter(torch.zeros(s, device=device)) for s in shapes])
+        cfg = Optimizer(lr=1e-4, weight_decay=0.1, implementation="fused")
+        opt = build_optimizer(model, cfg, torch.device(device), bf16_weights=split)
+        lows = {}
+        if split:  # the 2-D parameters stand for the linear weights (the embedding too: a little more work)
+            for p in model.params:
+                if p.ndim == 2:
+                    holder = torch.nn.Linear(1, 1, bias=False)
+                    holder.weight = p
+                    lows.update(split_linear_weights([holder]))
+            opt.set_low_halves(lows)
+
+        def step():
+            for p, grad in zip(model.params, grads):
+                p.grad = grad.to(p.dtype)
+            clip_grad_norm_(list(model.params), 1.0, optimizer=opt)
+            opt.step()
+        if device == "cuda":
+            row(name, step, max(3, reps // 4))
+        else:  # one step from the same start, for the test's comparison
+            step()
+            results[name] = [(master_weight(p.detach(), lows[p]) if p in lows else p.detach()).clone()
+                             for p in model.params]
+        del opt, model
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return results
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--only", default="sdpa,ce,adamw,rope,clip")
+    p.add_argument("--only", default="sdpa,ce,adamw,rope,clip,bf16")
     p.add_argument("--reps", type=int, default=20)
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("hopper_levers: no CUDA GPU here; run it on the H100 machine")
         return 0
     print(torch.cuda.get_device_name(), "torch", torch.__version__)
-    levers = {"sdpa": lever_sdpa, "ce": lever_ce, "adamw": lever_adamw, "rope": lever_rope, "clip": lever_clip}
+    levers = {"sdpa": lever_sdpa, "ce": lever_ce, "adamw": lever_adamw, "rope": lever_rope, "clip": lever_clip,
+              "bf16": lever_bf16}
     for name in args.only.split(","):
         levers[name](args.reps)
         torch.cuda.empty_cache()

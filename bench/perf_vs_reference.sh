@@ -57,6 +57,10 @@ declare -A TESSERA=(
   # parameters, gradients and AdamW, so the estimate gives both policies the same peak):
   [bf16_compile_ac_alt]="--compile.enable --activation_checkpoint.mode selective --activation_checkpoint.op_matmuls alternate"
   [fp8_compile_ac_alt]="--compile.enable --activation_checkpoint.mode selective --activation_checkpoint.op_matmuls alternate --float8.enable"
+  # The compute on fp32 weights under autocast (the default before 2026-11-26), beside the split bf16 weights
+  # that bf16_compile_ac_op and fp8_compile_ac_op now run on:
+  [bf16_autocast]="--compile.enable --activation_checkpoint.mode selective --training.no-bf16_weights"
+  [fp8_autocast]="--compile.enable --activation_checkpoint.mode selective --float8.enable --training.no-bf16_weights"
   # and the speed levers, measured beside bf16_compile_ac_op:
   [fused_loss]="--compile.enable --activation_checkpoint.mode selective --training.loss_chunk_tokens 2048"
   [cudnn_sdpa]="--compile.enable --activation_checkpoint.mode selective --model.sdpa_backend cudnn"
@@ -74,6 +78,7 @@ declare -A PAIR=(
   [fsdp1_compile_ac_op]=bf16_compile
   [noac_compile]=noac_compile [bf16_compile_ac_alt]=bf16_compile [fp8_compile_ac_alt]=fp8_compile
   [fused_loss]=bf16_compile [cudnn_sdpa]=bf16_compile [fused_loss_cudnn]=bf16_compile
+  [bf16_autocast]=bf16_compile [fp8_autocast]=fp8_compile
 )
 for label in $ONLY; do  # before the set-up: a typo costs no device time
   [ -n "${TESSERA[$label]+set}" ] || { echo "ONLY: unknown configuration '$label'; choose from: ${!TESSERA[*]}"; exit 2; }
@@ -131,7 +136,8 @@ cp_check() {  # ring attention's CUDA kernels against full SDPA (issue 4), about
 }
 
 # Interleaved, so that each pair runs close in time; the acceptance pairs first.
-for pair in "bf16_compile bf16_compile_ac_op" "fp8_compile fp8_compile_ac_op" "cp_check" "eager eager_ac_op" \
+for pair in "bf16_compile bf16_compile_ac_op" "fp8_compile fp8_compile_ac_op" "- bf16_autocast" "- fp8_autocast" \
+            "cp_check" "eager eager_ac_op" \
             "- fsdp1_compile_ac_op" "noac_compile noac_compile" "- fullac_compile" "- bf16_compile_ac_alt" \
             "- fp8_compile_ac_alt" "- fused_loss" "- cudnn_sdpa" "- fused_loss_cudnn"; do
   set -- $pair

@@ -117,14 +117,20 @@ def test_gpu_parallel_configs_are_valid_on_hopper(tmp_path):
 
 
 def test_perf_vs_reference_configs_are_valid_on_hopper(tmp_path):
-    only = "bf16_compile_ac_op fp8_compile_ac_op bf16_compile_ac_alt fp8_compile_ac_alt eager_ac_op noac_compile " \
-           "fullac_compile fsdp1_compile_ac_op fused_loss cudnn_sdpa fused_loss_cudnn"
+    """Every configuration the script defines runs (none left out of its run order) and passes the trainer's
+    checks as on a Hopper GPU."""
+    with open(os.path.join(ROOT, "bench", "perf_vs_reference.sh")) as f:
+        script = f.read()
+    table = script[script.index("declare -A TESSERA=("):script.index("declare -A REFERENCE=(")]
+    only = " ".join(re.findall(r"^  \[(\w+)\]=", table, flags=re.M))
+    assert len(only.split()) == 13 and "bf16_autocast" in only
     rows = _run_script(tmp_path, "perf_vs_reference.sh", {"ONLY": only, "ANCHOR": "", "BUDGET": "100000"})
     assert len(rows) == len(only.split()), rows
+    assert sum("--training.no-bf16_weights" in r["argv"] for r in rows) == 2
     for r in rows:  # the reference kit's shapes, every one
         argv = " ".join(r["argv"])
         assert "--model.flavor 8B_L8 --training.seq_len 8192 --training.local_batch_size 1" in argv, argv
-    assert sum("--float8.enable" in r["argv"] for r in rows) == 2
+    assert sum("--float8.enable" in r["argv"] for r in rows) == 3
     assert sum("alternate" in r["argv"] for r in rows) == 2
     for r in rows:  # the reference's protocol: 25 steps logged every 5 (one host sync per log, not per step)
         argv = " ".join(r["argv"])
@@ -322,9 +328,9 @@ def test_memory_check_from_runs_sets_each_single_gpu_runs_peak_beside_its_estima
     assert row["ratio"] == pytest.approx(row["estimate_gib"] / 43.99) and row["moment"]
 
 
-def test_hopper_levers_rope_and_clip_compare_like_with_like():
-    """The rope and clip microbenchmarks (run on the H100) on CPU, small: each pair of variants computes the
-    same thing, so the GPU call times two ways of doing one job."""
+def test_hopper_levers_rope_clip_and_bf16_compare_like_with_like():
+    """The rope, clip and bf16 microbenchmarks (run on the H100) on CPU, small: each pair of variants computes
+    the same thing, so the GPU call times two ways of doing one job."""
     import torch
 
     sys.path.insert(0, os.path.join(ROOT, "bench"))
@@ -341,3 +347,7 @@ def test_hopper_levers_rope_and_clip_compare_like_with_like():
     explicit, folded = params.values()
     assert max((a - b).abs().max().item() for a, b in zip(explicit, folded)) < 1e-6
     assert max(a.abs().max().item() for a in folded) > 0  # the step moved the parameters
+    fp32, split = hopper_levers.lever_bf16(1, device="cpu", flavor="debugmodel", tokens=16).values()
+    # The same update; the split one from the bf16 rounding of the gradients (the clip's norm moves with it).
+    assert max((a - b).abs().max().item() for a, b in zip(fp32, split)) < 1e-6
+    assert max(a.abs().max().item() for a in split) > 0
