@@ -34,36 +34,32 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
 
 
 def _adam_update(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
-                 exp_avg_sqs: list[torch.Tensor], lows: list[Optional[torch.Tensor]], steps: list[torch.Tensor],
-                 lr: torch.Tensor, grad_scale: Optional[torch.Tensor], beta1: float, beta2: float, eps: float,
-                 weight_decay: float, decoupled: bool) -> None:
+                 exp_avg_sqs: list[torch.Tensor], lows: list[Optional[torch.Tensor]], step_sizes: torch.Tensor,
+                 bias_correction2_sqrts: torch.Tensor, decay: torch.Tensor, grad_scale: Optional[torch.Tensor],
+                 beta1: float, beta2: float, eps: float, weight_decay: float, decoupled: bool) -> None:
     """Adam (``decoupled=False``: weight decay added to the gradient) or AdamW, in place, with torch's formulas
     and fp32 numbers: a parameter with a ``lows`` entry is the bf16 high half of its fp32 weight
     (parallelize/bf16_weights.py), which is rebuilt, updated and split again; the others are fp32. Gradients
     of any float dtype are computed on in fp32, divided by ``grad_scale`` (the clip, ``clip_grad_norm_``) if
-    given. ``lr`` (float64), ``grad_scale`` and ``steps`` are tensors, so one compiled graph serves every step;
-    the scalars are computed in float64 and rounded to fp32, as torch's kernels take Python floats (the same
-    bits as torch's foreach AdamW). Compiled, each parameter's update is one kernel: on a split weight it reads
-    14 bytes per element (bf16 gradient, both halves, the moments) and writes 12, where torch's fused kernel
-    on autocast's fp32 weights reads 16 and writes 12, besides autocast's casts."""
-    for p, g, m, v, low, step in zip(params, grads, exp_avgs, exp_avg_sqs, lows, steps):
-        step.add_(1)
+    given. The scalars come as fp32 tensors (one graph serves every step): ``step_sizes[i]`` and
+    ``bias_correction2_sqrts[i]`` per parameter, ``decay`` (1 - lr x weight_decay) for the group. Compiled, each
+    parameter's update is one kernel: on a split weight it reads 14 bytes per element (bf16 gradient, both
+    halves, the moments) and writes 12, where torch's fused kernel on autocast's fp32 weights reads 16 and writes
+    12, besides autocast's casts."""
+    for i, (p, g, m, v, low) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs, lows)):
         w = master_weight(p, low) if low is not None else p
         g = g.float()
         if grad_scale is not None:
             g = g / grad_scale
         if weight_decay != 0.0:
             if decoupled:
-                w = w * (1 - lr * weight_decay).float()
+                w = w * decay
             else:
                 g = g.add(w, alpha=weight_decay)
         m.lerp_(g, 1 - beta1)
         v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-        bias_correction1 = 1 - beta1 ** step.double()
-        bias_correction2_sqrt = (1 - beta2 ** step.double()).sqrt().float()
-        step_size = (lr / bias_correction1).float()
-        denom = (v.sqrt() / bias_correction2_sqrt).add_(eps)
-        w = w - step_size * m / denom
+        denom = (v.sqrt() / bias_correction2_sqrts[i]).add_(eps)
+        w = w - step_sizes[i] * m / denom
         if low is not None:
             high, new_low = split(w)
             p.copy_(high)
@@ -76,10 +72,14 @@ class AdamWWithBf16Weights(torch.optim.Optimizer):
     """AdamW (or Adam) over parameters of which the linear weights are split bf16 weights (``set_low_halves``;
     parallelize/bf16_weights.py): each update rebuilds the fp32 weight from the bf16 parameter and its low half,
     reads the bf16 gradient the matmul wrote, and writes both halves back; the other parameters are fp32 as
-    usual. The state is torch's AdamW's (``step``, fp32 ``exp_avg`` and ``exp_avg_sq`` per parameter), so
-    checkpoints are interchangeable with runs without split weights. ``grad_scale`` (a device tensor, set by
-    ``clip_grad_norm_``) divides every gradient as the update reads it, as in torch's fused kernels.
-    ``compiled``: the update runs as torch.compile'd kernels (CUDA), else eagerly (tests)."""
+    usual. The state is torch's AdamW's (``step``, a float32 tensor on the parameter's device as torch's fused
+    kernels keep it, fp32 ``exp_avg`` and ``exp_avg_sq``), made when the optimizer is built, so checkpoints are
+    interchangeable with runs without split weights. ``grad_scale`` (a device tensor, set by
+    ``clip_grad_norm_``) divides every gradient as the update reads it, as in torch's fused kernels (which also
+    write the divided gradient back; this update does not). The scalars of a step (bias corrections, lr x decay)
+    are computed on the device in float64 and rounded to fp32, as torch's kernels take Python floats (on CPU the
+    same bits as torch's foreach AdamW). ``compiled``: the update runs as torch.compile'd kernels, one per
+    parameter (CUDA), else eagerly (tests)."""
 
     def __init__(self, params, lr: float, betas: tuple[float, float], eps: float, weight_decay: float = 0.01,
                  decoupled: bool = True, compiled: bool = False):
@@ -88,10 +88,33 @@ class AdamWWithBf16Weights(torch.optim.Optimizer):
         self.lows: dict[torch.Tensor, torch.Tensor] = {}
         self.grad_scale: Optional[torch.Tensor] = None
         self._update = torch.compile(_adam_update, fullgraph=True, dynamic=False) if compiled else _adam_update
+        # The state now: fp32 moments whatever the parameter's dtype (torch's lazy initialization would make them
+        # at the first step, and DCP's initialization of an empty state runs a step).
+        for group in self.param_groups:
+            for p in group["params"]:
+                self.state[p] = {
+                    "step": torch.zeros((), dtype=torch.float32, device=p.device),
+                    "exp_avg": torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format),
+                    "exp_avg_sq": torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format),
+                }
 
     def set_low_halves(self, lows: dict[torch.Tensor, torch.Tensor]) -> None:
         """parameter -> low half, for the parameters that hold the bf16 half of a split weight."""
         self.lows = lows
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch casts loaded moments to their parameter's dtype: the split weights are made fp32 for the load
+        (their moments stay fp32), then split again."""
+        with torch.no_grad():
+            for p, low in self.lows.items():
+                p.data = master_weight(p.data, low)
+            try:
+                super().load_state_dict(state_dict)
+            finally:
+                for p, low in self.lows.items():
+                    high, new_low = split(p.data)
+                    p.data = high
+                    low.copy_(new_low)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -105,11 +128,6 @@ class AdamWWithBf16Weights(torch.optim.Optimizer):
                 if p.grad is None:
                     continue
                 state = self.state[p]
-                if not state:
-                    state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-                    state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32,
-                                                           memory_format=torch.preserve_format)
                 params.append(p)
                 grads.append(p.grad)
                 exp_avgs.append(state["exp_avg"])
@@ -119,27 +137,35 @@ class AdamWWithBf16Weights(torch.optim.Optimizer):
             if not params:
                 continue
             device = params[0].device
+            beta1, beta2 = group["betas"]
             lr = group["lr"]
             lr = lr.to(device, torch.float64) if isinstance(lr, torch.Tensor) else \
                 torch.full((), lr, dtype=torch.float64, device=device)
+            # A few small kernels per group, not per element: float64 math inside the update's kernel would run
+            # for every element.
+            torch._foreach_add_(steps, 1)
+            step = torch.stack(steps).double()
+            step_sizes = (lr / (1 - beta1 ** step)).float()
+            bias_correction2_sqrts = (1 - beta2 ** step).sqrt().float()
+            decay = (1 - lr * group["weight_decay"]).float()
             scale = self.grad_scale.to(device) if self.grad_scale is not None else None
-            beta1, beta2 = group["betas"]
-            self._update(params, grads, exp_avgs, exp_avg_sqs, lows, steps, lr, scale, beta1=beta1, beta2=beta2,
-                         eps=group["eps"], weight_decay=group["weight_decay"], decoupled=self.decoupled)
+            self._update(params, grads, exp_avgs, exp_avg_sqs, lows, step_sizes, bias_correction2_sqrts, decay,
+                         scale, beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
+                         decoupled=self.decoupled)
         return loss
 
 
 def build_optimizer(model: torch.nn.Module, cfg: OptimizerConfig, device: torch.device,
                     bf16_weights: bool = False) -> torch.optim.Optimizer:
     """The configured optimizer over ``model``'s parameters; ``bf16_weights``: one that updates split bf16
-    weights (``AdamWWithBf16Weights``, compiled unless optimizer.implementation is foreach or for-loop)."""
+    weights (``AdamWWithBf16Weights``: compiled on CUDA; on CPU only with optimizer.implementation fused)."""
     impl = cfg.implementation
     if impl == "auto":
         impl = "fused" if device.type == "cuda" else "foreach"
-    if bf16_weights:
+    if bf16_weights:  # its own kernel, compiled on CUDA whatever optimizer.implementation says
         return AdamWWithBf16Weights(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
                                      eps=cfg.eps, weight_decay=cfg.weight_decay, decoupled=cfg.name == "AdamW",
-                                     compiled=impl == "fused")
+                                     compiled=device.type == "cuda" or impl == "fused")
     kwargs = dict(
         lr=cfg.lr,
         betas=(cfg.beta1, cfg.beta2),
@@ -236,7 +262,8 @@ def clip_grad_norm_(parameters, max_norm: float, pp_group=None,
 
     With a fused Adam/AdamW ``optimizer`` (``scales_gradients``) the gradients are not scaled here: the
     optimizer's kernel divides each one by ``optimizer.grad_scale`` (set here to the inverse of the clip
-    factor) as it reads it for the update, and writes the clipped gradient back. That saves a read and a
+    factor) as it reads it for the update (torch's fused kernels also write the clipped gradient back;
+    ``AdamWWithBf16Weights`` does not). That saves a read and a
     write of every gradient per step (on 8B_L8, 11 GB of fp32 gradients: about 4 ms on an H100). The
     gradients are then clipped only once the optimizer has stepped: ``scale_in_optimizer=False`` scales them
     here, for a caller that reads them in between.

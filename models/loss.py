@@ -108,10 +108,14 @@ class _LinearCrossEntropySum(torch.autograd.Function):
     def forward(ctx, h: Tensor, weight: Tensor, labels: Tensor, chunk: int, vocab_offset: int,
                 group: Optional[dist.ProcessGroup]) -> Tensor:
         grad_h = torch.empty_like(h) if ctx.needs_input_grad[0] else None
-        grad_w = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
+        # Under autocast the weight's gradient adds up in fp32 (the weight is fp32, or a split bf16 weight,
+        # parallelize/bf16_weights.py, whose gradient is this sum rounded to bf16 at the end of the backward).
+        acc = torch.float32 if torch.is_autocast_enabled(h.device.type) else weight.dtype
+        grad_w = torch.zeros_like(weight, dtype=acc) if ctx.needs_input_grad[1] else None
         total = _chunked(h, weight, labels, chunk, grad_h, grad_w, vocab_offset, group)
         ctx.save_for_backward(grad_h, grad_w)
         ctx.scaled_by = None
+        ctx.weight_dtype = weight.dtype
         return total
 
     @staticmethod
@@ -127,6 +131,8 @@ class _LinearCrossEntropySum(torch.autograd.Function):
             ctx.scaled_by = grad_out
         else:  # the second run replays the same incoming gradient: the saved gradients are scaled already
             torch._assert_async(ctx.scaled_by == grad_out, "fused loss: backward run again with another gradient")
+        if grad_w is not None and grad_w.dtype != ctx.weight_dtype:
+            grad_w = grad_w.to(ctx.weight_dtype)
         return grad_h, grad_w, None, None, None, None
 
 

@@ -112,6 +112,54 @@ def test_split_weights_give_autocasts_loss_and_gradients_exactly(compiled):
     assert all(torch.equal(ours.state_dict()[k], _as_stored(k, other[k])) for k in other)
 
 
+def test_fused_loss_on_split_weights_adds_the_output_gradient_up_in_fp32():
+    """The output projection fused with the loss (training.loss_chunk_tokens): under autocast the weight's gradient
+    adds up over the chunks in fp32 either way; on a split weight it is that fp32 sum rounded to bf16 once (not
+    rounded after every chunk), and every other gradient and the loss are autocast's exactly."""
+    ref = build(debug_args())
+    ours = copy.deepcopy(ref)
+    lows = split_linear_weights([ours])
+    for m in (ref, ours):
+        m.loss_chunk_tokens = 16
+    g = torch.Generator().manual_seed(0)
+    tokens, labels = (torch.randint(0, 512, (2, 64), generator=g) for _ in range(2))
+    losses = []
+    for m in (ref, ours):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = m(tokens, labels=labels) / labels.numel()
+        loss.backward()
+        losses.append(loss.item())
+    assert losses[0] == losses[1]
+    for (name, p), q in zip(ref.named_parameters(), ours.parameters()):
+        expected = p.grad.bfloat16() if q in lows else p.grad
+        assert q.grad.dtype == expected.dtype and torch.equal(q.grad, expected), name
+
+
+def test_optimizer_state_loaded_after_the_split_stays_fp32():
+    """torch's Optimizer.load_state_dict casts the moments to their parameter's dtype: loaded into split weights
+    they must stay fp32, bit for bit, and the weights must be unchanged by the load."""
+    model, grads = _model_and_grads(0)
+    cfg = Optimizer(lr=0.1, weight_decay=0.1, implementation="foreach")
+    opt = build_optimizer(model, cfg, torch.device("cpu"), bf16_weights=True)
+    lows = split_linear_weights([model])
+    opt.set_low_halves(lows)
+    for p, g in zip(model.parameters(), grads[0]):
+        p.grad = g.to(p.dtype)
+    opt.step()
+    saved = copy.deepcopy(opt.state_dict())
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    for state in opt.state.values():
+        state["exp_avg"].zero_()
+    opt.load_state_dict(saved)
+    for p in model.parameters():
+        assert opt.state[p]["exp_avg"].dtype == torch.float32
+    in_order = [p for group in opt.param_groups for p in group["params"]]  # the state dict's numbering
+    assert all(torch.equal(opt.state[p]["exp_avg"], saved["state"][i]["exp_avg"]) for i, p in enumerate(in_order))
+    assert any(saved["state"][i]["exp_avg"].abs().max() > 0 for i in range(len(in_order)))
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in weights.items())
+    assert all(p.dtype == torch.bfloat16 for p in lows)
+
+
 def _model_and_grads(seed: int):
     model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 3))
     torch.manual_seed(seed)

@@ -58,7 +58,8 @@ the fp32 log-softmax output, the incoming gradient and the result, 12 bytes x T 
 whose sharded log-softmax backward holds one more fp32 buffer: 16 / t); compiled (without loss parallel) it
 keeps the logits and per-token log-sum-exp and writes their gradient in one kernel, 2 c T V + 8 T; fused with
 the output projection (training.loss_chunk_tokens = k), k V (4 + c) for one chunk + c d T + the output
-weight's gradient (V d, in the weight's dtype) instead, with V / t under TP (each rank its vocabulary slice).
+weight's gradient (V d, fp32 under autocast, else in the weight's dtype) instead, with V / t under TP (each
+rank its vocabulary slice).
 A block's backward adds about (3 c f / t + c d + 2 r d / t) T bytes of gradients in flight; a checkpointed
 block is first recomputed (its "none" bytes, less what it kept).
 
@@ -416,7 +417,8 @@ def loss_bytes(shape: ModelShape, lay: RankLayout, tokens: int) -> float:
     """The loss at the start of backward: fp32 log-softmax output, its incoming gradient and the result;
     compiled, the kept logits and log-sum-exp and the logits' gradient; or, fused with the output projection
     (training.loss_chunk_tokens), one chunk's fp32 logits and their compute-dtype gradient, the hidden state's
-    gradient and the weight's (in the weight's dtype), over this rank's vocabulary slice under TP."""
+    gradient and the weight's (fp32 under autocast, split bf16 weights included; else the weight's dtype),
+    over this rank's vocabulary slice under TP."""
     if lay.loss_chunk_tokens:
         chunk = min(lay.loss_chunk_tokens, tokens)
         c = lay.precision.compute
