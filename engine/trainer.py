@@ -35,6 +35,7 @@ from models import get_model_spec
 from models.attention import select_sdpa_backend
 from models.loss import IGNORE_INDEX, cross_entropy_sum
 from parallelize import pipeline
+from parallelize.bf16_weights import bf16_weights_apply, split_linear_weights
 from parallelize.compile import compile_loss, tag_compile_caches
 from parallelize.context import shard_sequence
 from parallelize.data import gradient_divide_factor, set_replica_all_reduce
@@ -42,7 +43,6 @@ from parallelize.float8 import check_float8_layers, float8_after_optimizer_step
 from parallelize.init import materialize
 from parallelize.mesh import ParallelDims
 from parallelize.tensor import loss_context, reduce_partial_grads, to_local_scalar
-from parallelize.bf16_weights import bf16_weights_apply, split_linear_weights
 
 
 def host_memory_available() -> int | None:
@@ -288,9 +288,9 @@ class Trainer:
                 f"model {cfg.model.name}/{cfg.model.flavor}: {self.num_params:,} parameters, "
                 f"{self.num_flops_per_token / 1e9:.3f} GFLOP per token; device {self.device}; "
                 f"grad accumulation {self.grad_accum}; layout {self.dims.describe()}; attention {cfg.model.attn}"
+                + (f" ({sdpa_choice})" if cfg.model.attn == "sdpa" else "")
                 + ("; bf16 autocast" + (" on bf16 weights (fp32 masters split in two)" if self.bf16_weights
                                         else "") if use_bf16 else "")
-                + (f" ({sdpa_choice})" if cfg.model.attn == "sdpa" else "")
                 + (f"; float8 {cfg.float8.recipe}{' (emulated)' if cfg.float8.emulate else ''}: "
                    f"{self.float8_layers[0]} of {self.float8_layers[1]} linear layers" if cfg.float8.enable else ""),
                 flush=True,
