@@ -325,9 +325,11 @@ def lever_bf16(reps: int, device: str = "cuda", flavor: str = "8B_L8", tokens: i
                     lows.update(split_linear_weights([holder]))
             opt.set_low_halves(lows)
 
+        own = [grad.to(p.dtype, copy=True) for p, grad in zip(model.params, grads)]  # cast untimed; bf16 if split
+
         def step():
-            for p, grad in zip(model.params, grads):
-                p.grad = grad.to(p.dtype)
+            for p, grad in zip(model.params, own):
+                p.grad = grad
             clip_grad_norm_(list(model.params), 1.0, optimizer=opt)
             opt.step()
         if device == "cuda":
@@ -336,7 +338,7 @@ def lever_bf16(reps: int, device: str = "cuda", flavor: str = "8B_L8", tokens: i
             step()
             results[name] = [(master_weight(p.detach(), lows[p]) if p in lows else p.detach()).clone()
                              for p in model.params]
-        del opt, model
+        del opt, model, own
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     return results
