@@ -17,7 +17,7 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from engine.config import LRScheduler as LRSchedulerConfig
 from engine.config import Optimizer as OptimizerConfig
-from parallelize.bf16_weights import master_weight, split
+from parallelize.bf16_weights import fp32_weights, master_weight, split
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
@@ -105,16 +105,8 @@ class AdamWWithBf16Weights(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         """torch casts loaded moments to their parameter's dtype: the split weights are made fp32 for the load
         (their moments stay fp32), then split again."""
-        with torch.no_grad():
-            for p, low in self.lows.items():
-                p.data = master_weight(p.data, low)
-            try:
-                super().load_state_dict(state_dict)
-            finally:
-                for p, low in self.lows.items():
-                    high, new_low = split(p.data)
-                    p.data = high
-                    low.copy_(new_low)
+        with fp32_weights(self.lows):
+            super().load_state_dict(state_dict)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -263,10 +255,9 @@ def clip_grad_norm_(parameters, max_norm: float, pp_group=None,
     With a fused Adam/AdamW ``optimizer`` (``scales_gradients``) the gradients are not scaled here: the
     optimizer's kernel divides each one by ``optimizer.grad_scale`` (set here to the inverse of the clip
     factor) as it reads it for the update (torch's fused kernels also write the clipped gradient back;
-    ``AdamWWithBf16Weights`` does not). That saves a read and a
-    write of every gradient per step (on 8B_L8, 11 GB of fp32 gradients: about 4 ms on an H100). The
-    gradients are then clipped only once the optimizer has stepped: ``scale_in_optimizer=False`` scales them
-    here, for a caller that reads them in between.
+    ``AdamWWithBf16Weights`` does not). That saves a read and a write of every gradient per step (on 8B_L8,
+    11 GB of fp32 gradients: about 4 ms on an H100). The gradients are then clipped only once the optimizer
+    has stepped: ``scale_in_optimizer=False`` scales them here, for a caller that reads them in between.
     """
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor

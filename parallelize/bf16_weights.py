@@ -42,7 +42,8 @@ are DTensors. Those layouts keep plain autocast, as does ``training.bf16_weights
 
 from __future__ import annotations
 
-from typing import Iterable
+import contextlib
+from typing import Iterable, Iterator
 
 import torch
 from torch import nn
@@ -104,3 +105,20 @@ def split_linear_weights(parts: Iterable[nn.Module]) -> dict[nn.Parameter, torch
             module.register_load_state_dict_pre_hook(_load_state_dict_pre_hook)
             lows[weight] = low
     return lows
+
+
+@contextlib.contextmanager
+def fp32_weights(lows: dict[nn.Parameter, torch.Tensor]) -> Iterator[None]:
+    """The split weights of ``lows`` (parameter -> low half) as fp32 parameters for the duration (each rebuilt
+    exactly), split again after: for code that takes a parameter's dtype for its own (torch's optimizer casts
+    loaded state to it)."""
+    with torch.no_grad():
+        for p, low in lows.items():
+            p.data = master_weight(p.data, low)
+        try:
+            yield
+        finally:
+            for p, low in lows.items():
+                high, new_low = split(p.data)
+                p.data = high
+                low.copy_(new_low)
