@@ -19,7 +19,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import NamedTuple
+from typing import Iterator, NamedTuple
 
 import pytest
 import torch
@@ -112,11 +112,12 @@ def mismatched(held: dict[str, torch.Tensor], whole: dict[str, torch.Tensor]) ->
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> Path:
+def reference(tmp_path_factory) -> Iterator[Path]:
     """20 uninterrupted steps, one process, checkpoints at 10 and 20."""
     dump = tmp_path_factory.mktemp("reference")
     train(dump)
-    return dump
+    yield dump
+    shutil.rmtree(dump)
 
 
 # ------------------------------------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ float32's).
 
 import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -262,12 +263,13 @@ def _all_grads(result) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def float8_parity(tmp_path_factory):
-    batches = global_batches(GLOBAL, STEPS)
-    single = lambda *a: run_layout(["--training.local_batch_size", str(GLOBAL), *a], 1, 0, batches,  # noqa: E731
-                                   str(tmp_path_factory.mktemp("single")))
-    fp32, f8 = single(), single(*F8)
+    batches, out = global_batches(GLOBAL, STEPS), tmp_path_factory.mktemp("float8_parity")
+    single = lambda name, *a: run_layout(["--training.local_batch_size", str(GLOBAL), *a], 1, 0,  # noqa: E731
+                                         batches, str(out / name))
+    fp32, f8 = single("fp32"), single("float8", *F8)
     layouts = {"fsdp2_tp2_float8": FSDP2_TP2_FLOAT8, "pp2_fsdp2_float8": PP2_FSDP2_FLOAT8}
-    parallel = run_world(4, layouts, {name: batches for name in layouts}, str(tmp_path_factory.mktemp("w4")))
+    parallel = run_world(4, layouts, {name: batches for name in layouts}, str(out / "w4"))
+    shutil.rmtree(out)  # the results are in memory
     return fp32, f8, parallel
 
 

@@ -8,6 +8,8 @@ pipeline schedule, context parallelism and their compositions up to 4-D (16 rank
 way.
 """
 
+import shutil
+
 import pytest
 import torch
 
@@ -132,14 +134,20 @@ def batches():
 
 @pytest.fixture(scope="module")
 def reference(batches, tmp_path_factory):
-    return run_layout(_layout(GLOBAL), 1, 0, batches, str(tmp_path_factory.mktemp("ref")))
+    dump = tmp_path_factory.mktemp("ref")
+    result = run_layout(_layout(GLOBAL), 1, 0, batches, str(dump))
+    shutil.rmtree(dump)  # the results are in memory; a run's files only fill the disk
+    return result
 
 
 @pytest.fixture(scope="module", params=sorted(LAYOUTS))
 def world_results(request, batches, tmp_path_factory):
     world = request.param
     layouts = LAYOUTS[world]
-    return run_world(world, layouts, {name: batches for name in layouts}, str(tmp_path_factory.mktemp(f"w{world}")))
+    out = tmp_path_factory.mktemp(f"w{world}")
+    results = run_world(world, layouts, {name: batches for name in layouts}, str(out))
+    shutil.rmtree(out)  # the results (each layout's gradients among them) are in memory
+    return results
 
 
 def _check(result, reference, args: list[str]):
