@@ -176,14 +176,20 @@ def _compiled_ce(h, w, labels):
     return lambda: fn(h, w, labels).backward()
 
 
-def lever_adamw(reps: int) -> None:
+def _meta_model(flavor: str) -> torch.nn.Module:
+    """The Llama 3 model of ``flavor`` on the meta device (shapes only)."""
     from models.llama3.flavors import llama3_flavors
     from models.llama3.model import Transformer
 
-    args = llama3_flavors["8B_L8"]
+    args = llama3_flavors[flavor]
+    if args.vocab_size <= 0:  # the debug flavor takes its vocabulary from the tokenizer
+        args = dataclasses.replace(args, vocab_size=512)
     with torch.device("meta"):
-        model = Transformer(args)
-    shapes = [p.shape for p in model.parameters()]
+        return Transformer(args)
+
+
+def lever_adamw(reps: int) -> None:
+    shapes = [p.shape for p in _meta_model("8B_L8").parameters()]
     params = [torch.zeros(s, device="cuda", dtype=torch.float32, requires_grad=True) for s in shapes]
     for p in params:
         p.grad = torch.randn_like(p) * 1e-3
@@ -234,15 +240,8 @@ def lever_rope(reps: int, device: str = "cuda", seq: int = 8192) -> dict:
 
 def lever_clip(reps: int, device: str = "cuda", flavor: str = "8B_L8") -> dict:
     from engine.optim import clip_grad_norm_
-    from models.llama3.flavors import llama3_flavors
-    from models.llama3.model import Transformer
 
-    args = llama3_flavors[flavor]
-    if args.vocab_size <= 0:  # the debug flavor takes its vocabulary from the tokenizer
-        args = dataclasses.replace(args, vocab_size=512)
-    with torch.device("meta"):
-        model = Transformer(args)
-    shapes = [p.shape for p in model.parameters()]
+    shapes = [p.shape for p in _meta_model(flavor).parameters()]
     g = torch.Generator(device=device).manual_seed(0)
     grads = [torch.randn(s, device=device, generator=g) for s in shapes]
     n = sum(x.numel() for x in grads)
@@ -269,26 +268,14 @@ def lever_clip(reps: int, device: str = "cuda", flavor: str = "8B_L8") -> dict:
     return results
 
 
-def _linear_shapes(flavor: str) -> tuple[list, list]:
-    """(the linear weights' shapes, every parameter's shape) of ``flavor``."""
-    from models.llama3.flavors import llama3_flavors
-    from models.llama3.model import Transformer
-
-    args = llama3_flavors[flavor]
-    if args.vocab_size <= 0:  # the debug flavor takes its vocabulary from the tokenizer
-        args = dataclasses.replace(args, vocab_size=512)
-    with torch.device("meta"):
-        model = Transformer(args)
-    linear = [m.weight.shape for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    return linear, [p.shape for p in model.parameters()]
-
-
 def lever_bf16(reps: int, device: str = "cuda", flavor: str = "8B_L8", tokens: int = 8192) -> dict:
     from engine.config import Optimizer
     from engine.optim import build_optimizer, clip_grad_norm_
     from parallelize.bf16_weights import master_weight, split_linear_weights
 
-    linear, shapes = _linear_shapes(flavor)
+    meta = _meta_model(flavor)
+    linear = [m.weight.shape for m in meta.modules() if isinstance(m, torch.nn.Linear)]
+    shapes = [p.shape for p in meta.parameters()]
     g = torch.Generator(device=device).manual_seed(0)
     print(f"bf16: {len(linear)} matmuls fwd+bwd under autocast over {tokens} tokens, then clip + optimizer step "
           f"over {sum(torch.Size(s).numel() for s in shapes) / 1e9:.2f}B parameters")
