@@ -87,7 +87,11 @@ class AdamWWithBf16Weights(torch.optim.Optimizer):
         self.decoupled = decoupled
         self.lows: dict[torch.Tensor, torch.Tensor] = {}
         self.grad_scale: Optional[torch.Tensor] = None
-        self._update = torch.compile(_adam_update, fullgraph=True, dynamic=False) if compiled else _adam_update
+        # One launch configuration per kernel (Inductor's default block size), not two benchmarked at the first
+        # step: the benchmark runs each kernel on clones of the tensors it writes (the weight halves and moments),
+        # which the allocator can place in fresh pages beside the step's freed blocks; those stay reserved.
+        self._update = torch.compile(_adam_update, fullgraph=True, dynamic=False,
+                                     options={"triton.autotune_pointwise": False}) if compiled else _adam_update
         # The state now: fp32 moments whatever the parameter's dtype (torch's lazy initialization would make them
         # at the first step, and DCP's initialization of an empty state runs a step).
         for group in self.param_groups:
