@@ -14,8 +14,9 @@ warm-up) and peak memory above the inputs.
    when it is installed.
 3. adamw: one optimizer step over the 8B_L8 parameter shapes (2.8B fp32 parameters): fused, foreach.
 4. rope: rotary embeddings of one layer's q [1, 8192, 32, 128] and k [1, 8192, 8, 128] in bf16, forward and
-   backward, compiled: the complex product (Meta's reference, and the reference trainer's; inductor runs it as
-   eager kernels over fp32 copies) against Tessera's real arithmetic (models/llama3/model.py), eager too.
+   backward, eager and compiled: the complex product (Meta's reference, and the reference trainer's; inductor
+   runs it as eager kernels over fp32 copies) against real arithmetic (models/llama3/model.py: Tessera runs
+   the complex product eagerly and the real arithmetic compiled).
 5. clip: gradient clipping then fused AdamW over the 8B_L8 parameters: the clip scaling the gradients in a
    pass of its own, against the clip factor applied inside the optimizer's kernel (engine/optim.py).
 6. bf16: split bf16 weights (parallelize/bf16_weights.py) against autocast on fp32 weights, in two parts: the
@@ -202,18 +203,8 @@ def lever_adamw(reps: int) -> None:
         torch.cuda.empty_cache()
 
 
-def _complex_rope(xq, xk, rope_table):
-    """The complex product of Meta's reference (and the reference trainer's), for comparison."""
-    cis = torch.view_as_complex(rope_table).view(1, xq.shape[1], 1, -1)
-    out = []
-    for x in (xq, xk):
-        xc = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
-        out.append(torch.view_as_real(xc * cis).flatten(3).type_as(x))
-    return out[0], out[1]
-
-
 def lever_rope(reps: int, device: str = "cuda", seq: int = 8192) -> dict:
-    from models.llama3.model import apply_rotary_emb, precompute_rope_table
+    from models.llama3.model import precompute_rope_table, rope_complex, rope_real
 
     hq, hkv, d = 32, 8, 128
     print(f"rope: rotary embeddings fwd+bwd of one layer, q [1,{seq},{hq},{d}], k [1,{seq},{hkv},{d}] bf16")
@@ -231,9 +222,9 @@ def lever_rope(reps: int, device: str = "cuda", seq: int = 8192) -> dict:
             torch.autograd.backward((a, b), (dq, dk))
         return step
 
-    for name, fn in (("complex product, eager", _complex_rope), ("real arithmetic, eager (Tessera)", apply_rotary_emb),
-                     ("complex product, compiled", torch.compile(_complex_rope)),
-                     ("real arithmetic, compiled (Tessera)", torch.compile(apply_rotary_emb))):
+    for name, fn in (("complex product, eager (Tessera eager)", rope_complex), ("real arithmetic, eager", rope_real),
+                     ("complex product, compiled", torch.compile(rope_complex)),
+                     ("real arithmetic, compiled (Tessera compiled)", torch.compile(rope_real))):
         row(name, run(fn, name), reps)
     return outputs
 

@@ -444,21 +444,26 @@ def test_rope_is_interleaved_meta_layout():
     assert q[0, 2, 0, 2:].abs().max() == 0
 
 
-def test_rope_real_arithmetic_equals_the_complex_product():
-    # The rotation is the complex product (a + ib) e^(i angle) of Meta's reference, written in real arithmetic.
-    from models.llama3.model import apply_rotary_emb, precompute_rope_inv_freq, precompute_rope_table
+def test_rope_real_arithmetic_and_complex_product_agree():
+    # The rotation is the complex product (a + ib) e^(i angle) of Meta's reference; apply_rotary_emb computes it as
+    # that product eagerly (rope_complex) and in real arithmetic when compiled (rope_real): both match it.
+    from models.llama3.model import (apply_rotary_emb, precompute_rope_inv_freq, precompute_rope_table, rope_complex,
+                                     rope_real)
 
     torch.manual_seed(0)
     head_dim, S = 16, 11
     xq, xk = torch.randn(2, S, 4, head_dim), torch.randn(2, S, 2, head_dim)
-    q, k = apply_rotary_emb(xq, xk, precompute_rope_table(head_dim, S, 500000.0, rope_scaling=True))
+    table = precompute_rope_table(head_dim, S, 500000.0, rope_scaling=True)
     angles = torch.outer(torch.arange(S, dtype=torch.float32), precompute_rope_inv_freq(head_dim, 500000.0, True))
     cis = torch.polar(torch.ones_like(angles), angles).view(1, S, 1, head_dim // 2)
-    for x, out in ((xq, q), (xk, k)):
-        expected = torch.view_as_real(torch.view_as_complex(x.reshape(*x.shape[:-1], -1, 2)) * cis).flatten(3)
-        torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
-    bf = apply_rotary_emb(xq.bfloat16(), xk.bfloat16(), precompute_rope_table(head_dim, S, 500000.0, True))
-    assert bf[0].dtype == bf[1].dtype == torch.bfloat16
+    for rope in (rope_complex, rope_real, apply_rotary_emb):
+        q, k = rope(xq, xk, table)
+        for x, out in ((xq, q), (xk, k)):
+            expected = torch.view_as_real(torch.view_as_complex(x.reshape(*x.shape[:-1], -1, 2)) * cis).flatten(3)
+            torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6, msg=rope.__name__)
+        bf = rope(xq.bfloat16(), xk.bfloat16(), table)
+        assert bf[0].dtype == bf[1].dtype == torch.bfloat16, rope.__name__
+        torch.testing.assert_close(bf[0].float(), q, rtol=0, atol=2e-2, msg=rope.__name__)  # bf16 rounding
 
 
 def test_rope_compiles_without_complex_operators():
