@@ -61,6 +61,11 @@ declare -A TESSERA=(
   # that bf16_compile_ac_op and fp8_compile_ac_op now run on:
   [bf16_autocast]="--compile.enable --activation_checkpoint.mode selective --training.no-bf16_weights"
   [fp8_autocast]="--compile.enable --activation_checkpoint.mode selective --float8.enable --training.no-bf16_weights"
+  # A diagnosis, not a figure (recording the allocator's history slows the steps): bf16_compile_ac_op with a
+  # memory snapshot every 5 steps, and bench/snapshot_summary.py on the one at step 5 says which code made the
+  # allocator reserve memory beyond the live tensors (the 2026-11-26 bf16 runs held 45.46 GiB reserved for
+  # 41.73 GiB active):
+  [bf16_snapshot]="--compile.enable --activation_checkpoint.mode selective --profiling.enable_memory_snapshot --profiling.profile_freq 5"
   # and the speed levers, measured beside bf16_compile_ac_op:
   [fused_loss]="--compile.enable --activation_checkpoint.mode selective --training.loss_chunk_tokens 2048"
   [cudnn_sdpa]="--compile.enable --activation_checkpoint.mode selective --model.sdpa_backend cudnn"
@@ -116,6 +121,9 @@ tessera() {  # LABEL: one Tessera run, summarized after 5 warm-up steps
   local rc=$?
   tail -n 2 "$RUNS/$label.log"
   [ $rc = 0 ] && python3 bench/summarize.py "$RUNS/$label" --skip 10 || echo "Tessera $label: exit $rc"
+  local snapshot="$RUNS/$label/memory_snapshot/iteration_5/rank0_memory_snapshot.pickle"
+  [ -f "$snapshot" ] && python3 bench/snapshot_summary.py "$snapshot" | tee "$RUNS/$label.snapshot_summary.txt"
+  return 0
 }
 
 reference() {  # LABEL: one reference run (its script prints its last logged steps)
@@ -139,7 +147,7 @@ cp_check() {  # ring attention's CUDA kernels against full SDPA (issue 4), about
 for pair in "bf16_compile bf16_compile_ac_op" "fp8_compile fp8_compile_ac_op" "- bf16_autocast" "- fp8_autocast" \
             "cp_check" "eager eager_ac_op" \
             "- fsdp1_compile_ac_op" "noac_compile noac_compile" "- fullac_compile" "- bf16_compile_ac_alt" \
-            "- fp8_compile_ac_alt" "- fused_loss" "- cudnn_sdpa" "- fused_loss_cudnn"; do
+            "- fp8_compile_ac_alt" "- fused_loss" "- cudnn_sdpa" "- fused_loss_cudnn" "- bf16_snapshot"; do
   set -- $pair
   if [ "$1" = cp_check ]; then [ "$CP_CHECK" = 1 ] && cp_check; continue; fi
   [[ " $ANCHOR " == *" $1 "* ]] && [ -f .anchor/run_anchor.sh ] && reference "$1"

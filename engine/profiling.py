@@ -7,8 +7,8 @@ The trainer enters one ``StepProfiler`` around its loop and calls ``step(n)`` af
   the multiple. Each rank writes its window as a Chrome trace to
   <dump_folder>/<save_traces_folder>/iteration_<step>/rank<R>_trace.json. The windows follow the step count,
   so a resumed run traces the same steps an uninterrupted one would.
-- Memory snapshots (profiling.enable_memory_snapshot, CUDA): the caching allocator records the stack of every
-  allocation from the start; every profile_freq steps, and on an out-of-memory error, each rank writes its
+- Memory snapshots (profiling.enable_memory_snapshot, CUDA): the caching allocator records the Python stack of
+  every allocation from the start; every profile_freq steps, and on an out-of-memory error, each rank writes its
   history to <dump_folder>/<save_memory_snapshot_folder>/iteration_<step>[_oom]/rank<R>_memory_snapshot.pickle
   for pytorch.org/memory_viz. torch has this recorder only as private functions of torch.cuda.memory; they
   are called here and nowhere else.
@@ -90,7 +90,8 @@ class StepProfiler:
             with _one_trace_per_window():
                 self._profiler.__enter__()
         if self.snapshot_folder is not None:
-            torch.cuda.memory._record_memory_history(max_entries=MEMORY_SNAPSHOT_ENTRIES)
+            # Python frames only: C++ frames are symbolized when a snapshot is written, which can take minutes.
+            torch.cuda.memory._record_memory_history(max_entries=MEMORY_SNAPSHOT_ENTRIES, stacks="python")
         return self
 
     def step(self, step: int) -> None:

@@ -123,7 +123,7 @@ def test_perf_vs_reference_configs_are_valid_on_hopper(tmp_path):
         script = f.read()
     table = script[script.index("declare -A TESSERA=("):script.index("declare -A REFERENCE=(")]
     only = " ".join(re.findall(r"^  \[(\w+)\]=", table, flags=re.M))
-    assert len(only.split()) == 13 and "bf16_autocast" in only
+    assert len(only.split()) == 14 and "bf16_autocast" in only and "bf16_snapshot" in only
     rows = _run_script(tmp_path, "perf_vs_reference.sh", {"ONLY": only, "ANCHOR": "", "BUDGET": "100000"})
     assert len(rows) == len(only.split()), rows
     assert sum("--training.no-bf16_weights" in r["argv"] for r in rows) == 2
@@ -351,3 +351,47 @@ def test_hopper_levers_rope_clip_and_bf16_compare_like_with_like():
     # The same update; the split one from the bf16 rounding of the gradients (the clip's norm moves with it).
     assert max((a - b).abs().max().item() for a, b in zip(fp32, split)) < 1e-6
     assert max(a.abs().max().item() for a in split) > 0
+
+
+def test_snapshot_summary_names_the_code_behind_the_reserved_growth(tmp_path):
+    """bench/snapshot_summary.py on a made-up allocator snapshot: the state's totals, and each growth of the
+    reserved memory charged to the allocation that followed it, named by its frames outside torch (Inductor's
+    kept)."""
+    import pickle
+
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import snapshot_summary
+
+    gib = 1024 ** 3
+    autotune = [{"filename": "/usr/lib/python3/site-packages/torch/_inductor/runtime/triton_heuristics.py",
+                 "line": 1430, "name": "maybe_clone_args"},
+                {"filename": "/usr/lib/python3/site-packages/torch/nn/modules/module.py", "line": 1, "name": "call"},
+                {"filename": "/work/engine/optim.py", "line": 144, "name": "step"}]
+    forward = [{"filename": "/usr/lib/python3/site-packages/torch/nn/functional.py", "line": 2, "name": "linear"},
+               {"filename": "/work/models/llama3/model.py", "line": 250, "name": "forward"}]
+    snapshot = {
+        "segments": [{"total_size": 6 * gib, "allocated_size": 4 * gib,
+                      "blocks": [{"size": 4 * gib, "state": "active_allocated"},
+                                 {"size": 1.5 * gib, "state": "inactive"}, {"size": 0.5 * gib, "state": "inactive"}]}],
+        "device_traces": [[
+            {"action": "segment_map", "size": 4 * gib, "time_us": 0},
+            {"action": "alloc", "size": 4 * gib, "frames": forward},
+            {"action": "segment_map", "size": 1 * gib},
+            {"action": "segment_map", "size": 1 * gib},
+            {"action": "alloc", "size": 2 * gib, "frames": autotune},
+            {"action": "alloc", "size": 1 * gib, "frames": forward},  # no growth before it: not counted
+            {"action": "segment_unmap", "size": 1 * gib, "time_us": 2_500_000},
+        ]],
+    }
+    path = tmp_path / "rank0_memory_snapshot.pickle"
+    path.write_bytes(pickle.dumps(snapshot))
+    lines = snapshot_summary.summarize(pickle.loads(path.read_bytes()), top=5)
+    assert lines[0].startswith("at the snapshot: reserved 6.00 GiB, in live blocks 4.00 GiB, free inside reserved "
+                               "segments 2.00 GiB in 2 blocks; the largest: 1.50, 0.50 GiB"), lines[0]
+    assert "grew 6.00 GiB and shrank 1.00 GiB in 7 recorded events over 2.5 s" in lines[1], lines[1]
+    assert lines[2].split()[:5] == ["4.00", "GiB", "in", "1", "events"], lines[2]
+    assert lines[2].endswith("llama3/model.py:250 forward"), lines[2]
+    assert lines[3].split()[:5] == ["2.00", "GiB", "in", "2", "events"], lines[3]
+    assert lines[3].endswith("runtime/triton_heuristics.py:1430 maybe_clone_args <- engine/optim.py:144 step"), lines[3]
+    assert len(lines) == 4
+    assert snapshot_summary.main([str(path)]) == 0
