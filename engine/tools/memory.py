@@ -256,9 +256,10 @@ class Precision:
     """The same for w1/w3."""
     working: int
     """Bytes per element of the compute copy of a weight (FSDP all-gather output or autocast cast)."""
-
-
-SPLIT = "bf16 (autocast, bf16 weights)"
+    casts_weights: bool = False
+    """Autocast casts the fp32 matmul weights to bf16 in each forward (its cache can keep the copies)."""
+    split_weights: bool = False
+    """The matmul weights are split bf16 weights (parallelize/bf16_weights.py): no casts, bf16 gradients."""
 
 
 def precision_for(param_dtype: str, data_parallel: bool, bf16_weights: bool = False) -> Precision:
@@ -268,7 +269,9 @@ def precision_for(param_dtype: str, data_parallel: bool, bf16_weights: bool = Fa
         return Precision("fp32", 4, 4, 1, 1, 4)
     if data_parallel:
         return Precision("bf16 (FSDP mixed precision)", 2, 2, 1, 1, 2)
-    return Precision(SPLIT if bf16_weights else "bf16 (autocast)", 2, 4, 3, 2, 2)
+    if bf16_weights:
+        return Precision("bf16 (autocast, bf16 weights)", 2, 4, 3, 2, 2, split_weights=True)
+    return Precision("bf16 (autocast)", 2, 4, 3, 2, 2, casts_weights=True)
 
 
 def layout_precision(cfg, dims) -> Precision:
@@ -502,7 +505,7 @@ def estimate(shape: ModelShape, stages: list[StageParams], lay: RankLayout) -> M
         held = held + s.total
         root = root + s.root
     P = held.local
-    split = pr.name == SPLIT  # one rank: local elements are whole (local == tp)
+    split = pr.split_weights  # one rank: local elements are whole (local == tp)
 
     def grad_bytes(part: PartSizes) -> int:
         """Gradients of ``part``: fp32, but bf16 on split bf16 matmul weights."""
@@ -519,7 +522,7 @@ def estimate(shape: ModelShape, stages: list[StageParams], lay: RankLayout) -> M
             kinds[kind] = kinds.get(kind, 0) + n
     n_blocks = sum(kinds.values())
     checkpointed = {k: n for k, n in kinds.items() if k != "none" and n}
-    autocast = pr.name == "bf16 (autocast)"
+    autocast = pr.casts_weights
     all_mm = sum(s.block.matmul_tp * s.layers + (s.final.matmul_tp if s.final else 0) for s in stages)
     # Under PP the whole schedule step (forwards and backwards) runs in one autocast region, so autocast's cache
     # keeps the bf16 copy of every matmul weight (checkpointed blocks' too) from its first cast to the step's end;
