@@ -62,7 +62,7 @@ declare -A TESSERA=(
   [bf16_autocast]="--compile.enable --activation_checkpoint.mode selective --training.no-bf16_weights"
   [fp8_autocast]="--compile.enable --activation_checkpoint.mode selective --float8.enable --training.no-bf16_weights"
   # A diagnosis, not a figure (recording the allocator's history slows the steps): bf16_compile_ac_op with a
-  # memory snapshot every 5 steps, and bench/snapshot_summary.py on the one at step 5 says which code made the
+  # memory snapshot every 5 steps, and bench/snapshot_summary.py on the first one (step 5) says which code made the
   # allocator reserve memory beyond the live tensors (the 2026-11-26 bf16 runs held 45.46 GiB reserved for
   # 41.73 GiB active):
   [bf16_snapshot]="--compile.enable --activation_checkpoint.mode selective --profiling.enable_memory_snapshot --profiling.profile_freq 5"
@@ -121,8 +121,10 @@ tessera() {  # LABEL: one Tessera run, summarized after 5 warm-up steps
   local rc=$?
   tail -n 2 "$RUNS/$label.log"
   [ $rc = 0 ] && python3 bench/summarize.py "$RUNS/$label" --skip 10 || echo "Tessera $label: exit $rc"
-  local snapshot="$RUNS/$label/memory_snapshot/iteration_5/rank0_memory_snapshot.pickle"
-  [ -f "$snapshot" ] && python3 bench/snapshot_summary.py "$snapshot" | tee "$RUNS/$label.snapshot_summary.txt"
+  local snapshot  # the run's first memory snapshot, if it wrote any (bf16_snapshot)
+  snapshot=$(ls "$RUNS/$label"/memory_snapshot/iteration_*/rank0_memory_snapshot.pickle 2>/dev/null \
+             | sort -V | head -n 1)
+  [ -n "$snapshot" ] && python3 bench/snapshot_summary.py "$snapshot" | tee "$RUNS/$label.snapshot_summary.txt"
   return 0
 }
 
