@@ -2,7 +2,7 @@
 TFLOP/s, MFU and peak memory after warm-up, and the ratios Tessera / reference.
 
     python bench/compare_reference.py --tessera DIR --anchor DIR [--pairs T_LABEL=A_LABEL,...] [--skip 5]
-        [--anchor-skip 10] [--steps N] [--json FILE]
+        [--anchor-skip 10] [--steps N] [--json FILE] [--memory-above RATIO]
 
 DIR for Tessera holds one run folder per label (LABEL/metrics.jsonl, bench/summarize.py's input); DIR for the
 reference holds anchor_LABEL.log files (bench/perf_vs_reference.sh and .anchor/run_anchor.sh write them).
@@ -11,7 +11,9 @@ with tps averaged since the previous log and memory the peak *reserved* by the c
 are taken over the lines after ``--anchor-skip`` steps. With ``--steps`` (the steps both trainers were asked
 for), a run whose last logged step is short of it (stopped by a time limit or an error) is marked partial and
 gets no ratio. Tessera's memory is printed both ways, peak active
-and peak reserved; the ratio uses reserved, as the reference reports.
+and peak reserved; the ratio uses reserved, as the reference reports. With ``--memory-above RATIO`` the exit
+status says whether a pair's memory ratio is above RATIO (0) or none is (1): bench/perf_vs_reference.sh asks it
+whether the bf16 pair's memory needs the allocator's history recorded.
 """
 
 from __future__ import annotations
@@ -90,6 +92,8 @@ def main(argv=None) -> int:
     p.add_argument("--anchor-skip", type=int, default=10)
     p.add_argument("--steps", type=int, default=None, help="steps both trainers were asked for (partial runs)")
     p.add_argument("--json", default="")
+    p.add_argument("--memory-above", type=float, default=None,
+                   help="exit 0 if a pair's memory ratio is above this, 1 if none is")
     args = p.parse_args(argv)
     pairs = dict(kv.split("=", 1) for kv in args.pairs.split(",") if kv)
     labels = [x for x in args.labels.split(",") if x] or sorted(
@@ -127,6 +131,8 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
+    if args.memory_above is not None:
+        return 0 if any((r.get("memory_ratio") or 0) > args.memory_above for r in results) else 1
     return 0
 
 

@@ -31,6 +31,8 @@
 #            runs what was skipped (the next session lent a GPU starts there).
 #   CP_CHECK 1 (default): run bench/cuda_cp_check.py after the two pairs; 0: not.
 #   LEVERS=1 also run bench/hopper_levers.py (microbenchmarks of the speed levers) if time is left.
+#   AUTO_SNAPSHOT 1 (default): when bf16_compile_ac_op's peak reserved memory is above its reference run's,
+#            run bf16_snapshot right after the two pairs (where the memory comes from, in the same call); 0: not.
 # Comes back under $OUT: the reference's logs (ANCHOR_LOGS), summary.txt and tessera_runs.tar.gz (every
 # Tessera run's log and metrics.jsonl; the run folders themselves stay on the machine, under /tmp). The
 # summary ends with each run's logged peak memory beside the memory estimate (bench/memory_check.py
@@ -41,6 +43,7 @@ ONLY=${ONLY:-"bf16_compile_ac_op fp8_compile_ac_op eager_ac_op fsdp1_compile_ac_
 STEPS=${STEPS:-25}
 BUDGET=${BUDGET:-570}
 CP_CHECK=${CP_CHECK:-1}
+AUTO_SNAPSHOT=${AUTO_SNAPSHOT:-1}
 SKIPPED=""  # Tessera configurations the budget left out
 SKIPPED_REF=""  # reference configurations likewise
 
@@ -145,13 +148,27 @@ cp_check() {  # ring attention's CUDA kernels against full SDPA (issue 4), about
   CP_CHECK=done
 }
 
+memory_above_reference() {  # LABEL: its peak reserved memory (steps 11 on) is above its reference run's
+  [ -f "$RUNS/$1/metrics.jsonl" ] && python3 bench/compare_reference.py --tessera "$RUNS" --anchor "$ANCHOR_LOGS" \
+    --labels "$1" --pairs "$1=${PAIR[$1]}" --skip 10 --anchor-skip 10 --steps "$STEPS" --memory-above 1.0 > /dev/null
+}
+
+auto_snapshot() {  # bf16's memory above the reference's: the allocator's history says where it comes from
+  [ "$AUTO_SNAPSHOT" = 1 ] && [[ " $ONLY " != *" bf16_snapshot "* ]] || return 0
+  if memory_above_reference bf16_compile_ac_op; then
+    echo "=== bf16_compile_ac_op reserves more than the reference: bf16_snapshot records the allocator's history"
+    tessera bf16_snapshot
+  fi
+}
+
 # Interleaved, so that each pair runs close in time; the acceptance pairs first.
-for pair in "bf16_compile bf16_compile_ac_op" "fp8_compile fp8_compile_ac_op" "- bf16_autocast" "- fp8_autocast" \
-            "cp_check" "eager eager_ac_op" \
+for pair in "bf16_compile bf16_compile_ac_op" "fp8_compile fp8_compile_ac_op" "auto_snapshot" "- bf16_autocast" \
+            "- fp8_autocast" "cp_check" "eager eager_ac_op" \
             "- fsdp1_compile_ac_op" "noac_compile noac_compile" "- fullac_compile" "- bf16_compile_ac_alt" \
             "- fp8_compile_ac_alt" "- fused_loss" "- cudnn_sdpa" "- fused_loss_cudnn" "- bf16_snapshot"; do
   set -- $pair
   if [ "$1" = cp_check ]; then [ "$CP_CHECK" = 1 ] && cp_check; continue; fi
+  if [ "$1" = auto_snapshot ]; then auto_snapshot; continue; fi
   [[ " $ANCHOR " == *" $1 "* ]] && [ -f .anchor/run_anchor.sh ] && reference "$1"
   if [[ " $ONLY " == *" $2 "* ]]; then
     if [[ " $SKIPPED_REF " == *" $1 "* ]]; then  # no reference run to compare it with: next time, with its pair

@@ -205,6 +205,50 @@ def test_perf_vs_reference_refuses_an_unknown_configuration(tmp_path):
     assert proc.returncode == 2 and "ONLY: unknown configuration 'fused_los'" in proc.stdout, proc.stdout
 
 
+@pytest.mark.parametrize("above", [True, False])
+def test_perf_vs_reference_records_the_allocators_history_when_bf16_reserves_more(tmp_path, above):
+    """When bf16_compile_ac_op's reserved memory is above its reference run's (compare_reference.py
+    --memory-above), the same call runs bf16_snapshot right after the two pairs; otherwise it does not. The
+    stand-in python3 writes each launch's metrics file and answers --memory-above as told."""
+    repo = _copy_repo(str(tmp_path))
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python3").write_text(f"""#!/usr/bin/env bash
+case " $* " in
+  *" --memory-above "*) echo "asked: memory above" >&2; exit {0 if above else 1} ;;
+  *" -m engine.train "*)
+    args=("$@")
+    for i in "${{!args[@]}}"; do
+      [ "${{args[$i]}}" = --job.dump_folder ] && mkdir -p "${{args[$((i + 1))]}}" \
+        && touch "${{args[$((i + 1))]}}/metrics.jsonl"
+    done
+    echo "launched: $*" >&2 ;;
+esac
+exit 0
+""")
+    (bin_dir / "python3").chmod(0o755)
+    (bin_dir / "nvidia-smi").write_text("#!/usr/bin/env bash\nexit 0\n")
+    (bin_dir / "nvidia-smi").chmod(0o755)
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", OUT=str(tmp_path / "out"),
+               RUNS=str(tmp_path / "runs"), ONLY="bf16_compile_ac_op fp8_compile_ac_op eager_ac_op", ANCHOR="",
+               CP_CHECK="0", BUDGET="100000")
+    proc = subprocess.run(["bash", os.path.join(repo, "bench", "perf_vs_reference.sh")], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    ran = re.findall(r"^=== Tessera (\w+): ", proc.stdout, re.MULTILINE)
+    expected = ["bf16_compile_ac_op", "fp8_compile_ac_op"] + (["bf16_snapshot"] if above else []) + ["eager_ac_op"]
+    assert ran == expected, proc.stdout[-3000:]
+    assert "asked: memory above" in proc.stderr
+    snapshot_log = tmp_path / "runs" / "bf16_snapshot.log"  # the launch's output goes to its run's log
+    assert snapshot_log.exists() == above
+    assert not above or "--profiling.enable_memory_snapshot" in snapshot_log.read_text()
+    # AUTO_SNAPSHOT=0 never asks
+    proc = subprocess.run(["bash", os.path.join(repo, "bench", "perf_vs_reference.sh")],
+                          env=dict(env, AUTO_SNAPSHOT="0", RUNS=str(tmp_path / "runs2")),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "asked: memory above" not in proc.stderr, proc.stderr[-2000:]
+
+
 def _stub_bin(tmp_path) -> str:
     """python3 and nvidia-smi that do nothing (the scripts' shell logic alone runs)."""
     bin_dir = tmp_path / "stub_bin"
@@ -273,6 +317,10 @@ def test_compare_reference_reads_both_trainers(tmp_path):
     (result,) = json.loads(out.read_text())
     assert result["tps_ratio"] == pytest.approx(32_450 / 29_500)
     assert result["memory_ratio"] == pytest.approx(41.0 / 42.0)
+    # --memory-above: the exit status says whether a pair's memory ratio is above the bound
+    pair = ["--tessera", str(tmp_path / "tessera"), "--anchor", str(anchor), "--pairs", "bf16_compile_ac_op=bf16_compile"]
+    assert compare_reference.main(pair + ["--memory-above", "1.0"]) == 1
+    assert compare_reference.main(pair + ["--memory-above", "0.97"]) == 0
 
 
 def test_compare_reference_gives_no_ratio_for_a_run_that_stopped_early(tmp_path):
