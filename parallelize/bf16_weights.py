@@ -25,8 +25,10 @@ What does not change:
   bf16 mixed precision (not from the fp32 weight directly).
 - The state: the module's state dict gives the fp32 weight (a hook rebuilds it; loading one splits it again),
   the optimizer's state is torch's AdamW's, so checkpoints and Hugging Face exports are those of a run without
-  split weights, and either kind of run resumes the other's checkpoints. Saving builds the fp32 weights for the
-  moment (4 bytes per element, on the GPU).
+  split weights, and either kind of run resumes the other's checkpoints. A state dict (a save, a load's
+  destinations) builds the fp32 weights for the moment, 4 bytes per element: on the GPU while they fit in its
+  free memory with 1 GiB to spare, on the CPU after that, so a save never runs out of the memory training had
+  (at short sequences the activations freed before a save are smaller than the fp32 weights).
 - Autocast itself stays on: it casts the activations (the residual stream stays fp32) and finds the weights
   already in bf16.
 
@@ -72,9 +74,41 @@ def split(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return high, low.clamp(max=2**15 - 1).to(torch.int16)
 
 
+STATE_DICT_SPARE_BYTES = 2**30
+"""GPU memory a state dict's fp32 weights leave free (the save's own buffers, the next step's first kernels)."""
+
+
+def fits_on_gpu(nbytes: int, device: torch.device) -> bool:
+    """Whether ``nbytes`` more fit on ``device`` now, with STATE_DICT_SPARE_BYTES to spare: the device's free
+    memory and the caching allocator's free blocks together."""
+    free, _ = torch.cuda.mem_get_info(device)
+    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return nbytes + STATE_DICT_SPARE_BYTES <= free + cached
+
+
+def _rebuilt(high: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
+    """``master_weight(high, low)`` in one 4-byte buffer per element, with no temporaries beside it."""
+    weight = high.view(torch.int16).to(torch.int32)
+    weight.bitwise_left_shift_(16).add_(low)
+    return weight.view(torch.float32)
+
+
+def state_dict_weight(high: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
+    """The fp32 weight the halves hold, for a state dict: on their GPU when it fits (``fits_on_gpu``), else on
+    the CPU (the halves copied there, 4 bytes per element, and joined there)."""
+    if high.is_cuda:
+        if fits_on_gpu(4 * high.numel(), high.device):
+            try:
+                return _rebuilt(high, low)
+            except torch.OutOfMemoryError:  # free memory that a fragmented cache could not give in one block
+                pass
+        high, low = high.cpu(), low.cpu()
+    return _rebuilt(high, low)
+
+
 def _state_dict_hook(module: nn.Module, state_dict: dict, prefix: str, local_metadata) -> None:
-    """The fp32 weight in the state dict, as without split weights."""
-    state_dict[prefix + "weight"] = master_weight(module._parameters["weight"].detach(), module._buffers[LOW])
+    """The fp32 weight in the state dict, as without split weights (``state_dict_weight``: GPU or CPU)."""
+    state_dict[prefix + "weight"] = state_dict_weight(module._parameters["weight"].detach(), module._buffers[LOW])
 
 
 def _load_state_dict_pre_hook(module: nn.Module, state_dict: dict, prefix: str, *args) -> None:

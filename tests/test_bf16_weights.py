@@ -75,6 +75,26 @@ def test_split_holds_the_fp32_weight_exactly():
     assert torch.equal(back.bfloat16(), high) and torch.equal(split(back)[1], low)  # stable once stored
 
 
+def test_a_state_dicts_fp32_weight_is_the_master_weight_and_goes_to_the_cpu_when_the_gpu_is_short(monkeypatch):
+    """state_dict_weight gives master_weight's bits (every pattern, NaNs and infinities included) from one
+    buffer; fits_on_gpu counts the device's free memory and the allocator's free blocks, less 1 GiB to spare."""
+    from parallelize import bf16_weights
+
+    g = torch.Generator().manual_seed(1)
+    bits = torch.randint(-2**31, 2**31 - 1, (300_000,), generator=g, dtype=torch.int64).to(torch.int32)
+    high, low = split(bits.view(torch.float32))
+    built = bf16_weights.state_dict_weight(high, low)
+    assert built.dtype == torch.float32 and built.device.type == "cpu"
+    assert torch.equal(built.view(torch.int32), master_weight(high, low).view(torch.int32))
+    gib = 2**30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (3 * gib, 80 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 45 * gib)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 41 * gib)
+    cuda = torch.device("cuda", 0)
+    assert bf16_weights.fits_on_gpu(6 * gib, cuda)  # 3 free + 4 cached = 7 = 6 + 1 to spare
+    assert not bf16_weights.fits_on_gpu(6 * gib + 1, cuda)
+
+
 def _as_stored(key: str, value: torch.Tensor) -> torch.Tensor:
     """An fp32 weight of the debug model as split weights hold it (ties 1 ulp lower; norms, embedding as is)."""
     return value if "norm" in key or "embeddings" in key else master_weight(*split(value))
