@@ -336,6 +336,24 @@ def test_estimate_follows_checkpointing_sequence_and_pipeline():
     assert first.activations > 3 * last.activations
 
 
+def test_fsdp_estimate_ends_with_the_roots_reduce_scatter():
+    """FSDP2 frees the root's unsharded params before its reduce-scatter, and the reduce-scatter's output is the
+    root's sharded gradient: the end of backward holds the other gradients and the larger of (unsharded
+    gradients + fp32 input) and (input + output). FSDP2 on the one H100 (8B_L8, seq 8192, compile, per-op AC)
+    logged 45.70 GiB of peak active memory on 2026-11-25 (bench/results/2026-11-25-h100)."""
+    argv = ["--config", "train_configs/debug_model.toml", "--model.flavor", "8B_L8", "--training.seq_len", "8192",
+            "--training.local_batch_size", "1", "--compile.enable", "--activation_checkpoint.mode", "selective",
+            "--parallelism.fsdp_single_rank"]
+    cfg = parse_args(argv)
+    (row,) = memory.analytic_rows(cfg, memory.validate_layout(cfg, 1), memory.model_shape(cfg))
+    est = row.estimate
+    root = sum((s.root for s in row.stages), memory.PartSizes())
+    end = est.moments["backward end"]
+    assert end.grads == est.grads - 4 * root.local and end.working == 0
+    assert end.other == max((2 + 4) * root.tp, (4 + 4) * root.tp)  # one rank: sharded = unsharded
+    assert est.phase == "backward end" and est.peak / 2**30 == pytest.approx(45.70, rel=0.01)
+
+
 def test_memory_command(capsys):
     rc = memory.main(["--config", "train_configs/llama3_8b.toml", "--model.flavor", "8B_L8",
                       "--activation_checkpoint.mode", "full", "--gpu-memory-gib", "80"])

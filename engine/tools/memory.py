@@ -78,7 +78,8 @@ The peak is the largest of these moments (each adds the static params + optimize
                 block (what it did not keep) and its backward, at the first and at the last recomputed
                 block; autocast's weight copies of the blocks not yet through their backward (the output
                 projection's is gone by then)
-    backward end: all gradients + FSDP's root gradients being reduce-scattered (unsharded bf16 + fp32 copy)
+    backward end: all gradients; under FSDP the root's reduce-scatter: its unsharded gradients and the fp32
+                input they are copied into, then that input and the output (the root's sharded gradients)
 
 Assumptions: CUDA with the configured mixed precision (on CPU everything runs in fp32, which this does not
 model); fused AdamW (no step temporaries); the flash/cuDNN SDPA kernels (no S x S score matrix); what is
@@ -597,8 +598,13 @@ def estimate(shape: ModelShape, stages: list[StageParams], lay: RankLayout) -> M
 
     if pp_fsdp:
         moments["backward end"] = Moment(grads, working, 0, 4 * block.tp)
-    elif lay.fsdp:  # the root's unsharded bf16 params and grads, and the fp32 copy it reduce-scatters
-        moments["backward end"] = Moment(grads, pr.working * root.tp, 0, (pr.compute + 4) * root.tp)
+    elif lay.fsdp:  # the root's reduce-scatter; FSDP2 frees the root's unsharded params before it
+        # First the unsharded gradients and the reduce-scatter's fp32 input they are copied into; then (the
+        # gradients freed) the input and the output, which is the root's sharded gradient (counted in grads
+        # until now; with CPU offload it is copied out from there).
+        root_sharded = 0 if lay.cpu_offload else 4 * root.local
+        reduce = max((pr.compute + 4) * root.tp, 4 * root.tp + 4 * root.local)
+        moments["backward end"] = Moment(grads - root_sharded, 0, 0, reduce)
     else:
         moments["backward end"] = Moment(grads)
 
