@@ -6,7 +6,6 @@ On CUDA they are on by default on one GPU; here the trainer's bf16 autocast is s
 autocast on fp32 weights."""
 
 import copy
-import json
 import os
 import shutil
 
@@ -17,6 +16,7 @@ from engine import train, trainer
 from engine.checkpoint import step_folder
 from engine.config import Optimizer
 from engine.optim import AdamWWithBf16Weights, build_optimizer, clip_grad_norm_, scales_gradients
+from engine.plot import read_metrics
 from models.loss import cross_entropy_sum
 from parallelize.bf16_weights import bf16_weights_apply, master_weight, split, split_linear_weights
 from tests.test_model import build, debug_args
@@ -36,9 +36,7 @@ def _train(dump, capsys, *args):
     rc = train.main(["--job.dump_folder", str(dump), *SMALL, *args])
     out, err = capsys.readouterr()
     assert rc == 0, err[-3000:]
-    with open(os.path.join(dump, "metrics.jsonl")) as f:
-        rows = [json.loads(line) for line in f]
-    return rows, out
+    return read_metrics(os.path.join(dump, "metrics.jsonl")), out
 
 
 def _curve(rows):
