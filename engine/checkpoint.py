@@ -609,8 +609,10 @@ class Checkpointer:
         self._barrier()
         _fault(step, "begin")
         t0 = time.perf_counter()
-        if model_only:
-            state = {k: v.detach().to(EXPORT_DTYPES[dtype]) for k, v in self.model_state().items()}
+        if model_only:  # each tensor cast in turn: a temporary fp32 weight (split bf16 weights) goes at once
+            state = self.model_state()
+            for k in list(state):
+                state[k] = state[k].detach().to(EXPORT_DTYPES[dtype])
         else:
             state = {**self.model_state(), **self.optimizer_state()[0]}
         self._write_small_files(folder, step, model_only, dtype)
