@@ -31,8 +31,9 @@
 #            runs what was skipped (the next session lent a GPU starts there).
 #   CP_CHECK 1 (default): run bench/cuda_cp_check.py after the two pairs; 0: not.
 #   LEVERS=1 also run bench/hopper_levers.py (microbenchmarks of the speed levers) if time is left.
-#   AUTO_SNAPSHOT 1 (default): when bf16_compile_ac_op's peak reserved memory is above its reference run's,
-#            run bf16_snapshot right after the two pairs (where the memory comes from, in the same call); 0: not.
+#   AUTO_MEMORY 1 (default): when bf16_compile_ac_op's peak reserved memory is above its reference run's, run
+#            right after the two pairs bf16_noautotune (the fix to try; in the table beside the others) and then
+#            bf16_snapshot (where the memory comes from), in the same call; 0: not.
 # Comes back under $OUT: the reference's logs (ANCHOR_LOGS), summary.txt and tessera_runs.tar.gz (every
 # Tessera run's log and metrics.jsonl; the run folders themselves stay on the machine, under /tmp). The
 # summary ends with each run's logged peak memory beside the memory estimate (bench/memory_check.py
@@ -43,7 +44,8 @@ ONLY=${ONLY:-"bf16_compile_ac_op fp8_compile_ac_op eager_ac_op fsdp1_compile_ac_
 STEPS=${STEPS:-25}
 BUDGET=${BUDGET:-570}
 CP_CHECK=${CP_CHECK:-1}
-AUTO_SNAPSHOT=${AUTO_SNAPSHOT:-1}
+AUTO_MEMORY=${AUTO_MEMORY:-1}
+AUTO_RAN=""  # Tessera runs AUTO_MEMORY added, compared with the reference in the table too
 SKIPPED=""  # Tessera configurations the budget left out
 SKIPPED_REF=""  # reference configurations likewise
 
@@ -69,6 +71,9 @@ declare -A TESSERA=(
   # allocator reserve memory beyond the live tensors (the 2026-11-26 bf16 runs held 45.46 GiB reserved for
   # 41.73 GiB active):
   [bf16_snapshot]="--compile.enable --activation_checkpoint.mode selective --profiling.enable_memory_snapshot --profiling.profile_freq 5"
+  # and bf16_compile_ac_op with every compiled elementwise kernel on one launch configuration (the blocks' and the
+  # loss's too, not only the optimizer update's): no clones of written tensors at the first step:
+  [bf16_noautotune]="--compile.enable --activation_checkpoint.mode selective --compile.no-autotune_pointwise"
   # and the speed levers, measured beside bf16_compile_ac_op:
   [fused_loss]="--compile.enable --activation_checkpoint.mode selective --training.loss_chunk_tokens 2048"
   [cudnn_sdpa]="--compile.enable --activation_checkpoint.mode selective --model.sdpa_backend cudnn"
@@ -86,7 +91,7 @@ declare -A PAIR=(
   [fsdp1_compile_ac_op]=bf16_compile
   [noac_compile]=noac_compile [bf16_compile_ac_alt]=bf16_compile [fp8_compile_ac_alt]=fp8_compile
   [fused_loss]=bf16_compile [cudnn_sdpa]=bf16_compile [fused_loss_cudnn]=bf16_compile
-  [bf16_autocast]=bf16_compile [fp8_autocast]=fp8_compile
+  [bf16_autocast]=bf16_compile [fp8_autocast]=fp8_compile [bf16_noautotune]=bf16_compile
 )
 for label in $ONLY; do  # before the set-up: a typo costs no device time
   [ -n "${TESSERA[$label]+set}" ] || { echo "ONLY: unknown configuration '$label'; choose from: ${!TESSERA[*]}"; exit 2; }
@@ -153,22 +158,26 @@ memory_above_reference() {  # LABEL: its peak reserved memory (steps 11 on) is a
     --labels "$1" --pairs "$1=${PAIR[$1]}" --skip 10 --anchor-skip 10 --steps "$STEPS" --memory-above 1.0 > /dev/null
 }
 
-auto_snapshot() {  # bf16's memory above the reference's: the allocator's history says where it comes from
-  [ "$AUTO_SNAPSHOT" = 1 ] && [[ " $ONLY " != *" bf16_snapshot "* ]] || return 0
-  if memory_above_reference bf16_compile_ac_op; then
-    echo "=== bf16_compile_ac_op reserves more than the reference: bf16_snapshot records the allocator's history"
-    tessera bf16_snapshot
-  fi
+auto_memory() {  # bf16's memory above the reference's: a run without autotuning, the allocator's history
+  [ "$AUTO_MEMORY" = 1 ] || return 0
+  memory_above_reference bf16_compile_ac_op || return 0
+  echo "=== bf16_compile_ac_op reserves more than the reference: bf16_noautotune, then bf16_snapshot"
+  local label
+  for label in bf16_noautotune bf16_snapshot; do
+    [[ " $ONLY " == *" $label "* ]] && continue  # ONLY runs it anyway, in its place
+    tessera "$label"
+    [ "$label" = bf16_noautotune ] && [ -f "$RUNS/$label/metrics.jsonl" ] && AUTO_RAN+=" $label"
+  done
 }
 
 # Interleaved, so that each pair runs close in time; the acceptance pairs first.
-for pair in "bf16_compile bf16_compile_ac_op" "fp8_compile fp8_compile_ac_op" "auto_snapshot" "- bf16_autocast" \
+for pair in "bf16_compile bf16_compile_ac_op" "fp8_compile fp8_compile_ac_op" "auto_memory" "- bf16_autocast" \
             "- fp8_autocast" "cp_check" "eager eager_ac_op" \
             "- fsdp1_compile_ac_op" "noac_compile noac_compile" "- fullac_compile" "- bf16_compile_ac_alt" \
-            "- fp8_compile_ac_alt" "- fused_loss" "- cudnn_sdpa" "- fused_loss_cudnn" "- bf16_snapshot"; do
+            "- fp8_compile_ac_alt" "- fused_loss" "- cudnn_sdpa" "- fused_loss_cudnn" "- bf16_snapshot" "- bf16_noautotune"; do
   set -- $pair
   if [ "$1" = cp_check ]; then [ "$CP_CHECK" = 1 ] && cp_check; continue; fi
-  if [ "$1" = auto_snapshot ]; then auto_snapshot; continue; fi
+  if [ "$1" = auto_memory ]; then auto_memory; continue; fi
   [[ " $ANCHOR " == *" $1 "* ]] && [ -f .anchor/run_anchor.sh ] && reference "$1"
   if [[ " $ONLY " == *" $2 "* ]]; then
     if [[ " $SKIPPED_REF " == *" $1 "* ]]; then  # no reference run to compare it with: next time, with its pair
@@ -187,7 +196,7 @@ fi
   echo
   echo "=== Tessera / reference, $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), $(python3 -c 'import torch; print("torch", torch.__version__)')"
   pairs=""; for label in "${!PAIR[@]}"; do pairs+="$label=${PAIR[$label]},"; done
-  python3 bench/compare_reference.py --tessera "$RUNS" --anchor "$ANCHOR_LOGS" --labels "$(echo $ONLY | tr ' ' ,)" \
+  python3 bench/compare_reference.py --tessera "$RUNS" --anchor "$ANCHOR_LOGS" --labels "$(echo $ONLY $AUTO_RAN | tr ' ' ,)" \
     --pairs "$pairs" --skip 10 --anchor-skip 10 --steps "$STEPS" --json "$RET/summary.json"
   if [ -n "$SKIPPED$SKIPPED_REF" ] || [ "$CP_CHECK" = skipped ]; then
     for ref in $(compared_with $SKIPPED); do  # the reference runs the skipped ones pair with

@@ -222,6 +222,11 @@ class ActivationCheckpoint:
 class Compile:
     enable: bool = False
     """torch.compile each transformer block (fullgraph) and the loss."""
+    autotune_pointwise: bool = True
+    """Inductor tries two launch configurations of each elementwise kernel at its first launch and keeps the
+    faster; it runs them on clones of the tensors the kernel writes, which can leave the first step's memory
+    reserved for the rest of the run. false: one configuration (Inductor's default block size), no clones
+    (needs compile.enable; the split bf16 weights' optimizer update runs with one configuration always)."""
 
 
 @dataclass
@@ -1008,6 +1013,9 @@ def validate(cfg: Config, world_size: int = 1, machine: Optional[Machine] = None
     if c.load_step != -1 and not c.enable:
         raise ConfigError(f"checkpoint.load_step: loading step {c.load_step} needs checkpoint.enable = true (it reads "
                           "this run's checkpoint folder); for initial weights use checkpoint.initial_load_path")
+    if not cfg.compile.autotune_pointwise and not cfg.compile.enable:
+        raise ConfigError("compile.autotune_pointwise: false applies to compiled kernels; set compile.enable = true "
+                          "as well, or drop it")
     for key in ("last_save_hf", "last_save_model_only"):
         if getattr(c, key) and not c.enable:
             raise ConfigError(f"checkpoint.{key}: the export is made from the last step's checkpoint; set "

@@ -66,9 +66,14 @@ def compile_loss(loss_fn: Callable) -> Callable:
 
 
 def set_inductor_option(name: str, value) -> None:
-    """Set one of the compiler's (inductor's) process-wide options. torch offers no public API for these; every
-    plan that needs one (async TP's micro-pipelining, float8's eager-identical casts) goes through here."""
+    """Set one of the compiler's (inductor's) process-wide options (``triton.autotune_pointwise``: one of its
+    sections'). torch offers no public API for these; every plan that needs one (async TP's micro-pipelining,
+    float8's eager-identical casts, compile.autotune_pointwise) goes through here."""
     import torch._inductor.config as inductor_config
 
-    assert hasattr(inductor_config, name), f"this torch's inductor has no option {name}"
-    setattr(inductor_config, name, value)
+    *sections, key = name.split(".")
+    owner = inductor_config
+    for section in sections:
+        owner = getattr(owner, section)
+    assert hasattr(owner, key), f"this torch's inductor has no option {name}"
+    setattr(owner, key, value)

@@ -123,7 +123,7 @@ def test_perf_vs_reference_configs_are_valid_on_hopper(tmp_path):
         script = f.read()
     table = script[script.index("declare -A TESSERA=("):script.index("declare -A REFERENCE=(")]
     only = " ".join(re.findall(r"^  \[(\w+)\]=", table, flags=re.M))
-    assert len(only.split()) == 14 and "bf16_autocast" in only and "bf16_snapshot" in only
+    assert len(only.split()) == 15 and "bf16_autocast" in only and "bf16_snapshot" in only
     rows = _run_script(tmp_path, "perf_vs_reference.sh", {"ONLY": only, "ANCHOR": "", "BUDGET": "100000"})
     assert len(rows) == len(only.split()), rows
     assert sum("--training.no-bf16_weights" in r["argv"] for r in rows) == 2
@@ -206,16 +206,19 @@ def test_perf_vs_reference_refuses_an_unknown_configuration(tmp_path):
 
 
 @pytest.mark.parametrize("above", [True, False])
-def test_perf_vs_reference_records_the_allocators_history_when_bf16_reserves_more(tmp_path, above):
+def test_perf_vs_reference_tries_the_fix_and_records_the_allocators_history_when_bf16_reserves_more(tmp_path,
+                                                                                                    above):
     """When bf16_compile_ac_op's reserved memory is above its reference run's (compare_reference.py
-    --memory-above), the same call runs bf16_snapshot right after the two pairs; otherwise it does not. The
-    stand-in python3 writes each launch's metrics file and answers --memory-above as told."""
+    --memory-above), the same call runs bf16_noautotune and bf16_snapshot right after the two pairs, and the table
+    compares bf16_noautotune with the reference too; otherwise neither runs. The stand-in python3 writes each
+    launch's metrics file, answers --memory-above as told and prints the table's labels."""
     repo = _copy_repo(str(tmp_path))
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "python3").write_text(f"""#!/usr/bin/env bash
 case " $* " in
   *" --memory-above "*) echo "asked: memory above" >&2; exit {0 if above else 1} ;;
+  *" bench/compare_reference.py "*" --json "*) echo "table: $*" ;;
   *" -m engine.train "*)
     args=("$@")
     for i in "${{!args[@]}}"; do
@@ -236,15 +239,17 @@ exit 0
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     ran = re.findall(r"^=== Tessera (\w+): ", proc.stdout, re.MULTILINE)
-    expected = ["bf16_compile_ac_op", "fp8_compile_ac_op"] + (["bf16_snapshot"] if above else []) + ["eager_ac_op"]
-    assert ran == expected, proc.stdout[-3000:]
+    auto = ["bf16_noautotune", "bf16_snapshot"] if above else []
+    assert ran == ["bf16_compile_ac_op", "fp8_compile_ac_op", *auto, "eager_ac_op"], proc.stdout[-3000:]
+    labels = "bf16_compile_ac_op,fp8_compile_ac_op,eager_ac_op" + (",bf16_noautotune" if above else "")
+    assert f"--labels {labels} " in proc.stdout, proc.stdout[-3000:]
     assert "asked: memory above" in proc.stderr
     snapshot_log = tmp_path / "runs" / "bf16_snapshot.log"  # the launch's output goes to its run's log
     assert snapshot_log.exists() == above
     assert not above or "--profiling.enable_memory_snapshot" in snapshot_log.read_text()
-    # AUTO_SNAPSHOT=0 never asks
+    # AUTO_MEMORY=0 never asks
     proc = subprocess.run(["bash", os.path.join(repo, "bench", "perf_vs_reference.sh")],
-                          env=dict(env, AUTO_SNAPSHOT="0", RUNS=str(tmp_path / "runs2")),
+                          env=dict(env, AUTO_MEMORY="0", RUNS=str(tmp_path / "runs2")),
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and "asked: memory above" not in proc.stderr, proc.stderr[-2000:]
 

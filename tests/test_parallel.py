@@ -190,6 +190,22 @@ def test_single_process_compile_matches_reference(batches, reference, tmp_path):
     _check(run_layout(args, 1, 0, batches, str(tmp_path)), reference, args)
 
 
+def test_compile_without_pointwise_autotuning_matches_reference(batches, reference, tmp_path):
+    """compile.autotune_pointwise = false reaches Inductor's process-wide option (a CPU build ignores it: the
+    numbers stay the reference's); the next compiled run sets it back from its own config."""
+    import torch._inductor.config as inductor_config
+
+    try:
+        args = _layout(GLOBAL, "--compile.enable", "--compile.no-autotune_pointwise")
+        _check(run_layout(args, 1, 0, batches, str(tmp_path / "off")), reference, args)
+        assert inductor_config.triton.autotune_pointwise is False
+        args = _layout(GLOBAL, "--compile.enable")
+        run_layout(args, 1, 0, batches, str(tmp_path / "on"))
+        assert inductor_config.triton.autotune_pointwise is True
+    finally:
+        inductor_config.triton.autotune_pointwise = True
+
+
 def test_fsdp_on_a_single_rank_matches_reference(batches, reference, tmp_path):
     from engine.distributed import destroy_distributed
 
