@@ -23,7 +23,8 @@ warm-up) and peak memory above the inputs.
    matmuls of the 8B_L8 model (8 blocks' seven projections and the output, one token batch of 8192, forward
    and backward under autocast: fp32 weights cast in the forward and their gradients cast back, or bf16 weights
    read as they are), and the clip with the optimizer step over 8B_L8's parameters (fused AdamW on fp32 weights
-   and gradients, or the compiled update of the split weights from bf16 gradients).
+   and gradients, or the compiled update of the split weights from bf16 gradients, with one launch
+   configuration per kernel as the trainer compiles it, or autotuned as it was before 2026-11-26).
 Needs a CUDA GPU; on a CPU it says so and exits 0 (tests call the rope, clip and bf16 levers on CPU, small).
 """
 
@@ -288,8 +289,10 @@ def lever_bf16(reps: int, device: str = "cuda", flavor: str = "8B_L8", tokens: i
             matmuls()
         del weights
     grads = [torch.randn(s, device=device, generator=g) * 1e-3 for s in shapes]
-    for name, split in (("clip + fused AdamW, fp32 weights and gradients", False),
-                        ("clip + AdamW on split bf16 weights, bf16 gradients (Tessera)", True)):
+    for name, split, autotune in (
+            ("clip + fused AdamW, fp32 weights and gradients", False, False),
+            ("clip + AdamW on split bf16 weights, bf16 gradients (Tessera: one launch configuration)", True, False),
+            ("the same, the update's kernels autotuned (two configurations tried at the first launch)", True, True)):
         model = torch.nn.Module()
         model.params = torch.nn.ParameterList([torch.nn.Parameter(torch.zeros(s, device=device)) for s in shapes])
         cfg = Optimizer(lr=1e-4, weight_decay=0.1, implementation="fused")
@@ -302,6 +305,10 @@ def lever_bf16(reps: int, device: str = "cuda", flavor: str = "8B_L8", tokens: i
                     holder.weight = p
                     lows.update(split_linear_weights([holder]))
             opt.set_low_halves(lows)
+        if autotune:  # the update as compiled before 2026-11-26: Inductor's default options
+            from engine.optim import _adam_update
+
+            opt._update = torch.compile(_adam_update, fullgraph=True, dynamic=False)
 
         own = [grad.to(p.dtype, copy=True) for p, grad in zip(model.params, grads)]  # cast untimed; bf16 if split
 
