@@ -955,6 +955,11 @@ def validate(cfg: Config, world_size: int = 1, machine: Optional[Machine] = None
         raise ConfigError(f"training.loss_chunk_tokens: must be >= 0 (0 = off), got {t.loss_chunk_tokens}")
     _validate_float8(cfg, machine)
 
+    # compile
+    if not cfg.compile.autotune_pointwise and not cfg.compile.enable:
+        raise ConfigError("compile.autotune_pointwise: false applies to compiled kernels; set compile.enable = true "
+                          "as well, or drop it")
+
     # optimizer
     o = cfg.optimizer
     _choice("optimizer.name", o.name, ["AdamW", "Adam"])
@@ -1013,9 +1018,6 @@ def validate(cfg: Config, world_size: int = 1, machine: Optional[Machine] = None
     if c.load_step != -1 and not c.enable:
         raise ConfigError(f"checkpoint.load_step: loading step {c.load_step} needs checkpoint.enable = true (it reads "
                           "this run's checkpoint folder); for initial weights use checkpoint.initial_load_path")
-    if not cfg.compile.autotune_pointwise and not cfg.compile.enable:
-        raise ConfigError("compile.autotune_pointwise: false applies to compiled kernels; set compile.enable = true "
-                          "as well, or drop it")
     for key in ("last_save_hf", "last_save_model_only"):
         if getattr(c, key) and not c.enable:
             raise ConfigError(f"checkpoint.{key}: the export is made from the last step's checkpoint; set "
