@@ -554,13 +554,16 @@ class Checkpointer:
     def _parts(self) -> list[nn.Module]:
         return self.trainer.model_parts
 
-    def model_state(self) -> dict[str, torch.Tensor]:
-        """``model.<fqn>`` -> tensor (DTensor when sharded) for every part (pipeline stages) of this rank."""
-        out = {}
-        for part in self._parts():
-            for k, v in get_model_state_dict(part).items():
-                out[f"model.{k}"] = v
-        return out
+    def model_state(self, parts: Optional[list[dict[str, torch.Tensor]]] = None) -> dict[str, torch.Tensor]:
+        """``model.<fqn>`` -> tensor (DTensor when sharded) for every part (pipeline stages) of this rank, from
+        ``parts`` (``_part_states``) when given."""
+        parts = self._part_states() if parts is None else parts
+        return {f"model.{k}": v for part_state in parts for k, v in part_state.items()}
+
+    def _part_states(self) -> list[dict[str, torch.Tensor]]:
+        """Each part's state dict (fqn -> tensor). With split bf16 weights every call builds the fp32 weights
+        anew, so a load reads the parts' keys from the same dicts it loads into (``_set_model``)."""
+        return [get_model_state_dict(part) for part in self._parts()]
 
     def optimizer_state(self) -> tuple[dict[str, torch.Tensor], dict]:
         """(``optim.<fqn>.<state>`` -> tensor, the full flattened optimizer state dict as torch returns it)."""
@@ -789,12 +792,13 @@ class Checkpointer:
     def load(self, info: CheckpointInfo) -> int:
         """Load the whole training state of ``info`` (any layout); returns its step."""
         t0 = time.perf_counter()
-        model = self.model_state()
+        parts = self._part_states()
+        model = self.model_state(parts)
         optim, flat = self.optimizer_state()
         self._check_entries(info, {**model, **optim}, "checkpoint.folder")
         state = {**model, **optim}
         dcp_load(state, info.folder, "checkpoint.folder", no_dist=not dist.is_initialized())
-        self._set_model(state)
+        self._set_model(state, parts)
         pp = isinstance(self.trainer.model, nn.ModuleList)
         for key in flat:
             if key.startswith("state."):
@@ -833,7 +837,8 @@ class Checkpointer:
                       f"(this rank read {read / 2**20:,.1f} MiB of its {total / 2**20:,.1f} MiB)")
             return
         info = inspect_checkpoint(path, field, self.cfg)
-        model = self.model_state()
+        parts = self._part_states()
+        model = self.model_state(parts)
         self._check_entries(info, model, field)
         dtype = EXPORT_DTYPES.get(info.train_state.get("dtype", "float32"), torch.float32)
         if dtype != torch.float32:  # a model-only export in another dtype: load, then cast into place
@@ -844,12 +849,13 @@ class Checkpointer:
                     v.copy_(state[k])
         else:
             dcp_load(model, path, field, no_dist=not dist.is_initialized())
-        self._set_model(model)
+        self._set_model(model, parts)
         self._log(f"checkpoint: initial weights from {path} (step {info.step}) in {time.perf_counter() - t0:.2f}s")
 
-    def _set_model(self, state: dict[str, torch.Tensor]) -> None:
-        for part in self._parts():
-            mine = {k: state[f"model.{k}"] for k in get_model_state_dict(part)}
+    def _set_model(self, state: dict[str, torch.Tensor], parts: list[dict[str, torch.Tensor]]) -> None:
+        """Each part takes its entries of ``state`` (``parts``: the parts' state dicts, for their keys)."""
+        for part, part_state in zip(self._parts(), parts):
+            mine = {k: state[f"model.{k}"] for k in part_state}
             set_model_state_dict(part, mine)
 
     @staticmethod
