@@ -61,8 +61,12 @@ def bf16_weights_apply(enabled: bool, distributed: bool, grad_accum: int) -> boo
 
 
 def master_weight(high: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
-    """The fp32 weight that the bf16 ``high`` half and the int16 ``low`` half hold."""
-    return ((high.view(torch.int16).to(torch.int32) << 16) + low.to(torch.int32)).view(torch.float32)
+    """The fp32 weight that the bf16 ``high`` half and the int16 ``low`` half hold, in one 4-byte buffer per
+    element with no temporaries beside it (a state dict builds every weight this way; compiled, the update fuses
+    it)."""
+    weight = high.view(torch.int16).to(torch.int32)
+    weight.bitwise_left_shift_(16).add_(low)
+    return weight.view(torch.float32)
 
 
 def split(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -86,24 +90,17 @@ def fits_on_gpu(nbytes: int, device: torch.device) -> bool:
     return nbytes + STATE_DICT_SPARE_BYTES <= free + cached
 
 
-def _rebuilt(high: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
-    """``master_weight(high, low)`` in one 4-byte buffer per element, with no temporaries beside it."""
-    weight = high.view(torch.int16).to(torch.int32)
-    weight.bitwise_left_shift_(16).add_(low)
-    return weight.view(torch.float32)
-
-
 def state_dict_weight(high: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
     """The fp32 weight the halves hold, for a state dict: on their GPU when it fits (``fits_on_gpu``), else on
     the CPU (the halves copied there, 4 bytes per element, and joined there)."""
     if high.is_cuda:
         if fits_on_gpu(4 * high.numel(), high.device):
             try:
-                return _rebuilt(high, low)
+                return master_weight(high, low)
             except torch.OutOfMemoryError:  # free memory that a fragmented cache could not give in one block
                 pass
         high, low = high.cpu(), low.cpu()
-    return _rebuilt(high, low)
+    return master_weight(high, low)
 
 
 def _state_dict_hook(module: nn.Module, state_dict: dict, prefix: str, local_metadata) -> None:

@@ -74,8 +74,8 @@ def test_split_holds_the_fp32_weight_exactly():
 
 
 def test_a_state_dicts_fp32_weight_is_the_master_weight_and_goes_to_the_cpu_when_the_gpu_is_short(monkeypatch):
-    """state_dict_weight gives master_weight's bits (every pattern, NaNs and infinities included) from one
-    buffer; fits_on_gpu counts the device's free memory and the allocator's free blocks, less 1 GiB to spare."""
+    """state_dict_weight gives the bits the halves stand for (every pattern, NaNs and infinities included), as
+    master_weight does; fits_on_gpu counts the device's free memory and the allocator's free blocks, less 1 GiB to spare."""
     from parallelize import bf16_weights
 
     g = torch.Generator().manual_seed(1)
@@ -83,7 +83,11 @@ def test_a_state_dicts_fp32_weight_is_the_master_weight_and_goes_to_the_cpu_when
     high, low = split(bits.view(torch.float32))
     built = bf16_weights.state_dict_weight(high, low)
     assert built.dtype == torch.float32 and built.device.type == "cpu"
-    assert torch.equal(built.view(torch.int32), master_weight(high, low).view(torch.int32))
+    # the bits the halves stand for, in 64-bit integer arithmetic (high x 2^16 + low, wrapped to 32 bits)
+    bits64 = high.view(torch.int16).to(torch.int64) * 2**16 + low.to(torch.int64)
+    expected = ((bits64 + 2**31) % 2**32 - 2**31).to(torch.int32)
+    assert torch.equal(built.view(torch.int32), expected)
+    assert torch.equal(master_weight(high, low).view(torch.int32), expected)
     gib = 2**30
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (3 * gib, 80 * gib))
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 45 * gib)
