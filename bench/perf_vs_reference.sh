@@ -153,9 +153,13 @@ cp_check() {  # ring attention's CUDA kernels against full SDPA (issue 4), about
   CP_CHECK=done
 }
 
+compare() {  # ARGS...: compare_reference.py on this call's runs, medians over the windows after step 10
+  python3 bench/compare_reference.py --tessera "$RUNS" --anchor "$ANCHOR_LOGS" --skip 10 --anchor-skip 10 \
+    --steps "$STEPS" "$@"
+}
+
 memory_above_reference() {  # LABEL: its peak reserved memory (steps 11 on) is above its reference run's
-  [ -f "$RUNS/$1/metrics.jsonl" ] && python3 bench/compare_reference.py --tessera "$RUNS" --anchor "$ANCHOR_LOGS" \
-    --labels "$1" --pairs "$1=${PAIR[$1]}" --skip 10 --anchor-skip 10 --steps "$STEPS" --memory-above 1.0 > /dev/null
+  [ -f "$RUNS/$1/metrics.jsonl" ] && compare --labels "$1" --pairs "$1=${PAIR[$1]}" --memory-above 1.0 > /dev/null
 }
 
 auto_memory() {  # bf16's memory above the reference's: a run without autotuning, the allocator's history
@@ -196,8 +200,7 @@ fi
   echo
   echo "=== Tessera / reference, $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), $(python3 -c 'import torch; print("torch", torch.__version__)')"
   pairs=""; for label in "${!PAIR[@]}"; do pairs+="$label=${PAIR[$label]},"; done
-  python3 bench/compare_reference.py --tessera "$RUNS" --anchor "$ANCHOR_LOGS" --labels "$(echo $ONLY $AUTO_RAN | tr ' ' ,)" \
-    --pairs "$pairs" --skip 10 --anchor-skip 10 --steps "$STEPS" --json "$RET/summary.json"
+  compare --labels "$(echo $ONLY $AUTO_RAN | tr ' ' ,)" --pairs "$pairs" --json "$RET/summary.json"
   if [ -n "$SKIPPED$SKIPPED_REF" ] || [ "$CP_CHECK" = skipped ]; then
     for ref in $(compared_with $SKIPPED); do  # the reference runs the skipped ones pair with
       [[ " $SKIPPED_REF " == *" $ref "* ]] || SKIPPED_REF+=" $ref"
