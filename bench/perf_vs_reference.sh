@@ -178,7 +178,8 @@ auto_memory() {  # bf16's memory above the reference's: a run without autotuning
 for pair in "bf16_compile bf16_compile_ac_op" "fp8_compile fp8_compile_ac_op" "auto_memory" "- bf16_autocast" \
             "- fp8_autocast" "cp_check" "eager eager_ac_op" \
             "- fsdp1_compile_ac_op" "noac_compile noac_compile" "- fullac_compile" "- bf16_compile_ac_alt" \
-            "- fp8_compile_ac_alt" "- fused_loss" "- cudnn_sdpa" "- fused_loss_cudnn" "- bf16_snapshot" "- bf16_noautotune"; do
+            "- fp8_compile_ac_alt" "- fused_loss" "- cudnn_sdpa" "- fused_loss_cudnn" "- bf16_snapshot" \
+            "- bf16_noautotune"; do
   set -- $pair
   if [ "$1" = cp_check ]; then [ "$CP_CHECK" = 1 ] && cp_check; continue; fi
   if [ "$1" = auto_memory ]; then auto_memory; continue; fi

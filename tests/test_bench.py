@@ -323,7 +323,8 @@ def test_compare_reference_reads_both_trainers(tmp_path):
     assert result["tps_ratio"] == pytest.approx(32_450 / 29_500)
     assert result["memory_ratio"] == pytest.approx(41.0 / 42.0)
     # --memory-above: the exit status says whether a pair's memory ratio is above the bound
-    pair = ["--tessera", str(tmp_path / "tessera"), "--anchor", str(anchor), "--pairs", "bf16_compile_ac_op=bf16_compile"]
+    pair = ["--tessera", str(tmp_path / "tessera"), "--anchor", str(anchor),
+            "--pairs", "bf16_compile_ac_op=bf16_compile"]
     assert compare_reference.main(pair + ["--memory-above", "1.0"]) == 1
     assert compare_reference.main(pair + ["--memory-above", "0.97"]) == 0
 

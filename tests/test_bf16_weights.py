@@ -75,7 +75,8 @@ def test_split_holds_the_fp32_weight_exactly():
 
 def test_a_state_dicts_fp32_weight_is_the_master_weight_and_goes_to_the_cpu_when_the_gpu_is_short(monkeypatch):
     """state_dict_weight gives the bits the halves stand for (every pattern, NaNs and infinities included), as
-    master_weight does; fits_on_gpu counts the device's free memory and the allocator's free blocks, less 1 GiB to spare."""
+    master_weight does; fits_on_gpu counts the device's free memory and the allocator's free blocks, less 1 GiB
+    to spare."""
     from parallelize import bf16_weights
 
     g = torch.Generator().manual_seed(1)
