@@ -56,7 +56,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from engine.config import Config, ConfigError, check_shard_split, read_json_object
+from engine.config import Config, ConfigError, check_shard_split, is_hf_folder, read_json_object
 from engine.distributed import agree_on_user_errors, keep_own_timeout, log_ranks, longer_collective_timeout
 from engine.hf import EXPORT_DTYPES
 from engine.optim import load_lr_scheduler_state
@@ -444,7 +444,7 @@ def check_fits_model(cfg: Config, model: nn.Module, model_args: Any, resume_from
     init_path = cfg.checkpoint.initial_load_path
     if resume_from is not None:
         field, info = "checkpoint.folder", resume_from
-    elif init_path and os.path.isfile(os.path.join(init_path, "config.json")):
+    elif init_path and is_hf_folder(init_path):
         from engine.hf import check_hf
 
         check_hf(init_path, model_args, model_label=f"model.flavor {cfg.model.flavor}")
@@ -829,7 +829,7 @@ class Checkpointer:
         """Initial weights from a Tessera step folder or a Hugging Face folder (checkpoint.initial_load_path)."""
         field = "checkpoint.initial_load_path"
         t0 = time.perf_counter()
-        if os.path.isfile(os.path.join(path, "config.json")):
+        if is_hf_folder(path):
             from engine.hf import load_hf_into
 
             read, total = load_hf_into(self._parts(), path, self.trainer.model_args)

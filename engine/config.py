@@ -50,6 +50,12 @@ def read_json_object(path: str, field: str) -> dict:
     return data
 
 
+def is_hf_folder(path: str) -> bool:
+    """Whether ``path`` is a Hugging Face checkpoint folder (it holds config.json) rather than a Tessera step folder:
+    the two kinds checkpoint.initial_load_path takes."""
+    return os.path.isfile(os.path.join(path, "config.json"))
+
+
 # --------------------------------------------------------------------------------------------------------
 # Sections
 # --------------------------------------------------------------------------------------------------------
@@ -362,6 +368,10 @@ class Checkpoint:
     """When no checkpoint of this run exists yet, start from these weights: a Tessera step folder (e.g. a
     seed checkpoint) or a Hugging Face folder (config.json + safetensors; each rank reads only the slices it
     holds). The model only."""
+    initial_load_hf: bool = False
+    """checkpoint.initial_load_path must be a Hugging Face folder (torchtitan's initial_load_in_hf): checked at
+    start-up, so a step folder given by mistake fails before anything is built. false: either kind, told apart by
+    the folder's config.json."""
     last_save_hf: bool = False
     """Once the last step's checkpoint is committed, also write it as a Hugging Face folder
     <checkpoint.folder>/step-<N>-hf (config.json, safetensors in checkpoint.export_dtype, the run's tokenizer) that
@@ -1009,6 +1019,14 @@ def validate(cfg: Config, world_size: int = 1, machine: Optional[Machine] = None
         raise ConfigError("checkpoint.folder: must not be empty")
     if c.initial_load_path and not os.path.isdir(c.initial_load_path):
         raise ConfigError(f"checkpoint.initial_load_path: folder '{c.initial_load_path}' not found")
+    if c.initial_load_hf and not c.initial_load_path:
+        raise ConfigError("checkpoint.initial_load_hf: no folder to load; set checkpoint.initial_load_path to the "
+                          "Hugging Face folder (config.json + safetensors)")
+    if c.initial_load_hf and not is_hf_folder(c.initial_load_path):
+        raise ConfigError(f"checkpoint.initial_load_hf: '{c.initial_load_path}' (checkpoint.initial_load_path) has no "
+                          "config.json, so it is not a Hugging Face folder; give the folder that holds config.json "
+                          "and the .safetensors files, or set checkpoint.initial_load_hf = false for a Tessera step "
+                          "folder")
     if c.initial_load_path and c.create_seed_checkpoint:
         raise ConfigError("checkpoint.initial_load_path: a seed checkpoint (checkpoint.create_seed_checkpoint) is the "
                           "freshly initialized model, not loaded weights; drop one of the two (python -m "

@@ -961,7 +961,7 @@ def test_hf_initial_weights_are_read_in_shards_on_any_layout(reference, tmp_path
     expected = read_full(str(step), "model.")
     torch.save(expected, tmp_path / "expected.pt")
     argv = [*BASE, "--training.steps", "2", "--checkpoint.enable", "false", "--checkpoint.initial_load_path", str(hf),
-            "--training.global_batch_size", "12", *FOR_LOOP]
+            "--checkpoint.initial_load_hf", "--training.global_batch_size", "12", *FOR_LOOP]
     layouts = {
         3: {"fsdp3": []},
         4: {"fsdp2_tp2_float8": ["--parallelism.dp_shard", "2", "--parallelism.tp", "2", "--float8.enable",

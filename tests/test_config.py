@@ -253,6 +253,11 @@ def test_home_is_expanded_in_path_fields(tmp_path, monkeypatch):
         (["--comm.train_timeout_seconds", "100000000000000"], "comm.train_timeout_seconds: at most 100,000,000 "
          "seconds"),
         (["--checkpoint.last_save_model_only"], "checkpoint.last_save_model_only: "),  # needs checkpoint.enable
+        (["--checkpoint.initial_load_hf"], "checkpoint.initial_load_hf: no folder to load; set "
+         "checkpoint.initial_load_path to the Hugging Face folder"),
+        (["--checkpoint.initial_load_hf", "--checkpoint.initial_load_path", os.path.dirname(__file__)],
+         f"checkpoint.initial_load_hf: '{os.path.dirname(__file__)}' (checkpoint.initial_load_path) has no config.json, "
+         "so it is not a Hugging Face folder"),
         (["--checkpoint.create_seed_checkpoint", "--checkpoint.initial_load_path", "."],
          "checkpoint.initial_load_path: a seed checkpoint (checkpoint.create_seed_checkpoint) is the freshly "
          "initialized model"),
