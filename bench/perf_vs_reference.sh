@@ -32,8 +32,9 @@
 #   CP_CHECK 1 (default): run bench/cuda_cp_check.py after the two pairs; 0: not.
 #   LEVERS=1 also run bench/hopper_levers.py (microbenchmarks of the speed levers) if time is left.
 #   AUTO_MEMORY 1 (default): when bf16_compile_ac_op's peak reserved memory is above its reference run's, run
-#            right after the two pairs bf16_noautotune (the fix to try; in the table beside the others) and then
-#            bf16_snapshot (where the memory comes from), in the same call; 0: not.
+#            right after the two pairs bf16_noautotune (the fix to try; in the table beside the others); if its
+#            memory holds, fp8_noautotune (so that this one call has both pairs with the fix, as acceptance asks),
+#            else bf16_snapshot (where the memory comes from); 0: none of these.
 # Comes back under $OUT: the reference's logs (ANCHOR_LOGS), summary.txt and tessera_runs.tar.gz (every
 # Tessera run's log and metrics.jsonl; the run folders themselves stay on the machine, under /tmp). The
 # summary ends with each run's logged peak memory beside the memory estimate (bench/memory_check.py
@@ -74,6 +75,7 @@ declare -A TESSERA=(
   # and bf16_compile_ac_op with every compiled elementwise kernel on one launch configuration (the blocks' and the
   # loss's too, not only the optimizer update's): no clones of written tensors at the first step:
   [bf16_noautotune]="--compile.enable --activation_checkpoint.mode selective --compile.no-autotune_pointwise"
+  [fp8_noautotune]="--compile.enable --activation_checkpoint.mode selective --float8.enable --compile.no-autotune_pointwise"
   # and the speed levers, measured beside bf16_compile_ac_op:
   [fused_loss]="--compile.enable --activation_checkpoint.mode selective --training.loss_chunk_tokens 2048"
   [cudnn_sdpa]="--compile.enable --activation_checkpoint.mode selective --model.sdpa_backend cudnn"
@@ -92,6 +94,7 @@ declare -A PAIR=(
   [noac_compile]=noac_compile [bf16_compile_ac_alt]=bf16_compile [fp8_compile_ac_alt]=fp8_compile
   [fused_loss]=bf16_compile [cudnn_sdpa]=bf16_compile [fused_loss_cudnn]=bf16_compile
   [bf16_autocast]=bf16_compile [fp8_autocast]=fp8_compile [bf16_noautotune]=bf16_compile
+  [fp8_noautotune]=fp8_compile
 )
 for label in $ONLY; do  # before the set-up: a typo costs no device time
   [ -n "${TESSERA[$label]+set}" ] || { echo "ONLY: unknown configuration '$label'; choose from: ${!TESSERA[*]}"; exit 2; }
@@ -162,16 +165,24 @@ memory_above_reference() {  # LABEL: its peak reserved memory (steps 11 on) is a
   [ -f "$RUNS/$1/metrics.jsonl" ] && compare --labels "$1" --pairs "$1=${PAIR[$1]}" --memory-above 1.0 > /dev/null
 }
 
-auto_memory() {  # bf16's memory above the reference's: a run without autotuning, the allocator's history
+auto_run() {  # LABEL: a Tessera run auto_memory adds (unless ONLY runs it anyway, in its place), in the table
+  [[ " $ONLY " == *" $1 "* ]] && return 0
+  tessera "$1"
+  [ -f "$RUNS/$1/metrics.jsonl" ] && [ "$1" != bf16_snapshot ] && AUTO_RAN+=" $1"
+  return 0
+}
+
+auto_memory() {  # bf16's memory above the reference's: the fix to try; then both pairs with it, or the history
   [ "$AUTO_MEMORY" = 1 ] || return 0
   memory_above_reference bf16_compile_ac_op || return 0
-  echo "=== bf16_compile_ac_op reserves more than the reference: bf16_noautotune, then bf16_snapshot"
-  local label
-  for label in bf16_noautotune bf16_snapshot; do
-    [[ " $ONLY " == *" $label "* ]] && continue  # ONLY runs it anyway, in its place
-    tessera "$label"
-    [ "$label" = bf16_noautotune ] && [ -f "$RUNS/$label/metrics.jsonl" ] && AUTO_RAN+=" $label"
-  done
+  echo "=== bf16_compile_ac_op reserves more than the reference: bf16_noautotune, then fp8_noautotune if its" \
+       "memory holds, else bf16_snapshot"
+  auto_run bf16_noautotune
+  if [ -f "$RUNS/bf16_noautotune/metrics.jsonl" ] && ! memory_above_reference bf16_noautotune; then
+    auto_run fp8_noautotune
+  else
+    auto_run bf16_snapshot
+  fi
 }
 
 # Interleaved, so that each pair runs close in time; the acceptance pairs first.
@@ -179,7 +190,7 @@ for pair in "bf16_compile bf16_compile_ac_op" "fp8_compile fp8_compile_ac_op" "a
             "- fp8_autocast" "cp_check" "eager eager_ac_op" \
             "- fsdp1_compile_ac_op" "noac_compile noac_compile" "- fullac_compile" "- bf16_compile_ac_alt" \
             "- fp8_compile_ac_alt" "- fused_loss" "- cudnn_sdpa" "- fused_loss_cudnn" "- bf16_snapshot" \
-            "- bf16_noautotune"; do
+            "- bf16_noautotune" "- fp8_noautotune"; do
   set -- $pair
   if [ "$1" = cp_check ]; then [ "$CP_CHECK" = 1 ] && cp_check; continue; fi
   if [ "$1" = auto_memory ]; then auto_memory; continue; fi

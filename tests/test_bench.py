@@ -123,14 +123,14 @@ def test_perf_vs_reference_configs_are_valid_on_hopper(tmp_path):
         script = f.read()
     table = script[script.index("declare -A TESSERA=("):script.index("declare -A REFERENCE=(")]
     only = " ".join(re.findall(r"^  \[(\w+)\]=", table, flags=re.M))
-    assert len(only.split()) == 15 and "bf16_autocast" in only and "bf16_snapshot" in only
+    assert len(only.split()) == 16 and "bf16_autocast" in only and "bf16_snapshot" in only
     rows = _run_script(tmp_path, "perf_vs_reference.sh", {"ONLY": only, "ANCHOR": "", "BUDGET": "100000"})
     assert len(rows) == len(only.split()), rows
     assert sum("--training.no-bf16_weights" in r["argv"] for r in rows) == 2
     for r in rows:  # the reference kit's shapes, every one
         argv = " ".join(r["argv"])
         assert "--model.flavor 8B_L8 --training.seq_len 8192 --training.local_batch_size 1" in argv, argv
-    assert sum("--float8.enable" in r["argv"] for r in rows) == 3
+    assert sum("--float8.enable" in r["argv"] for r in rows) == 4
     assert sum("alternate" in r["argv"] for r in rows) == 2
     for r in rows:  # the reference's protocol: 25 steps logged every 5 (one host sync per log, not per step)
         argv = " ".join(r["argv"])
@@ -205,19 +205,22 @@ def test_perf_vs_reference_refuses_an_unknown_configuration(tmp_path):
     assert proc.returncode == 2 and "ONLY: unknown configuration 'fused_los'" in proc.stdout, proc.stdout
 
 
-@pytest.mark.parametrize("above", [True, False])
+@pytest.mark.parametrize("above, fix_holds", [(False, None), (True, True), (True, False)])
 def test_perf_vs_reference_tries_the_fix_and_records_the_allocators_history_when_bf16_reserves_more(tmp_path,
-                                                                                                    above):
+                                                                                                    above, fix_holds):
     """When bf16_compile_ac_op's reserved memory is above its reference run's (compare_reference.py
-    --memory-above), the same call runs bf16_noautotune and bf16_snapshot right after the two pairs, and the table
-    compares bf16_noautotune with the reference too; otherwise neither runs. The stand-in python3 writes each
-    launch's metrics file, answers --memory-above as told and prints the table's labels."""
+    --memory-above), the same call runs bf16_noautotune right after the two pairs; if that one's memory holds,
+    fp8_noautotune (both pairs with the fix in one call), else bf16_snapshot; the table compares the runs without
+    autotuning with the reference too. Otherwise none of them runs. The stand-in python3 writes each launch's
+    metrics file, answers --memory-above as told for each run and prints the table's labels."""
     repo = _copy_repo(str(tmp_path))
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "python3").write_text(f"""#!/usr/bin/env bash
 case " $* " in
-  *" --memory-above "*) echo "asked: memory above" >&2; exit {0 if above else 1} ;;
+  *" --memory-above "*)
+    case " $* " in *" --labels bf16_noautotune "*) echo "asked: fix" >&2; exit {1 if fix_holds else 0} ;; esac
+    echo "asked: memory above" >&2; exit {0 if above else 1} ;;
   *" bench/compare_reference.py "*" --json "*) echo "table: $*" ;;
   *" -m engine.train "*)
     args=("$@")
@@ -239,14 +242,17 @@ exit 0
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     ran = re.findall(r"^=== Tessera (\w+): ", proc.stdout, re.MULTILINE)
-    auto = ["bf16_noautotune", "bf16_snapshot"] if above else []
+    auto = ["bf16_noautotune", "fp8_noautotune" if fix_holds else "bf16_snapshot"] if above else []
     assert ran == ["bf16_compile_ac_op", "fp8_compile_ac_op", *auto, "eager_ac_op"], proc.stdout[-3000:]
-    labels = "bf16_compile_ac_op,fp8_compile_ac_op,eager_ac_op" + (",bf16_noautotune" if above else "")
+    labels = "bf16_compile_ac_op,fp8_compile_ac_op,eager_ac_op" + \
+        (",bf16_noautotune" if above else "") + (",fp8_noautotune" if fix_holds else "")
     assert f"--labels {labels} " in proc.stdout, proc.stdout[-3000:]
-    assert "asked: memory above" in proc.stderr
+    assert "asked: memory above" in proc.stderr and ("asked: fix" in proc.stderr) == above
     snapshot_log = tmp_path / "runs" / "bf16_snapshot.log"  # the launch's output goes to its run's log
-    assert snapshot_log.exists() == above
-    assert not above or "--profiling.enable_memory_snapshot" in snapshot_log.read_text()
+    assert snapshot_log.exists() == (above and not fix_holds)
+    assert not snapshot_log.exists() or "--profiling.enable_memory_snapshot" in snapshot_log.read_text()
+    fp8_log = tmp_path / "runs" / "fp8_noautotune.log"
+    assert not fix_holds or "--float8.enable --compile.no-autotune_pointwise" in fp8_log.read_text()
     # AUTO_MEMORY=0 never asks
     proc = subprocess.run(["bash", os.path.join(repo, "bench", "perf_vs_reference.sh")],
                           env=dict(env, AUTO_MEMORY="0", RUNS=str(tmp_path / "runs2")),
