@@ -165,10 +165,10 @@ memory_above_reference() {  # LABEL: its peak reserved memory (steps 11 on) is a
   [ -f "$RUNS/$1/metrics.jsonl" ] && compare --labels "$1" --pairs "$1=${PAIR[$1]}" --memory-above 1.0 > /dev/null
 }
 
-auto_run() {  # LABEL: a Tessera run auto_memory adds (unless ONLY runs it anyway, in its place), in the table
-  [[ " $ONLY " == *" $1 "* ]] && return 0
+auto_run() {  # LABEL: a Tessera run auto_memory adds (unless ONLY runs it anyway, in its place); in the table if
+  [[ " $ONLY " == *" $1 "* ]] && return 0  # it has a reference run to be compared with (not bf16_snapshot)
   tessera "$1"
-  [ -f "$RUNS/$1/metrics.jsonl" ] && [ "$1" != bf16_snapshot ] && AUTO_RAN+=" $1"
+  [ -f "$RUNS/$1/metrics.jsonl" ] && [ -n "${PAIR[$1]+set}" ] && AUTO_RAN+=" $1"
   return 0
 }
 
