@@ -685,6 +685,9 @@ def _unknown_key(key: str) -> ConfigError:
         note = _TORCHTITAN_NOTES.get(key)
         return ConfigError(f"unknown config key '{key}' (torchtitan's name); Tessera's is '{TORCHTITAN_NAMES[key]}'"
                            + (f" ({note})" if note else ""))
+    if key in SECTIONS:  # a section given as if it were a key (`--compile`)
+        return ConfigError(f"unknown config key '{key}': it is a section; give one of its keys, e.g. "
+                           f"'{key}.{_names(key)[0]}'")
     return ConfigError(f"unknown config key '{key}'{_suggest_keys(key)}")
 
 

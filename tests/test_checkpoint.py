@@ -803,6 +803,9 @@ def test_resuming_on_another_split_text_column_or_framing_names_it(reference, tm
 def test_bad_checkpoints_through_run_train_sh(reference, tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
+    other = tmp_path / "other"  # a folder with files, none of them a save's
+    other.mkdir()
+    (other / "notes.txt").write_text("not a checkpoint")
     root = tmp_path / "run" / "checkpoint"
     shutil.copytree(reference / "checkpoint" / "step-000020", root / "step-000020")
     _damage("truncated shard", root / "step-000020")
@@ -810,6 +813,9 @@ def test_bad_checkpoints_through_run_train_sh(reference, tmp_path):
         (["--job.dump_folder", str(tmp_path / "run")], "checkpoint.folder: ", "__0_0.distcp has"),
         (["--job.dump_folder", str(tmp_path / "fresh"), "--checkpoint.initial_load_path", str(empty)],
          "checkpoint.initial_load_path: ", "is empty"),
+        (["--job.dump_folder", str(tmp_path / "fresh"), "--checkpoint.initial_load_path", str(other)],
+         "checkpoint.initial_load_path: ", "is not a checkpoint (no COMMITTED.json, no DCP files); give a Tessera step "
+                                           "folder (with COMMITTED.json) or a Hugging Face folder (with config.json)"),
         (["--job.dump_folder", str(tmp_path / "run"), "--checkpoint.load_step", "7"],
          "checkpoint.load_step: ", "no checkpoint of step 7"),
         (["--job.dump_folder", str(tmp_path / "fresh"),

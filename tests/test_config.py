@@ -119,6 +119,7 @@ def test_torchtitan_table_names_tessera_keys():
         ("optimizer.warmup_steps", " (did you mean 'lr_scheduler.warmup_steps'?)"),  # another section's
         ("steps", " (did you mean 'training.steps' or 'validation.steps'?)"),
         ("stepz", " (did you mean 'training.steps' or 'validation.steps'?)"),
+        ("compile", ": it is a section; give one of its keys, e.g. 'compile.enable'"),  # `--compile` as a flag
     ],
 )
 def test_unknown_keys_suggest_only_close_keys(key, suggestion):
