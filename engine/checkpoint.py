@@ -288,8 +288,8 @@ def inspect_checkpoint(folder: str, field: str, cfg: Optional[Config] = None) ->
         if complete:  # the folder of a run's checkpoints, not one of them
             raise ConfigError(f"{field}: {folder} holds step folders, not a checkpoint; give one of them, e.g. the "
                               f"newest complete one, {complete[-1]}")
-        written = [n for n in os.listdir(folder) if n in (".metadata", TRAIN_STATE_FILE) or n.endswith(".distcp")]
-        if not written:  # nothing a save writes: not a checkpoint at all
+        if not any(n in (".metadata", TRAIN_STATE_FILE) or n.endswith(".distcp") for n in os.listdir(folder)):
+            # nothing a save writes: not a checkpoint at all
             want = (f"a Tessera step folder (with {COMMIT_FILE}) or a Hugging Face folder (with config.json)"
                     if field == "checkpoint.initial_load_path" else f"a Tessera step folder (with {COMMIT_FILE})")
             raise ConfigError(f"{field}: {folder} is not a checkpoint (no {COMMIT_FILE}, no DCP files); give {want}")
