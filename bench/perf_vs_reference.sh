@@ -72,10 +72,10 @@ declare -A TESSERA=(
   # allocator reserve memory beyond the live tensors (the 2026-11-26 bf16 runs held 45.46 GiB reserved for
   # 41.73 GiB active):
   [bf16_snapshot]="--compile.enable --activation_checkpoint.mode selective --profiling.enable_memory_snapshot --profiling.profile_freq 5"
-  # and bf16_compile_ac_op with every compiled elementwise kernel on one launch configuration (the blocks' and the
-  # loss's too, not only the optimizer update's): no clones of written tensors at the first step:
-  [bf16_noautotune]="--compile.enable --activation_checkpoint.mode selective --compile.no-autotune_pointwise"
-  [fp8_noautotune]="--compile.enable --activation_checkpoint.mode selective --float8.enable --compile.no-autotune_pointwise"
+  # and bf16_compile_ac_op with every compiled elementwise and reduction kernel on one launch configuration (the
+  # blocks' and the loss's too, not only the optimizer update's): no clones of written tensors at the first step:
+  [bf16_noautotune]="--compile.enable --activation_checkpoint.mode selective --compile.no-autotune"
+  [fp8_noautotune]="--compile.enable --activation_checkpoint.mode selective --float8.enable --compile.no-autotune"
   # and the speed levers, measured beside bf16_compile_ac_op:
   [fused_loss]="--compile.enable --activation_checkpoint.mode selective --training.loss_chunk_tokens 2048"
   [cudnn_sdpa]="--compile.enable --activation_checkpoint.mode selective --model.sdpa_backend cudnn"

@@ -228,11 +228,13 @@ class ActivationCheckpoint:
 class Compile:
     enable: bool = False
     """torch.compile each transformer block (fullgraph) and the loss."""
-    autotune_pointwise: bool = True
-    """Inductor tries two launch configurations of each elementwise kernel at its first launch and keeps the
-    faster; it runs them on clones of the tensors the kernel writes, which can leave the first step's memory
-    reserved for the rest of the run. false: one configuration (Inductor's default block size), no clones
-    (needs compile.enable; the split bf16 weights' optimizer update runs with one configuration always)."""
+    autotune: bool = True
+    """Inductor benchmarks launch configurations of each elementwise kernel (two) and reduction kernel (several)
+    at its first launch and keeps the fastest; it runs them on clones of the tensors the kernel writes, which can
+    leave the first step's memory reserved for the rest of the run. false: one configuration per kernel
+    (Inductor's default block size for elementwise kernels, the one its deterministic mode picks for
+    reductions), no clones (needs compile.enable; the split bf16 weights' optimizer update runs with one
+    configuration always)."""
 
 
 @dataclass
@@ -969,9 +971,9 @@ def validate(cfg: Config, world_size: int = 1, machine: Optional[Machine] = None
     _validate_float8(cfg, machine)
 
     # compile
-    if not cfg.compile.autotune_pointwise and not cfg.compile.enable:
-        raise ConfigError("compile.autotune_pointwise: false applies to compiled kernels; set compile.enable = true "
-                          "as well, or drop it")
+    if not cfg.compile.autotune and not cfg.compile.enable:
+        raise ConfigError("compile.autotune: false applies to compiled kernels; set compile.enable = true as well, "
+                          "or drop it")
 
     # optimizer
     o = cfg.optimizer

@@ -68,7 +68,7 @@ def compile_loss(loss_fn: Callable) -> Callable:
 def set_inductor_option(name: str, value) -> None:
     """Set one of the compiler's (inductor's) process-wide options (``triton.autotune_pointwise``: one of its
     sections'). torch offers no public API for these; every plan that needs one (async TP's micro-pipelining,
-    float8's eager-identical casts, compile.autotune_pointwise) goes through here."""
+    float8's eager-identical casts, compile.autotune) goes through here."""
     import torch._inductor.config as inductor_config
 
     *sections, key = name.split(".")
@@ -77,3 +77,13 @@ def set_inductor_option(name: str, value) -> None:
         owner = getattr(owner, section)
     assert hasattr(owner, key), f"this torch's inductor has no option {name}"
     setattr(owner, key, value)
+
+
+def set_kernel_autotuning(enabled: bool) -> None:
+    """compile.autotune for every graph compiled from now on in this process (the blocks' and the loss's):
+    ``False`` gives each elementwise kernel one launch configuration and each reduction the one Inductor's
+    deterministic mode picks, so no kernel is benchmarked, on clones of the tensors it writes, at its first
+    launch. The reductions' filter is a test option of Inductor's (``deterministic`` itself also bans other
+    benchmarks and shape padding); a CPU build ignores both."""
+    set_inductor_option("triton.autotune_pointwise", enabled)
+    set_inductor_option("test_configs.force_filter_reduction_configs", not enabled)

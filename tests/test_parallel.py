@@ -190,20 +190,25 @@ def test_single_process_compile_matches_reference(batches, reference, tmp_path):
     _check(run_layout(args, 1, 0, batches, str(tmp_path)), reference, args)
 
 
-def test_compile_without_pointwise_autotuning_matches_reference(batches, reference, tmp_path):
-    """compile.autotune_pointwise = false reaches Inductor's process-wide option (a CPU build ignores it: the
-    numbers stay the reference's); the next compiled run sets it back from its own config."""
+def test_compile_without_autotuning_matches_reference(batches, reference, tmp_path):
+    """compile.autotune = false reaches Inductor's process-wide options, for elementwise kernels and reductions
+    (a CPU build ignores them: the numbers stay the reference's); the next compiled run sets them back from its
+    own config."""
     import torch._inductor.config as inductor_config
 
+    def options():
+        return inductor_config.triton.autotune_pointwise, inductor_config.test_configs.force_filter_reduction_configs
+
     try:
-        args = _layout(GLOBAL, "--compile.enable", "--compile.no-autotune_pointwise")
+        args = _layout(GLOBAL, "--compile.enable", "--compile.no-autotune")
         _check(run_layout(args, 1, 0, batches, str(tmp_path / "off")), reference, args)
-        assert inductor_config.triton.autotune_pointwise is False
+        assert options() == (False, True)
         args = _layout(GLOBAL, "--compile.enable")
         run_layout(args, 1, 0, batches, str(tmp_path / "on"))
-        assert inductor_config.triton.autotune_pointwise is True
+        assert options() == (True, False)
     finally:
         inductor_config.triton.autotune_pointwise = True
+        inductor_config.test_configs.force_filter_reduction_configs = False
 
 
 def test_fsdp_on_a_single_rank_matches_reference(batches, reference, tmp_path):

@@ -70,7 +70,7 @@ BAD_INPUTS = [
     (["--optimizer.lr", "inf"], "optimizer.lr"),
     (["--checkpoint.exclude_from_loading", "optimizer"], "checkpoint.exclude_from_loading"),
     (["--checkpoint.last_save_model_only"], "checkpoint.last_save_model_only"),  # needs checkpoint.enable
-    (["--compile.no-autotune_pointwise"], "compile.autotune_pointwise"),  # needs compile.enable
+    (["--compile.no-autotune"], "compile.autotune"),  # needs compile.enable
     (["--debug.seed", "4294967296"], "debug.seed: must be in [0, 2**32 - 1]"),
     (["--parallelism.pp_schedule", "1f1b"], "parallelism.pp_schedule"),  # checked at pp = 1 too
     (["--validation.enable", "--validation.dataset_config", "en"], "validation.dataset_config"),

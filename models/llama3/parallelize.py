@@ -33,7 +33,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from parallelize.checkpointing import apply_ac
-from parallelize.compile import apply_compile, set_inductor_option, wait_before_compiled_blocks
+from parallelize.compile import apply_compile, set_kernel_autotuning, wait_before_compiled_blocks
 from parallelize.context import context_attention, shard_sequence
 from parallelize.data import apply_fsdp, mixed_precision_policy
 from parallelize.float8 import (
@@ -135,7 +135,7 @@ def parallelize_llama(model: nn.Module, dims: ParallelDims, cfg: Any, device_typ
         apply_ac(model.layers, ac.mode, ac.selective_option, ac.op_matmuls)
 
     if cfg.compile.enable:
-        set_inductor_option("triton.autotune_pointwise", cfg.compile.autotune_pointwise)  # the loss's graph too
+        set_kernel_autotuning(cfg.compile.autotune)  # the loss's graph too
         apply_compile(model.layers, fullgraph=not (dims.cp_enabled and p.cp_rotate == "alltoall"),
                       inside_checkpoint=ac.mode == "full" or (ac.mode == "selective" and ac.selective_option != "op"))
         if dims.tp_enabled and model.tok_embeddings is not None:
