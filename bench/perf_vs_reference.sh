@@ -31,10 +31,10 @@
 #            runs what was skipped (the next session lent a GPU starts there).
 #   CP_CHECK 1 (default): run bench/cuda_cp_check.py after the two pairs; 0: not.
 #   LEVERS=1 also run bench/hopper_levers.py (microbenchmarks of the speed levers) if time is left.
-#   AUTO_MEMORY 1 (default): when bf16_compile_ac_op's peak reserved memory is above its reference run's, run
-#            right after the two pairs bf16_noautotune (the fix to try; in the table beside the others); if its
-#            memory holds, fp8_noautotune (so that this one call has both pairs with the fix, as acceptance asks),
-#            else bf16_snapshot (where the memory comes from); 0: none of these.
+#   AUTO_MEMORY 1 (default): when bf16_compile_ac_op's (or fp8_compile_ac_op's) peak reserved memory is above its
+#            reference run's, run right after the two pairs bf16_noautotune (the fix to try; in the table beside
+#            the others); if its memory holds, fp8_noautotune (so that this one call has both pairs with the fix,
+#            as acceptance asks), else bf16_snapshot (where the memory comes from); 0: none of these.
 # Comes back under $OUT: the reference's logs (ANCHOR_LOGS), summary.txt and tessera_runs.tar.gz (every
 # Tessera run's log and metrics.jsonl; the run folders themselves stay on the machine, under /tmp). The
 # summary ends with each run's logged peak memory beside the memory estimate (bench/memory_check.py
@@ -172,10 +172,10 @@ auto_run() {  # LABEL: a Tessera run auto_memory adds (unless ONLY runs it anywa
   return 0
 }
 
-auto_memory() {  # bf16's memory above the reference's: the fix to try; then both pairs with it, or the history
+auto_memory() {  # a pair's memory above the reference's: the fix to try; then both pairs with it, or the history
   [ "$AUTO_MEMORY" = 1 ] || return 0
-  memory_above_reference bf16_compile_ac_op || return 0
-  echo "=== bf16_compile_ac_op reserves more than the reference: bf16_noautotune, then fp8_noautotune if its" \
+  memory_above_reference bf16_compile_ac_op || memory_above_reference fp8_compile_ac_op || return 0
+  echo "=== a pair reserves more than its reference run: bf16_noautotune, then fp8_noautotune if its" \
        "memory holds, else bf16_snapshot"
   auto_run bf16_noautotune
   if [ -f "$RUNS/bf16_noautotune/metrics.jsonl" ] && ! memory_above_reference bf16_noautotune; then

@@ -205,14 +205,16 @@ def test_perf_vs_reference_refuses_an_unknown_configuration(tmp_path):
     assert proc.returncode == 2 and "ONLY: unknown configuration 'fused_los'" in proc.stdout, proc.stdout
 
 
-@pytest.mark.parametrize("above, fix_holds", [(False, None), (True, True), (True, False)])
-def test_perf_vs_reference_tries_the_fix_and_records_the_allocators_history_when_bf16_reserves_more(tmp_path,
-                                                                                                    above, fix_holds):
-    """When bf16_compile_ac_op's reserved memory is above its reference run's (compare_reference.py
-    --memory-above), the same call runs bf16_noautotune right after the two pairs; if that one's memory holds,
-    fp8_noautotune (both pairs with the fix in one call), else bf16_snapshot; the table compares the runs without
-    autotuning with the reference too. Otherwise none of them runs. The stand-in python3 writes each launch's
-    metrics file, answers --memory-above as told for each run and prints the table's labels."""
+@pytest.mark.parametrize("pair_above, fix_holds", [(None, None), ("bf16", True), ("bf16", False), ("fp8", True)])
+def test_perf_vs_reference_tries_the_fix_and_records_the_allocators_history_when_a_pair_reserves_more(
+        tmp_path, pair_above, fix_holds):
+    """When bf16_compile_ac_op's or fp8_compile_ac_op's reserved memory is above its reference run's
+    (compare_reference.py --memory-above), the same call runs bf16_noautotune right after the two pairs; if that
+    one's memory holds, fp8_noautotune (both pairs with the fix in one call), else bf16_snapshot; the table
+    compares the runs without autotuning with the reference too. Otherwise none of them runs. The stand-in
+    python3 writes each launch's metrics file, answers --memory-above as told for each run and prints the table's
+    labels."""
+    above = pair_above is not None
     repo = _copy_repo(str(tmp_path))
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
@@ -220,7 +222,8 @@ def test_perf_vs_reference_tries_the_fix_and_records_the_allocators_history_when
 case " $* " in
   *" --memory-above "*)
     case " $* " in *" --labels bf16_noautotune "*) echo "asked: fix" >&2; exit {1 if fix_holds else 0} ;; esac
-    echo "asked: memory above" >&2; exit {0 if above else 1} ;;
+    case " $* " in *" --labels {pair_above}_compile_ac_op "*) echo "asked: memory above" >&2; exit 0 ;; esac
+    echo "asked: memory above" >&2; exit 1 ;;
   *" bench/compare_reference.py "*" --json "*) echo "table: $*" ;;
   *" -m engine.train "*)
     args=("$@")
