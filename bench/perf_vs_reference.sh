@@ -32,9 +32,10 @@
 #   CP_CHECK 1 (default): run bench/cuda_cp_check.py after the two pairs; 0: not.
 #   LEVERS=1 also run bench/hopper_levers.py (microbenchmarks of the speed levers) if time is left.
 #   AUTO_MEMORY 1 (default): when bf16_compile_ac_op's (or fp8_compile_ac_op's) peak reserved memory is above its
-#            reference run's, run right after the two pairs bf16_noautotune (the fix to try; in the table beside
-#            the others); if its memory holds, fp8_noautotune (so that this one call has both pairs with the fix,
-#            as acceptance asks), else bf16_snapshot (where the memory comes from); 0: none of these.
+#            reference run's (after warm-up, or over the whole run: the first step's compilation included), run
+#            right after the two pairs bf16_noautotune (the fix to try; in the table beside the others); if its
+#            memory holds, fp8_noautotune (so that this one call has both pairs with the fix, as acceptance
+#            asks), else bf16_snapshot (where the memory comes from); 0: none of these.
 # Comes back under $OUT: the reference's logs (ANCHOR_LOGS), summary.txt and tessera_runs.tar.gz (every
 # Tessera run's log and metrics.jsonl; the run folders themselves stay on the machine, under /tmp). The
 # summary ends with each run's logged peak memory beside the memory estimate (bench/memory_check.py
@@ -161,7 +162,8 @@ compare() {  # ARGS...: compare_reference.py on this call's runs, medians over t
     --steps "$STEPS" "$@"
 }
 
-memory_above_reference() {  # LABEL: its peak reserved memory (steps 11 on) is above its reference run's
+memory_above_reference() {  # LABEL: its peak reserved memory (steps 11 on, or over the whole run) is above its
+  # reference run's
   [ -f "$RUNS/$1/metrics.jsonl" ] && compare --labels "$1" --pairs "$1=${PAIR[$1]}" --memory-above 1.0 > /dev/null
 }
 

@@ -1,4 +1,5 @@
-"""Summarize a run's metrics.jsonl: median tps, TFLOP/s, MFU and the peak memory after warm-up.
+"""Summarize a run's metrics.jsonl: median tps, TFLOP/s, MFU and the peak memory after warm-up (and the peak
+reserved memory over the whole run, its first steps included).
 
     python bench/summarize.py RUN_DIR_OR_JSONL [--skip N] [--steps S]
 
@@ -35,6 +36,7 @@ def summarize(path: str, skip: int = 5, steps: int | None = None) -> dict:
         "mfu": median("mfu"),
         "peak_memory_gib": max(r["memory_gib"] for r in steady),
         "peak_reserved_gib": max((r.get("memory_reserved_gib") or 0) for r in steady),
+        "run_peak_reserved_gib": max((r.get("memory_reserved_gib") or 0) for r in rows),
         "last_loss": steady[-1]["loss"],
         "partial": steps is not None and rows[-1]["step"] < steps,
     }
@@ -51,7 +53,8 @@ def main(argv=None) -> int:
     print(
         f"{args.path}: steps {s['steps']}  median tps/gpu {fmt(s['tps_per_gpu'], ',.0f')}  "
         f"TFLOP/s {fmt(s['tflops'], '.1f')}  MFU {fmt(s['mfu'], '.1f')}%  peak memory "
-        f"{s['peak_memory_gib']:.1f} GiB (reserved {s['peak_reserved_gib']:.1f})  last loss {s['last_loss']:.3f}{'  PARTIAL (stopped early)' if s['partial'] else ''}"
+        f"{s['peak_memory_gib']:.1f} GiB (reserved {s['peak_reserved_gib']:.1f}; whole run "
+        f"{s['run_peak_reserved_gib']:.1f})  last loss {s['last_loss']:.3f}{'  PARTIAL (stopped early)' if s['partial'] else ''}"
     )
     return 0
 

@@ -153,6 +153,11 @@ class Training:
     (GiBs less peak memory at a 128k vocabulary, the same FLOPs). 0 = off (logits, then the loss). Under
     tensor parallelism each rank computes its vocabulary slice of every chunk; under pipeline parallelism the
     last stage does."""
+    empty_cache_after_first_step: bool = True
+    """On CUDA: after a run's first step (compilation, Inductor's autotuning, the optimizer's state created), hand
+    the caching allocator's free blocks back to the GPU once (torch.cuda.empty_cache), so that memory only that
+    step used is not held, reserved and idle, for the rest of the run (NCCL's and cuBLAS's own buffers, and other
+    processes, cannot use it). The first step's logged peak still counts it. false: keep it reserved."""
     gc_freq: int = 50
     """Python's garbage collector runs between steps, every this many steps, instead of whenever its allocation
     counters say (a collection in the middle of a step on one rank holds up every other rank at the next

@@ -98,6 +98,13 @@ def scheduled_gc(every: int):
             gc.enable()
 
 
+def release_cached_memory(device: torch.device) -> None:
+    """Hand the caching allocator's free blocks back to the device (CUDA: torch.cuda.empty_cache; with
+    expandable segments every free page is unmapped). Nothing on CPU."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 class TrainingDiverged(RuntimeError):
     """The loss or the gradient norm became nan or inf (every rank sees the same, so every rank raises it)."""
 
@@ -576,6 +583,8 @@ class Trainer:
                     loss, grad_norm = self.train_step(microbatches)
                     if self.step == first_step:  # compilation and set-up are behind: hangs now fail fast
                         set_collective_timeout(cfg.comm.train_timeout_seconds)
+                        if cfg.training.empty_cache_after_first_step:  # before the log starts the next window
+                            release_cached_memory(self.device)
                     window_tokens += tokens_per_step
                     window_loss += loss
                     window_nonfinite += ~torch.isfinite(grad_norm)

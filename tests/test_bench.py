@@ -310,32 +310,47 @@ def test_compare_reference_reads_both_trainers(tmp_path):
     anchor = tmp_path / "anchor"
     anchor.mkdir()
     log = "".join(ANCHOR_LOG.format(step=s, mem=40.0 + s / 10, tps=t)
-                  for s, t in ((5, 10_000), (10, 29_000), (15, 29_400), (20, 29_600)))
+                  for s, t in ((1, 600), (5, 10_000), (10, 29_000), (15, 29_400), (20, 29_600)))
     (anchor / "anchor_bf16_compile.log").write_text(log + VALIDATE)
     ref = compare_reference.summarize_anchor(str(anchor / "anchor_bf16_compile.log"), skip=10)
     assert ref["steps"] == "15-20"
     assert ref["tps"] == 29_500 and ref["mfu"] == pytest.approx(50.16)
     assert ref["peak_reserved_gib"] == pytest.approx(42.0)  # the validation line's 70 GiB is not a step
+    assert ref["run_peak_reserved_gib"] == pytest.approx(42.0)  # its first step reserved less (40.1 GiB)
 
-    run = tmp_path / "tessera" / "bf16_compile_ac_op"
-    run.mkdir(parents=True)
-    with open(run / "metrics.jsonl", "w") as f:
-        for step in range(1, 16):
-            f.write(json.dumps({"step": step, "loss": 8.0 - step / 10, "grad_norm": 1.0, "lr": 3e-4,
-                                "tps": 10_000 if step <= 5 else 32_450, "tps_per_gpu": 10_000 if step <= 5 else 32_450,
-                                "tflops": 546.0, "mfu": 55.2, "memory_gib": 39.0,
-                                "memory_reserved_gib": 41.0}) + "\n")
+    def tessera_run(first_step_reserved):
+        """Steps 1-15, 41 GiB reserved after the first step, which reserved ``first_step_reserved``."""
+        run = tmp_path / "tessera" / "bf16_compile_ac_op"
+        run.mkdir(parents=True, exist_ok=True)
+        with open(run / "metrics.jsonl", "w") as f:
+            for step in range(1, 16):
+                f.write(json.dumps({"step": step, "loss": 8.0 - step / 10, "grad_norm": 1.0, "lr": 3e-4,
+                                    "tps": 10_000 if step <= 5 else 32_450,
+                                    "tps_per_gpu": 10_000 if step <= 5 else 32_450, "tflops": 546.0, "mfu": 55.2,
+                                    "memory_gib": 39.0,
+                                    "memory_reserved_gib": first_step_reserved if step == 1 else 41.0}) + "\n")
+
+    tessera_run(first_step_reserved=40.5)
     out = tmp_path / "summary.json"
     assert compare_reference.main(["--tessera", str(tmp_path / "tessera"), "--anchor", str(anchor),
                                    "--pairs", "bf16_compile_ac_op=bf16_compile", "--json", str(out)]) == 0
     (result,) = json.loads(out.read_text())
     assert result["tps_ratio"] == pytest.approx(32_450 / 29_500)
     assert result["memory_ratio"] == pytest.approx(41.0 / 42.0)
+    assert result["run_memory_ratio"] == pytest.approx(41.0 / 42.0)
     # --memory-above: the exit status says whether a pair's memory ratio is above the bound
     pair = ["--tessera", str(tmp_path / "tessera"), "--anchor", str(anchor),
             "--pairs", "bf16_compile_ac_op=bf16_compile"]
     assert compare_reference.main(pair + ["--memory-above", "1.0"]) == 1
     assert compare_reference.main(pair + ["--memory-above", "0.97"]) == 0
+    # a first step that reserved more than the reference ever did: within bounds after warm-up, not over the
+    # whole run, and --memory-above says so
+    tessera_run(first_step_reserved=43.0)
+    assert compare_reference.main(pair + ["--json", str(out)]) == 0
+    (result,) = json.loads(out.read_text())
+    assert result["memory_ratio"] == pytest.approx(41.0 / 42.0)
+    assert result["run_memory_ratio"] == pytest.approx(43.0 / 42.0)
+    assert compare_reference.main(pair + ["--memory-above", "1.0"]) == 0
 
 
 def test_compare_reference_gives_no_ratio_for_a_run_that_stopped_early(tmp_path):

@@ -485,6 +485,37 @@ def test_garbage_collection_runs_between_steps(tmp_path, capsys, monkeypatch):
     assert gc.isenabled()
 
 
+@pytest.mark.parametrize("release", [True, False])
+def test_first_steps_cached_memory_is_released_before_its_log(tmp_path, capsys, monkeypatch, release):
+    """training.empty_cache_after_first_step (default): the allocator's cache is emptied once, after the first
+    step and before its log resets the peak statistics, so that the first step's record holds its own peak and
+    the next windows' peaks start from what the run keeps reserved; off: never."""
+    from engine import metrics, trainer
+
+    events = []
+    monkeypatch.setattr(trainer, "release_cached_memory", lambda device: events.append(("release", device.type)))
+    monkeypatch.setattr(metrics, "reset_peak_memory", lambda device: events.append(("reset", device.type)))
+    flag = [] if release else ["--training.no-empty_cache_after_first_step"]
+    rc, out, err = run_main(["--job.dump_folder", str(tmp_path / "run"), *SMALL, "--training.steps", "3", *flag],
+                            capsys)
+    assert rc == 0, err
+    assert events == [("release", "cpu")] * release + [("reset", "cpu")] * 3
+
+
+def test_release_cached_memory_empties_cudas_cache_and_leaves_cpu_alone(monkeypatch):
+    """CUDA: torch.cuda.empty_cache. CPU: there is no caching allocator to empty, torch.cuda is not touched."""
+    import torch
+
+    from engine.trainer import release_cached_memory
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
+    release_cached_memory(torch.device("cpu"))
+    assert calls == []
+    release_cached_memory(torch.device("cuda", 0))
+    assert calls == ["empty_cache"]
+
+
 def test_help_lists_fields(capsys):
     rc, out, err = run_main(["--help"], capsys)
     assert rc == 0 and "--training.steps" in out and "--checkpoint" not in err
