@@ -162,8 +162,7 @@ compare() {  # ARGS...: compare_reference.py on this call's runs, medians over t
     --steps "$STEPS" "$@"
 }
 
-memory_above_reference() {  # LABEL: its peak reserved memory (steps 11 on, or over the whole run) is above its
-  # reference run's
+memory_above_reference() {  # LABEL: its peak reserved memory (steps 11 on, or whole run) is above its reference's
   [ -f "$RUNS/$1/metrics.jsonl" ] && compare --labels "$1" --pairs "$1=${PAIR[$1]}" --memory-above 1.0 > /dev/null
 }
 
