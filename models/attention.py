@@ -33,7 +33,6 @@ __all__ = [
     "attention",
     "flex_block_mask",
     "dense_causal_mask",
-    "clear_block_mask_cache",
 ]
 
 logger = logging.getLogger(__name__)
@@ -145,11 +144,6 @@ def flex_block_mask(doc_ids: Optional[Tensor], seq_len: int, device: torch.devic
     return create_block_mask(
         document_causal, doc_ids.shape[0], None, seq_len, seq_len, device=device, _compile=device.type == "cuda"
     )
-
-
-def clear_block_mask_cache() -> None:
-    """Forget the cached causal block masks."""
-    _causal_masks.clear()
 
 
 def dense_causal_mask(doc_ids: Optional[Tensor], seq_len: int, device: torch.device | str) -> Tensor:

@@ -12,9 +12,11 @@ Two ways to compute it:
   backward), and keeps only the gradients of the hidden state and of the weight; the backward scales them.
   The logits of the whole batch never exist, and no matmul is recomputed (the same FLOPs as the plain way).
   The matmuls run in autocast's dtype when autocast is on (the hidden state and the weight are float32
-  then), else in the hidden state's. The weight's gradient is accumulated over chunks in the weight's dtype
-  (float32 on CPU and under autocast, bf16 under FSDP's mixed precision, as the plain way's matmul writes
-  it there too). Under tensor parallelism each rank holds a slice of the vocabulary and the log-sum-exp is
+  then), else in the hidden state's. The weight's gradient is accumulated over chunks in the weight's dtype:
+  float32 on CPU and under autocast; bf16 under FSDP's mixed precision, rounded once per chunk where the
+  plain way's single matmul rounds once (measured on CPU: 32,768 tokens in 16 chunks, relative error 4.9e-3
+  against 1.7e-3), because a float32 accumulator would add 2 GiB at Llama-3's vocabulary and dimension 4096,
+  at the step's peak. Under tensor parallelism each rank holds a slice of the vocabulary and the log-sum-exp is
   reduced over the TP group (parallelize/tensor.py ``vocab_parallel_linear_cross_entropy_sum``).
 """
 

@@ -2,22 +2,26 @@
 
 Blocks are wrapped with torch's ``checkpoint_wrapper`` (non-reentrant), whose state-dict hooks keep the
 parameter names unchanged, so checkpoints do not depend on the AC setting. Per-op selective AC saves the
-outputs of the matmuls (all, or every other one: activation_checkpoint.op_matmuls), of attention and of the
-tensor-parallel reduce-scatters (expensive to recompute) and recomputes everything else (norms, activations,
-RoPE, elementwise ops) in backward.
+outputs of the matmuls (all, or every other one: activation_checkpoint.op_matmuls), of attention (under
+context parallelism the ring's output and log-sum-exp, not its partial results) and of the tensor-parallel
+reduce-scatters (expensive to recompute) and recomputes everything else (norms, activations, RoPE, elementwise
+ops) in backward.
 """
 
 from __future__ import annotations
 
-from functools import partial
+from functools import cache, partial
 
 import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+import parallelize.context  # noqa: F401  (registers the tessera::ring_attention operator named below)
 
-def _save_list() -> set:
+
+@cache
+def _save_list() -> frozenset:
     ops = {
         torch.ops.aten.mm.default,
         torch.ops.aten.addmm.default,
@@ -29,13 +33,15 @@ def _save_list() -> set:
         torch.ops.aten._scaled_dot_product_cudnn_attention.default,
         torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
         torch.ops.higher_order.flex_attention,  # model.attn = flex (document masking)
+        torch.ops.tessera.ring_attention.default,  # context parallelism: the whole ring, one operator
         torch.ops._c10d_functional.reduce_scatter_tensor.default,
     }
-    try:  # model.attn = flash_attn: the package registers its kernels as torch ops (flash-attn >= 2.7)
+    try:  # model.attn = flash_attn: the package registers its kernels as torch ops (flash-attn >= 2.7) when
+        import flash_attn  # noqa: F401  imported, which models/attention.py does only at its first call
         ops.add(torch.ops.flash_attn._flash_attn_forward.default)
-    except (AttributeError, RuntimeError):
+    except (ImportError, AttributeError, RuntimeError):
         pass
-    return ops
+    return frozenset(ops)
 
 
 _MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}

@@ -12,9 +12,9 @@ import torch
 from torch import nn
 
 
-def apply_compile(blocks: nn.ModuleDict, fullgraph: bool = True, inside_checkpoint: bool = False) -> None:
-    """Compile each block in place; ``fullgraph=False`` where a block holds ops dynamo cannot trace
-    (context parallelism's point-to-point ring runs eagerly between two graphs).
+def apply_compile(blocks: nn.ModuleDict, inside_checkpoint: bool = False) -> None:
+    """Compile each block in place, with fullgraph (context parallelism's ring attention, whichever way it
+    rotates, is one operator to the compiler: parallelize/context.py).
 
     ``inside_checkpoint`` (full and every-N activation checkpointing): a checkpoint-wrapped block's own module is
     compiled and the checkpoint runs eagerly around it, recomputing the compiled forward in backward. Compiling
@@ -24,7 +24,7 @@ def apply_compile(blocks: nn.ModuleDict, fullgraph: bool = True, inside_checkpoi
     block either way, so the two orders compute the same."""
     for block in blocks.values():
         inner = getattr(block, "_checkpoint_wrapped_module", None) if inside_checkpoint else None
-        (inner if inner is not None else block).compile(fullgraph=fullgraph)
+        (inner if inner is not None else block).compile(fullgraph=True)
 
 
 def wait_before_compiled_blocks(module: nn.Module) -> None:

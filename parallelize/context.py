@@ -370,62 +370,103 @@ def _rotation(rotate: str, group: dist.ProcessGroup):
 # ----------------------------------------------------------------------------------------------------------------
 
 
-class _RingAttention(torch.autograd.Function):
+def _resolve_group(group_name: str) -> dist.ProcessGroup:
+    """The process group called ``group_name`` (torch keeps the name -> group registry of its functional
+    collectives privately; this is the one place Tessera reads it)."""
+    return dist.distributed_c10d._resolve_process_group(group_name)
+
+
+# Ring attention is one operator (with its own backward operator) rather than a Python autograd function, so
+# that whatever looks at the operators of a block's forward sees it whole: per-op activation checkpointing
+# (parallelize/checkpointing.py) saves its output and log-sum-exp, as it saves a plain attention kernel's,
+# instead of every block kernel's partial output inside the ring, and does not rerun its collectives when the
+# block is recomputed; torch.compile keeps it opaque (its fake implementation gives the output shapes).
+
+
+@torch.library.custom_op("tessera::ring_attention", mutates_args=())
+def ring_attention(q: Tensor, k: Tensor, v: Tensor, group_name: str, rotate: str, scale: Optional[float],
+                   doc_ids: Optional[Tensor]) -> tuple[Tensor, Tensor]:
     """Causal attention of the local load-balanced q chunks against the whole sequence (see the module doc).
 
-    q ``[B, Hq, S_local, D]``, k/v ``[B, Hkv, S_local, D]`` -> out ``[B, Hq, S_local, D]``; ``doc_ids``: None, or
-    the whole sequence's document ids ``[B, S]`` (document masking).
+    q ``[B, Hq, S_local, D]``, k/v ``[B, Hkv, S_local, D]`` -> out ``[B, Hq, S_local, D]`` and the fp32
+    log-sum-exp of each query row ``[B, Hq, S_local]``; ``doc_ids``: None, or the whole sequence's document ids
+    ``[B, S]`` (document masking); ``group_name`` names the cp group.
     """
+    group = _resolve_group(group_name)
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    block_forward, _ = _block_kernels(q, masked=doc_ids is not None)
+    rep = q.shape[1] // k.shape[1]
+    q_chunks = q.chunk(2, dim=2)
+    merged: list[Optional[tuple[Tensor, Tensor]]] = [None, None]
+    for src, kv in _rotation(rotate, group).kv_blocks(torch.stack([k, v])):
+        k_chunks, v_chunks = kv[0].chunk(2, dim=2), kv[1].chunk(2, dim=2)
+        for qi, ki, q_chunk, kv_chunk in _block_pairs(rank, src, size):
+            out, lse = block_forward(
+                q_chunks[qi], _repeat_heads(k_chunks[ki], rep), _repeat_heads(v_chunks[ki], rep),
+                kv_chunk == q_chunk, scale, _document_mask(doc_ids, q_chunk, kv_chunk, size),
+            )
+            merged[qi] = _merge(merged[qi], out, lse)
+    out = torch.cat([m[0] for m in merged], dim=2).to(q.dtype)
+    return out, torch.cat([m[1].float() for m in merged], dim=2)
 
-    @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup, rotate: str, scale,
-                doc_ids: Optional[Tensor]):
-        rank, size = dist.get_rank(group), dist.get_world_size(group)
-        block_forward, _ = _block_kernels(q, masked=doc_ids is not None)
-        rep = q.shape[1] // k.shape[1]
-        q_chunks = q.chunk(2, dim=2)
-        merged: list[Optional[tuple[Tensor, Tensor]]] = [None, None]
-        for src, kv in _rotation(rotate, group).kv_blocks(torch.stack([k, v])):
-            k_chunks, v_chunks = kv[0].chunk(2, dim=2), kv[1].chunk(2, dim=2)
-            for qi, ki, q_chunk, kv_chunk in _block_pairs(rank, src, size):
-                out, lse = block_forward(
-                    q_chunks[qi], _repeat_heads(k_chunks[ki], rep), _repeat_heads(v_chunks[ki], rep),
-                    kv_chunk == q_chunk, scale, _document_mask(doc_ids, q_chunk, kv_chunk, size),
-                )
-                merged[qi] = _merge(merged[qi], out, lse)
-        out = torch.cat([m[0] for m in merged], dim=2).to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, merged[0][1], merged[1][1], doc_ids)
-        ctx.group, ctx.rotate, ctx.scale = group, rotate, scale
-        return out
 
-    @staticmethod
-    def backward(ctx, dout: Tensor):
-        q, k, v, out, lse0, lse1, doc_ids = ctx.saved_tensors
-        lse = (lse0, lse1)
-        group, scale = ctx.group, ctx.scale
-        rank, size = dist.get_rank(group), dist.get_world_size(group)
-        _, block_backward = _block_kernels(q, masked=doc_ids is not None)
-        rep = q.shape[1] // k.shape[1]
-        q_chunks, out_chunks = q.chunk(2, dim=2), out.chunk(2, dim=2)
-        dout_chunks = dout.contiguous().chunk(2, dim=2)
-        dq = [torch.zeros_like(c, dtype=torch.float32) for c in q_chunks]
-        rotation = _rotation(ctx.rotate, group)
-        for src, kv in rotation.kv_blocks(torch.stack([k, v])):
-            k_chunks, v_chunks = kv[0].chunk(2, dim=2), kv[1].chunk(2, dim=2)
-            dkv = torch.zeros_like(kv, dtype=torch.float32)
-            dk_chunks, dv_chunks = dkv[0].chunk(2, dim=2), dkv[1].chunk(2, dim=2)
-            for qi, ki, q_chunk, kv_chunk in _block_pairs(rank, src, size):
-                gq, gk, gv = block_backward(
-                    dout_chunks[qi], q_chunks[qi], _repeat_heads(k_chunks[ki], rep),
-                    _repeat_heads(v_chunks[ki], rep), out_chunks[qi], lse[qi], kv_chunk == q_chunk, scale,
-                    _document_mask(doc_ids, q_chunk, kv_chunk, size),
-                )
-                dq[qi].add_(gq)
-                dk_chunks[ki].add_(_sum_heads(gk, rep))
-                dv_chunks[ki].add_(_sum_heads(gv, rep))
-            rotation.send_grad(dkv)
-        dkv = rotation.finish_grads()
-        return torch.cat(dq, dim=2).to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
+@ring_attention.register_fake
+def _(q, k, v, group_name, rotate, scale, doc_ids):
+    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+
+@torch.library.custom_op("tessera::ring_attention_backward", mutates_args=())
+def ring_attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                            group_name: str, rotate: str, scale: Optional[float],
+                            doc_ids: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+    """dq, dk, dv of ``ring_attention`` given the gradient of its output, its output and log-sum-exp."""
+    group = _resolve_group(group_name)
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    _, block_backward = _block_kernels(q, masked=doc_ids is not None)
+    rep = q.shape[1] // k.shape[1]
+    q_chunks, out_chunks = q.chunk(2, dim=2), out.chunk(2, dim=2)
+    lse_chunks = [c.contiguous() for c in lse.chunk(2, dim=2)]
+    dout_chunks = dout.contiguous().chunk(2, dim=2)
+    dq = [torch.zeros_like(c, dtype=torch.float32) for c in q_chunks]
+    rotation = _rotation(rotate, group)
+    for src, kv in rotation.kv_blocks(torch.stack([k, v])):
+        k_chunks, v_chunks = kv[0].chunk(2, dim=2), kv[1].chunk(2, dim=2)
+        dkv = torch.zeros_like(kv, dtype=torch.float32)
+        dk_chunks, dv_chunks = dkv[0].chunk(2, dim=2), dkv[1].chunk(2, dim=2)
+        for qi, ki, q_chunk, kv_chunk in _block_pairs(rank, src, size):
+            gq, gk, gv = block_backward(
+                dout_chunks[qi], q_chunks[qi], _repeat_heads(k_chunks[ki], rep),
+                _repeat_heads(v_chunks[ki], rep), out_chunks[qi], lse_chunks[qi], kv_chunk == q_chunk, scale,
+                _document_mask(doc_ids, q_chunk, kv_chunk, size),
+            )
+            dq[qi].add_(gq)
+            dk_chunks[ki].add_(_sum_heads(gk, rep))
+            dv_chunks[ki].add_(_sum_heads(gv, rep))
+        rotation.send_grad(dkv)
+    dkv = rotation.finish_grads()
+    # Fresh tensors each (an operator's outputs may not alias one another).
+    return torch.cat(dq, dim=2).to(q.dtype), dkv[0].to(k.dtype, copy=True), dkv[1].to(v.dtype, copy=True)
+
+
+@ring_attention_backward.register_fake
+def _(dout, q, k, v, out, lse, group_name, rotate, scale, doc_ids):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _ring_setup_context(ctx, inputs, output) -> None:
+    q, k, v, group_name, rotate, scale, doc_ids = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, doc_ids)
+    ctx.group_name, ctx.rotate, ctx.scale = group_name, rotate, scale
+
+
+def _ring_backward(ctx, dout: Tensor, _dlse: Optional[Tensor]):
+    q, k, v, out, lse, doc_ids = ctx.saved_tensors
+    dq, dk, dv = ring_attention_backward(dout, q, k, v, out, lse, ctx.group_name, ctx.rotate, ctx.scale, doc_ids)
+    return dq, dk, dv, None, None, None, None
+
+
+ring_attention.register_autograd(_ring_backward, setup_context=_ring_setup_context)
 
 
 def context_attention(
@@ -447,9 +488,8 @@ def context_attention(
     sharded) restricts each query to keys of its own document. With a group of one rank this is plain
     ``scaled_dot_product_attention``.
 
-    Under ``torch.compile(fullgraph=True)`` only ``allgather`` traces (its collectives become functional
-    collectives); dynamo refuses the point-to-point ops of ``alltoall``, which needs ``fullgraph=False`` (the
-    ring then runs eagerly between two graphs).
+    The ring is one operator, ``tessera::ring_attention`` (its backward another): ``torch.compile(fullgraph=True)``
+    traces it with either rotation, as an opaque call, and per-op activation checkpointing saves its output.
     """
     if rotate not in ROTATE_METHODS:
         raise ValueError(
@@ -469,4 +509,5 @@ def context_attention(
 
         mask = dense_causal_mask(doc_ids, q.shape[2], q.device)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-    return _RingAttention.apply(q, k, v, cp_group, rotate, scale, doc_ids)
+    group = cp_group if cp_group is not None else dist.group.WORLD
+    return ring_attention(q, k, v, group.group_name, rotate, scale, doc_ids)[0]

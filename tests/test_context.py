@@ -131,6 +131,65 @@ def test_ring_attention_matches_full_attention(cp):
     mp.start_processes(_worker, args=(cp, free_port()), nprocs=cp, start_method=start_method())
 
 
+def _ac_compile_worker(rank: int, world_size: int, port: int) -> None:
+    """Ring attention under per-op activation checkpointing and under torch.compile(fullgraph=True)."""
+    from functools import partial
+
+    from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+    from parallelize.checkpointing import op_policy
+
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    resolve = context._resolve_group
+    try:
+        group, seq_len = dist.group.WORLD, SEQ_LENS[world_size][0]
+        q, k, v, grad = _full_inputs(seq_len, seed=7)
+        full = [t.clone().requires_grad_() for t in (q, k, v)]
+        F.scaled_dot_product_attention(*full, is_causal=True, enable_gqa=True).backward(grad)
+        expected = [shard_sequence(t.grad, 2, rank, world_size) for t in full]
+        for rotate in ("allgather", "alltoall"):
+            # Per-op AC saves the ring's output whole (one operator), not the block kernels' partial results, and
+            # its recomputation does not run the ring again: the group is looked up once for the forward, once
+            # for the backward, and not a third time.
+            saved, rings = [], []
+            base = op_policy("all")
+
+            def policy(ctx, op, *args, **kwargs):
+                decision = base(ctx, op, *args, **kwargs)
+                if decision == CheckpointPolicy.MUST_SAVE and not ctx.is_recompute:
+                    saved.append(str(op))
+                return decision
+
+            context._resolve_group = lambda name: rings.append(name) or resolve(name)
+            local = [shard_sequence(t, 2, rank, world_size).requires_grad_() for t in (q, k, v)]
+            out = checkpoint(partial(context_attention, cp_group=group, rotate=rotate), *local, use_reentrant=False,
+                             context_fn=lambda: create_selective_checkpoint_contexts(policy))
+            out.backward(shard_sequence(grad, 2, rank, world_size))
+            context._resolve_group = resolve
+            assert saved == ["tessera.ring_attention.default"], (rotate, saved)
+            assert rings == [group.group_name] * 2, (rotate, rings)
+            for x, want in zip(local, expected):
+                torch.testing.assert_close(x.grad, want, rtol=1e-5, atol=1e-5)
+            # One graph, either rotation (the point-to-point ring included: dynamo sees one opaque operator).
+            compiled = torch.compile(partial(context_attention, cp_group=group, rotate=rotate), fullgraph=True,
+                                     backend="aot_eager")
+            local = [shard_sequence(t, 2, rank, world_size).requires_grad_() for t in (q, k, v)]
+            compiled(*local).backward(shard_sequence(grad, 2, rank, world_size))
+            for x, want in zip(local, expected):
+                torch.testing.assert_close(x.grad, want, rtol=1e-5, atol=1e-5)
+        dist.barrier()
+    finally:
+        context._resolve_group = resolve
+        dist.destroy_process_group()
+
+
+def test_ring_attention_under_op_checkpointing_and_compile():
+    mp.start_processes(_ac_compile_worker, args=(2, free_port()), nprocs=2, start_method=start_method())
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # no processes
 # ----------------------------------------------------------------------------------------------------------------

@@ -136,7 +136,7 @@ def parallelize_llama(model: nn.Module, dims: ParallelDims, cfg: Any, device_typ
 
     if cfg.compile.enable:
         set_kernel_autotuning(cfg.compile.autotune)  # the loss's graph too
-        apply_compile(model.layers, fullgraph=not (dims.cp_enabled and p.cp_rotate == "alltoall"),
+        apply_compile(model.layers,
                       inside_checkpoint=ac.mode == "full" or (ac.mode == "selective" and ac.selective_option != "op"))
         if dims.tp_enabled and model.tok_embeddings is not None:
             wait_before_compiled_blocks(model.tok_embeddings)
