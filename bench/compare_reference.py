@@ -1,20 +1,23 @@
 """Tessera's runs beside the reference trainer's (torchtitan 0.2.2, ../shared/bench/anchor): median tps,
 TFLOP/s, MFU and peak memory after warm-up, and the ratios Tessera / reference.
 
-    python bench/compare_reference.py --tessera DIR --anchor DIR [--pairs T_LABEL=A_LABEL,...] [--skip 5]
-        [--anchor-skip 10] [--steps N] [--json FILE] [--memory-above RATIO]
+    python bench/compare_reference.py --tessera DIR --anchor DIR [--labels T_LABEL,...]
+        [--pairs T_LABEL=A_LABEL,...] [--skip 10] [--anchor-skip SKIP] [--steps N] [--json FILE]
+        [--memory-above RATIO]
 
 DIR for Tessera holds one run folder per label (LABEL/metrics.jsonl, bench/summarize.py's input); DIR for the
 reference holds anchor_LABEL.log files (bench/perf_vs_reference.sh and .anchor/run_anchor.sh write them).
 The reference logs every 5 steps a line ``step: N loss: .. memory: X GiB(..%) tps: N tflops: N mfu: N%``
-with tps averaged since the previous log and memory the peak *reserved* by the caching allocator; medians
-are taken over the lines after ``--anchor-skip`` steps. With ``--steps`` (the steps both trainers were asked
-for), a run whose last logged step is short of it (stopped by a time limit or an error) is marked partial and
-gets no ratio. Tessera's memory is printed both ways, peak active
-and peak reserved; the ratio uses reserved, as the reference reports: after warm-up (the windows the medians
-take), and over the whole run (every logged window, the first step's compilation included). With
-``--memory-above RATIO`` the exit status says whether either of a pair's memory ratios is above RATIO (0) or
-none is (1): bench/perf_vs_reference.sh asks it whether a pair's memory needs the fix tried.
+with tps averaged since the previous log and memory the peak *reserved* by the caching allocator. Medians
+are taken over Tessera's lines after ``--skip`` steps and the reference's after ``--anchor-skip`` (by default
+the same: the windows after step 10 on both sides, as bench/perf_vs_reference.sh's protocol has them). A
+label of ``--labels`` with no metrics.jsonl (skipped, or stopped before its first log) is a row ``no result``.
+With ``--steps`` (the steps both trainers were asked for), a run whose last logged step is short of it
+(stopped by a time limit or an error) is marked partial and gets no ratio. Tessera's memory is printed both
+ways, peak active and peak reserved; the ratio uses reserved, as the reference reports: after warm-up (the
+windows the medians take), and over the whole run (every logged window, the first step's compilation
+included). With ``--memory-above RATIO`` the exit status says whether either of a pair's memory ratios is
+above RATIO (0) or none is (1): bench/perf_vs_reference.sh asks it whether a pair's memory needs the fix tried.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from summarize import summarize  # noqa: E402
+from summarize import NoResult, summarize  # noqa: E402
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 FIELDS = {
@@ -90,13 +93,15 @@ def main(argv=None) -> int:
     p.add_argument("--anchor", required=True)
     p.add_argument("--labels", default="", help="Tessera labels, comma-separated (default: every run folder)")
     p.add_argument("--pairs", default="", help="TESSERA_LABEL=ANCHOR_LABEL,... (runs compared with each other)")
-    p.add_argument("--skip", type=int, default=5)
-    p.add_argument("--anchor-skip", type=int, default=10)
+    p.add_argument("--skip", type=int, default=10, help="warm-up steps left out of Tessera's medians")
+    p.add_argument("--anchor-skip", type=int, default=None, help="the same for the reference (default: --skip)")
     p.add_argument("--steps", type=int, default=None, help="steps both trainers were asked for (partial runs)")
     p.add_argument("--json", default="")
     p.add_argument("--memory-above", type=float, default=None,
                    help="exit 0 if a pair's memory ratio (after warm-up or whole run) is above this, 1 if none is")
     args = p.parse_args(argv)
+    if args.anchor_skip is None:  # both trainers' medians over the same windows
+        args.anchor_skip = args.skip
     pairs = dict(kv.split("=", 1) for kv in args.pairs.split(",") if kv)
     labels = [x for x in args.labels.split(",") if x] or sorted(
         d for d in os.listdir(args.tessera) if os.path.exists(os.path.join(args.tessera, d, "metrics.jsonl"))
@@ -111,7 +116,7 @@ def main(argv=None) -> int:
         run = os.path.join(args.tessera, label)
         try:
             t = summarize(run, args.skip, args.steps)
-        except (SystemExit, FileNotFoundError, KeyError) as e:
+        except (NoResult, OSError, KeyError, ValueError) as e:  # a truncated line too
             print(f"{label:<22} no result ({e})")
             results.append({"label": label, "error": str(e)})
             continue

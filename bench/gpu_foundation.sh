@@ -14,6 +14,8 @@ run 8b_l8_bf16_sdpa --model.flavor 8B_L8 --training.seq_len 8192 --training.loca
 
 # The CUDA side of [profiling] (8B_L2, seq 2048, 10 steps): a trace of step 10 with CUDA kernels in it, and
 # the allocator's history at step 10 (tens of MB: not packed; their sizes and a count are printed).
+launching profiled
+fresh 8b_l2_profiled  # its log
 timeout "$(limit 200)" python3 -m engine.train --config train_configs/debug_model.toml --job.dump_folder "$RUNS/profiled" \
   --model.flavor 8B_L2 --training.seq_len 2048 --training.local_batch_size 1 --training.steps 10 \
   --profiling.enable_profiling --profiling.enable_memory_snapshot > "$RUNS/8b_l2_profiled.log" 2>&1 \
@@ -32,5 +34,5 @@ for e in kernels:
 for name, us in sorted(attn.items(), key=lambda kv: -kv[1]):
     print(f"  attention kernel {us / 1e3:8.2f} ms  {name}")
 PY
-python3 bench/memory_check.py --from-runs "$RUNS" --out "$RUNS"   # each run's peak beside the estimate
+python3 bench/memory_check.py --from-runs "$RUNS" --labels "$(launched)" --out "$RUNS"   # peaks beside the estimate
 pack gpu_foundation

@@ -2,7 +2,7 @@
 
     python3 bench/memory_check.py [--steps 8] [--only NAME,...] [--out DIR] [--runs DIR] [--budget S]
                                   [--estimate-only]
-    python3 bench/memory_check.py --from-runs DIR [--out DIR]
+    python3 bench/memory_check.py --from-runs DIR [--labels NAME,...] [--out DIR]
 
 On the H100 machine (one device call; .whl carried for the packages it lacks, see bench/common.sh):
 
@@ -24,7 +24,10 @@ configuration that would start after ``--budget`` seconds is skipped and named. 
 ``--from-runs DIR`` trains nothing: for every single-GPU run folder under DIR (its config.toml and
 metrics.jsonl, e.g. bench/perf_vs_reference.sh's runs) it sets the largest logged ``memory_gib`` (the peak
 active bytes of each logging window, the first step's included) beside the estimate for that run's config, and
-writes <out>/memory_runs.md and .json (runs that peaked under 1 GiB, the debug model's, are left out). So every benchmark run is also a memory check, at no device time.
+writes <out>/memory_runs.md and .json (runs that peaked under 1 GiB, the debug model's, are left out). So every
+benchmark run is also a memory check, at no device time. ``--labels`` names the run folders to read, in order
+(the runs of the calling script's call: DIR may still hold an earlier call's on the same machine); one with no
+config.toml or metrics.jsonl (skipped, or stopped before its first log) is a row ``no result``.
 """
 
 from __future__ import annotations
@@ -124,15 +127,19 @@ def measure(argv: list[str]) -> dict:
     return result
 
 
-def from_runs(folder: str) -> list[dict]:
-    """The estimate beside the logged peak for every single-GPU run folder under ``folder``."""
+def from_runs(folder: str, labels: list[str] | None = None) -> list[dict]:
+    """The estimate beside the logged peak for every single-GPU run folder under ``folder`` (``labels``: those
+    folders only, one named but missing its files a row with an error)."""
     from engine.config import parse_args
 
     rows = []
-    for name in sorted(os.listdir(folder)):
+    for name in sorted(os.listdir(folder)) if labels is None else labels:
         run = os.path.join(folder, name)
         cfg_path, jsonl = os.path.join(run, "config.toml"), os.path.join(run, "metrics.jsonl")
         if not (os.path.isfile(cfg_path) and os.path.isfile(jsonl)):
+            if labels is not None:
+                rows.append({"name": name, "error": "no result (no config.toml or metrics.jsonl: skipped, or "
+                                                    "stopped before its first log)"})
             continue
         with open(jsonl) as f:
             logged = [json.loads(line) for line in f if line.strip()]
@@ -172,7 +179,8 @@ def write_runs_table(rows: list[dict], out: str) -> None:
     table = "\n".join(lines)
     print(table)
     within = [r for r in rows if "ratio" in r and not r.get("float8") and abs(r["ratio"] - 1) <= 0.10]
-    print(f"{len(within)} of {len([r for r in rows if not r.get('float8')])} bf16 runs within 10% of the logged peak")
+    measured = [r for r in rows if "ratio" in r and not r.get("float8")]  # not a run with no result
+    print(f"{len(within)} of {len(measured)} bf16 runs within 10% of the logged peak")
     with open(os.path.join(out, "memory_runs.md"), "w") as f:
         f.write(table + "\n")
     with open(os.path.join(out, "memory_runs.json"), "w") as f:
@@ -211,10 +219,13 @@ def main(argv=None) -> int:
                         "than a minute is left")
     p.add_argument("--from-runs", default="", metavar="DIR",
                    help="train nothing: the estimate beside the logged peak of every single-GPU run under DIR")
+    p.add_argument("--labels", default=None, metavar="NAME,...",
+                   help="with --from-runs: these run folders of DIR only (default: every one)")
     a = p.parse_args(argv)
     if a.from_runs:
         os.makedirs(a.out, exist_ok=True)
-        write_runs_table(from_runs(a.from_runs), a.out)
+        labels = None if a.labels is None else [n for n in a.labels.split(",") if n]
+        write_runs_table(from_runs(a.from_runs, labels), a.out)
         return 0
     names = [n.strip() for n in a.only.split(",") if n.strip()] or list(CONFIGS)
     unknown = [n for n in names if n not in CONFIGS]

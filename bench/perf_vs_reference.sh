@@ -37,9 +37,11 @@
 #            memory holds, fp8_noautotune (so that this one call has both pairs with the fix, as acceptance
 #            asks), else bf16_snapshot (where the memory comes from); 0: none of these.
 # Comes back under $OUT: the reference's logs (ANCHOR_LOGS), summary.txt and tessera_runs.tar.gz (every
-# Tessera run's log and metrics.jsonl; the run folders themselves stay on the machine, under /tmp). The
-# summary ends with each run's logged peak memory beside the memory estimate (bench/memory_check.py
-# --from-runs): every run here is also a check of the estimate.
+# Tessera run's log and metrics.jsonl; the run folders themselves stay on the machine, under /tmp, and an earlier
+# call's on the same machine come back in the tarball too). The summary ends with the logged peak memory of each
+# run this call launched beside the memory estimate (bench/memory_check.py --from-runs): every run here is also a
+# check of the estimate. Each run first clears its folder and log (and each reference run its log), so that one
+# skipped for the budget or failed before its first log reads "no result" in the table, not an earlier call's.
 set -uo pipefail
 START=$SECONDS
 ONLY=${ONLY:-"bf16_compile_ac_op fp8_compile_ac_op eager_ac_op fsdp1_compile_ac_op noac_compile fullac_compile"}
@@ -117,14 +119,19 @@ compared_with() {  # LABELS...: the reference runs (bf16 and float8 compiled) th
 }
 # Default: the reference runs ONLY's runs are compared with (eager and no-AC: the kit's README has them).
 [ -n "${ANCHOR+set}" ] || ANCHOR=$(compared_with $ONLY)
+# The table lists every run of ONLY: run now, or "no result" (skipped, or its reference run skipped), never what
+# an earlier call on this machine left under RUNS. Other labels' folders stay there (and in the tarball).
+for label in $ONLY; do fresh "$label"; done
 
 # Seconds a run is expected to take on a fresh machine (start, cold compile, steps), to keep inside BUDGET.
 estimate() { case $1 in eager*) echo 45 ;; *) echo 100 ;; esac; }
 fits() { (( SECONDS - START + $1 <= BUDGET )); }
 
-tessera() {  # LABEL: one Tessera run, summarized after 5 warm-up steps
+tessera() {  # LABEL: one Tessera run, summarized after 10 warm-up steps
   local label=$1 est; est=$(estimate "$label")
+  fresh "$label"  # skipped or failed, it has no result: not the one an earlier call left here
   if ! fits "$est"; then SKIPPED+=" $label"; echo "=== skip Tessera $label (budget)"; return; fi
+  launching "$label"
   echo "=== Tessera $label: ${TESSERA[$label]}"
   # shellcheck disable=SC2086
   timeout $((BUDGET - (SECONDS - START))) python3 -m engine.train --config train_configs/debug_model.toml \
@@ -132,7 +139,7 @@ tessera() {  # LABEL: one Tessera run, summarized after 5 warm-up steps
     --lr_scheduler.warmup_steps 2 --optimizer.lr 3e-4 ${TESSERA[$label]} > "$RUNS/$label.log" 2>&1
   local rc=$?
   tail -n 2 "$RUNS/$label.log"
-  [ $rc = 0 ] && python3 bench/summarize.py "$RUNS/$label" --skip 10 || echo "Tessera $label: exit $rc"
+  if [ $rc = 0 ]; then python3 bench/summarize.py "$RUNS/$label" --skip 10; else echo "Tessera $label: exit $rc"; fi
   local snapshot  # the run's first memory snapshot, if it wrote any (bf16_snapshot)
   snapshot=$(ls "$RUNS/$label"/memory_snapshot/iteration_*/rank0_memory_snapshot.pickle 2>/dev/null \
              | sort -V | head -n 1)
@@ -142,6 +149,7 @@ tessera() {  # LABEL: one Tessera run, summarized after 5 warm-up steps
 
 reference() {  # LABEL: one reference run (its script prints its last logged steps)
   local label=$1
+  rm -f "$ANCHOR_LOGS/anchor_$label.log"  # an earlier call's: skipped or failed, this one has none
   if ! fits 130; then SKIPPED_REF+=" $label"; echo "=== skip reference $label (budget)"; return; fi
   timeout $((BUDGET - (SECONDS - START))) bash .anchor/run_anchor.sh \
     "$label|${REFERENCE[$label]} --training.steps $STEPS"
@@ -153,6 +161,7 @@ python3 -c "import torchao" 2>/dev/null || echo "warning: torchao missing (carry
 cp_check() {  # ring attention's CUDA kernels against full SDPA (issue 4), about half a minute
   if ! fits 45; then CP_CHECK=skipped; echo "=== skip cuda_cp_check.py (budget)"; return; fi
   echo "=== bench/cuda_cp_check.py"
+  fresh cuda_cp_check
   timeout "$(limit 90)" python3 bench/cuda_cp_check.py 2>&1 | tee "$RUNS/cuda_cp_check.log"
   CP_CHECK=done
 }
@@ -162,8 +171,9 @@ compare() {  # ARGS...: compare_reference.py on this call's runs, medians over t
     --steps "$STEPS" "$@"
 }
 
-memory_above_reference() {  # LABEL: its peak reserved memory (steps 11 on, or whole run) is above its reference's
-  [ -f "$RUNS/$1/metrics.jsonl" ] && compare --labels "$1" --pairs "$1=${PAIR[$1]}" --memory-above 1.0 > /dev/null
+memory_above_reference() {  # LABEL (run by this call): peak reserved (steps 11 on, or whole run) above reference's
+  [[ " $LAUNCHED " == *" $1 "* ]] && [ -f "$RUNS/$1/metrics.jsonl" ] \
+    && compare --labels "$1" --pairs "$1=${PAIR[$1]}" --memory-above 1.0 > /dev/null
 }
 
 auto_run() {  # LABEL: a Tessera run auto_memory adds (unless ONLY runs it anyway, in its place); in the table if
@@ -179,7 +189,9 @@ auto_memory() {  # a pair's memory above the reference's: the fix to try; then b
   echo "=== a pair reserves more than its reference run: bf16_noautotune, then fp8_noautotune if its" \
        "memory holds, else bf16_snapshot"
   auto_run bf16_noautotune
-  if [ -f "$RUNS/bf16_noautotune/metrics.jsonl" ] && ! memory_above_reference bf16_noautotune; then
+  # Its memory holds only if it ran now (ONLY may have it later in its place; no earlier call's result counts).
+  if [[ " $LAUNCHED " == *" bf16_noautotune "* ]] && [ -f "$RUNS/bf16_noautotune/metrics.jsonl" ] \
+       && ! memory_above_reference bf16_noautotune; then
     auto_run fp8_noautotune
   else
     auto_run bf16_snapshot
@@ -229,7 +241,7 @@ fi
   fi
   echo
   echo "=== peak memory of each Tessera run beside engine/tools/memory.py's estimate (issue 7)"
-  python3 bench/memory_check.py --from-runs "$RUNS" --out "$RUNS"   # its md/json go into the tarball
+  python3 bench/memory_check.py --from-runs "$RUNS" --labels "$(launched)" --out "$RUNS"   # md/json: in the tarball
   echo "elapsed $((SECONDS - START)) s"
 } | tee "$RET/summary.txt"
 pack tessera_runs

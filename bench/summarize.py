@@ -4,7 +4,9 @@ reserved memory over the whole run, its first steps included).
     python bench/summarize.py RUN_DIR_OR_JSONL [--skip N] [--steps S]
 
 N: warm-up steps left out (default 5). S: the steps the run was asked for; a run whose last logged step is
-short of it (killed by a time limit, out of memory) is marked partial.
+short of it (killed by a time limit, out of memory) is marked partial. A run with nothing to summarize (no
+metrics.jsonl: skipped, or stopped before its first log; or no logged step after the warm-up) prints
+``no result`` and exits 1.
 """
 
 from __future__ import annotations
@@ -16,14 +18,20 @@ import statistics
 import sys
 
 
+class NoResult(Exception):
+    """A run with nothing to summarize; the message says why."""
+
+
 def summarize(path: str, skip: int = 5, steps: int | None = None) -> dict:
-    if os.path.isdir(path):
+    if os.path.isdir(path) or not path.endswith(".jsonl"):
         path = os.path.join(path, "metrics.jsonl")
+    if not os.path.isfile(path):
+        raise NoResult("no metrics.jsonl: skipped, or stopped before its first log")
     with open(path) as f:
         rows = [json.loads(line) for line in f if line.strip()]
     steady = [r for r in rows if r["step"] > skip and r.get("tps") is not None]
     if not steady:
-        raise SystemExit(f"error: {path}: no logged steps after the first {skip}")
+        raise NoResult(f"no logged steps after the first {skip}")
 
     def median(key):
         values = [r[key] for r in steady if r.get(key) is not None]
@@ -48,7 +56,11 @@ def main(argv=None) -> int:
     p.add_argument("--skip", type=int, default=5)
     p.add_argument("--steps", type=int, default=None, help="the steps asked for: fewer logged = partial")
     args = p.parse_args(argv)
-    s = summarize(args.path, args.skip, args.steps)
+    try:
+        s = summarize(args.path, args.skip, args.steps)
+    except NoResult as e:
+        print(f"{args.path}: no result ({e})")
+        return 1
     fmt = lambda v, f: "n/a" if v is None else format(v, f)  # noqa: E731
     print(
         f"{args.path}: steps {s['steps']}  median tps/gpu {fmt(s['tps_per_gpu'], ',.0f')}  "
