@@ -314,6 +314,11 @@ class Metrics:
     wandb_mode: str = "auto"
     """Weights & Biases mode: online, offline (no network needed; sync later), disabled, or auto: the WANDB_MODE
     environment variable where set, else online."""
+    wandb_rewind: bool = False
+    """A run resumed from a checkpoint older than the last logged step (a crash or kill between checkpoints)
+    retrains steps the wandb run already has, and wandb drops steps at or below its last one (a warning names
+    them). True rewinds the wandb run to the checkpoint's step instead (wandb.init(resume_from=...): W&B's rewind,
+    a preview feature your W&B account must have), so the retrained steps replace the abandoned ones."""
     save_for_all_ranks: bool = False
     """Every rank writes metrics (metrics_rank<N>.jsonl; a fresh run sets an earlier run's aside as
     metrics_rank<N>.<n>.jsonl); otherwise rank 0 only."""
@@ -427,7 +432,8 @@ class Comm:
     rank's writes to a shared filesystem, which may take longer than comm.train_timeout_seconds)."""
     trace_buf_size: int = 20000
     """NCCL flight recorder: each rank keeps its last this many collectives and, on a timeout, writes them to
-    <dump_folder>/comm_traces/rank_<R> (read them with torch's fr_trace tool); 0 turns it off."""
+    <dump_folder>/comm_traces/rank_<R> (read them with torch's fr_trace tool); 0 turns it off (torch's own
+    2,000-entry recorder too). A TORCH_FR_BUFFER_SIZE or TORCH_NCCL_TRACE_BUFFER_SIZE in the environment wins."""
 
 
 @dataclass
@@ -900,10 +906,12 @@ def check_shard_split(num_shards: int, dp: int, origin: str, fix: str) -> None:
         )
 
 
-def validate(cfg: Config, world_size: int = 1, machine: Optional[Machine] = None) -> None:
+def validate(cfg: Config, world_size: int = 1, machine: Optional[Machine] = None, check_paths: bool = True) -> None:
     """Check every rule that does not need the model or the data built. Raises ConfigError naming the field.
 
-    ``machine``: the GPUs the run will have (default: this machine's)."""
+    ``machine``: the GPUs the run will have (default: this machine's). ``check_paths``: False skips the checks that
+    the files and folders the layout does not depend on exist (assets, tokenizer, data, validation data, initial
+    weights), for planning a cluster's run on a machine that lacks them; every other rule still applies."""
     from models import get_model_spec, model_names  # local: models import torch
     from models.attention import BACKENDS, SDPA_BACKENDS
 
@@ -935,16 +943,17 @@ def validate(cfg: Config, world_size: int = 1, machine: Optional[Machine] = None
                               "math on this machine")
     if cfg.model.vocab_size != -1 and cfg.model.vocab_size <= 0:
         raise ConfigError(f"model.vocab_size: must be > 0 or -1, got {cfg.model.vocab_size}")
-    if cfg.model.hf_assets_path and not os.path.isdir(cfg.model.hf_assets_path):
+    if check_paths and cfg.model.hf_assets_path and not os.path.isdir(cfg.model.hf_assets_path):
         raise ConfigError(f"model.hf_assets_path: folder '{cfg.model.hf_assets_path}' not found")
 
     # data
     if cfg.data.path:
-        if not os.path.exists(cfg.data.path):
+        if check_paths and not os.path.exists(cfg.data.path):
             raise ConfigError(f"data.path: '{cfg.data.path}' not found; give a json, jsonl, parquet or txt file or folder")
     elif not cfg.data.dataset:
         raise ConfigError("data.dataset: empty; name a built-in dataset (tessera_docs), a Hugging Face dataset, or set data.path")
-    if cfg.data.tokenizer and not os.path.exists(cfg.data.tokenizer):  # a folder: its tokenizer.json is checked later
+    # A folder: its tokenizer.json is checked later.
+    if check_paths and cfg.data.tokenizer and not os.path.exists(cfg.data.tokenizer):
         raise ConfigError(f"data.tokenizer: '{cfg.data.tokenizer}' not found; give a Hugging Face tokenizer.json or "
                           "the folder holding one")
     if not cfg.data.text_field:
@@ -1013,7 +1022,7 @@ def validate(cfg: Config, world_size: int = 1, machine: Optional[Machine] = None
     if v.dataset_config and not v.dataset:
         raise ConfigError(f"validation.dataset_config: '{v.dataset_config}' is set without validation.dataset; set "
                           "validation.dataset too (validation reading data.dataset takes data.dataset_config)")
-    if v.path and not os.path.exists(v.path):
+    if check_paths and v.path and not os.path.exists(v.path):
         raise ConfigError(f"validation.path: '{v.path}' not found; give a json, jsonl, parquet or txt file or folder")
 
     # checkpoint
@@ -1027,12 +1036,12 @@ def validate(cfg: Config, world_size: int = 1, machine: Optional[Machine] = None
     _choice("checkpoint.export_dtype", c.export_dtype, ["float32", "bfloat16", "float16"])
     if not c.folder.strip():
         raise ConfigError("checkpoint.folder: must not be empty")
-    if c.initial_load_path and not os.path.isdir(c.initial_load_path):
+    if check_paths and c.initial_load_path and not os.path.isdir(c.initial_load_path):
         raise ConfigError(f"checkpoint.initial_load_path: folder '{c.initial_load_path}' not found")
     if c.initial_load_hf and not c.initial_load_path:
         raise ConfigError("checkpoint.initial_load_hf: no folder to load; set checkpoint.initial_load_path to the "
                           "Hugging Face folder (config.json + safetensors)")
-    if c.initial_load_hf and not is_hf_folder(c.initial_load_path):
+    if check_paths and c.initial_load_hf and not is_hf_folder(c.initial_load_path):
         raise ConfigError(f"checkpoint.initial_load_hf: '{c.initial_load_path}' (checkpoint.initial_load_path) has no "
                           "config.json, so it is not a Hugging Face folder; give the folder that holds config.json "
                           "and the .safetensors files, or set checkpoint.initial_load_hf = false for a Tessera step "
@@ -1088,6 +1097,9 @@ def validate(cfg: Config, world_size: int = 1, machine: Optional[Machine] = None
     # metrics, debug
     _positive("metrics.log_freq", cfg.metrics.log_freq)
     _choice("metrics.wandb_mode", cfg.metrics.wandb_mode, ["auto", "online", "offline", "disabled"])
+    if cfg.metrics.wandb_rewind and not cfg.metrics.enable_wandb:
+        raise ConfigError("metrics.wandb_rewind: rewinds the run's wandb run; set metrics.enable_wandb = true as "
+                          "well, or drop it")
     if cfg.metrics.peak_flops != -1.0:
         _positive("metrics.peak_flops", cfg.metrics.peak_flops)
     if not 0 <= cfg.debug.seed <= 2**32 - 1:  # what torch.manual_seed and numpy take

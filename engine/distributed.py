@@ -106,11 +106,7 @@ def init_distributed(cfg=None) -> World:
     timeout = None
     if cfg is not None:
         timeout = timedelta(seconds=cfg.comm.init_timeout_seconds)
-        if cfg.comm.trace_buf_size > 0:  # read by NCCL when the process group starts; the user's own values win
-            if "TORCH_NCCL_TRACE_BUFFER_SIZE" not in os.environ:  # the older name (torch 2.13 warns about it)
-                os.environ.setdefault("TORCH_FR_BUFFER_SIZE", str(cfg.comm.trace_buf_size))
-            os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
-            os.environ.setdefault("TORCH_FR_DUMP_TEMP_FILE", comm_trace_prefix(cfg.job.dump_folder))
+        set_flight_recorder_env(cfg.comm.trace_buf_size, cfg.job.dump_folder)
     if world_size > 1 and not dist.is_initialized():
         dist.init_process_group(backend=backend, device_id=device if "nccl" in backend else None, timeout=timeout)
     return World(rank=rank, local_rank=local_rank, world_size=world_size, device=device)
@@ -181,6 +177,19 @@ def peer_user_error(wait_seconds: float = 5.0) -> Optional[dict]:
         return json.loads(store.get(_USER_ERROR_KEY))
     except Exception:  # the wait timed out, or the store is gone with the job
         return None
+
+
+def set_flight_recorder_env(trace_buf_size: int, dump_folder: str, environ: Optional[dict] = None) -> None:
+    """comm.trace_buf_size into the environment the NCCL flight recorder reads when the process group starts:
+    ``trace_buf_size`` entries and a dump on a timeout, or 0: off (torch's own default keeps 2,000 entries).
+    torch 2.11 and 2.13 read TORCH_FR_BUFFER_SIZE, then the older TORCH_NCCL_TRACE_BUFFER_SIZE (2.13 warns
+    about it); a value the user set under either name wins, as do the user's dump variables."""
+    environ = os.environ if environ is None else environ
+    if "TORCH_NCCL_TRACE_BUFFER_SIZE" not in environ:
+        environ.setdefault("TORCH_FR_BUFFER_SIZE", str(trace_buf_size))
+    if trace_buf_size > 0:
+        environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+        environ.setdefault("TORCH_FR_DUMP_TEMP_FILE", comm_trace_prefix(dump_folder))
 
 
 def comm_trace_prefix(dump_folder: str) -> str:

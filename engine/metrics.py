@@ -178,10 +178,12 @@ WANDB_RUN_ID_FILE = "wandb_run_id"
 
 
 def set_aside_old_metrics(folder: str) -> None:
-    """A fresh run starts fresh metrics: an earlier run's metrics.jsonl, metrics_rank<N>.jsonl files and tb/
-    folder are kept as metrics.<n>.jsonl, metrics_rank<N>.<n>.jsonl and tb.<n>, with one n for all of them (the
-    first that names none of them yet)."""
-    names = ["metrics.jsonl", *sorted(n for n in os.listdir(folder) if _RANK_METRICS.fullmatch(n)), "tb"]
+    """A fresh run starts fresh metrics: an earlier run's metrics.jsonl, metrics_rank<N>.jsonl files, tb/ folder
+    and resolved config.toml (which the new run then writes) are kept as metrics.<n>.jsonl,
+    metrics_rank<N>.<n>.jsonl, tb.<n> and config.<n>.toml, with one n for all of them (the first that names none
+    of them yet)."""
+    names = ["metrics.jsonl", *sorted(n for n in os.listdir(folder) if _RANK_METRICS.fullmatch(n)), "tb",
+             "config.toml"]
     names = [n for n in names if os.path.exists(os.path.join(folder, n))]
     if not names:
         return
@@ -195,6 +197,32 @@ def set_aside_old_metrics(folder: str) -> None:
         n += 1
     for name in names:
         os.replace(os.path.join(folder, name), aside(name, n))
+
+
+def last_logged_step(path: str) -> int:
+    """The step of the last whole record of a metrics JSONL file (0: no file, or no record with a step)."""
+    try:
+        f = open(path, "rb")
+    except FileNotFoundError:
+        return 0
+    with f:
+        end = f.seek(0, os.SEEK_END)
+        tail = b""
+        while end > 0:  # back a block at a time until a whole record with a step is found
+            start = max(0, end - 65536)
+            f.seek(start)
+            tail = f.read(end - start) + tail
+            end = start
+            lines = tail.split(b"\n")
+            for line in reversed(lines if start == 0 else lines[1:]):  # lines[0] may be cut at the block's start
+                try:
+                    record = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(record, dict) and isinstance(record.get("step"), int):
+                    return record["step"]
+            tail = lines[0]
+    return 0
 
 
 def _new_wandb_run_id() -> str:
@@ -247,14 +275,15 @@ class MetricsLogger:
     ``metrics_rank<N>.jsonl`` (rank 0 included, next to metrics.jsonl) and ranks > 0 write tensorboard events
     to ``<dump_folder>/tb/rank_<N>``; wandb stays on rank 0 (one run per job). Other ranks create no files.
     ``fresh``: a new run (not resumed), whose metrics start empty: rank 0 sets the earlier run's metrics.jsonl,
-    metrics_rank<N>.jsonl and tb/ aside (set_aside_old_metrics). A resumed run's JSONL files go on after their
-    last whole record (end_torn_record), and its tensorboard hides the events of steps from ``first_step`` (the
-    first step this run trains) on that earlier runs wrote (SummaryWriter's purge_step: an abandoned continuation
-    after a rollback). The JSONL files and event files are opened at the first record, so that another rank's
-    never open before rank 0 has set the old ones aside (the trainer's ranks agree on their set-up in between).
-    The wandb run's id is kept in ``<dump_folder>/wandb_run_id``: new on a fresh run, the same wandb run resumed
-    on a resumed one. A sink that cannot start (wandb without a login) is a ConfigError raised before any file is
-    written.
+    metrics_rank<N>.jsonl, tb/ and config.toml aside (set_aside_old_metrics). A resumed run's JSONL files go on
+    after their last whole record (end_torn_record), and its tensorboard hides the events of steps from
+    ``first_step`` (the first step this run trains) on that earlier runs wrote (SummaryWriter's purge_step: an
+    abandoned continuation after a rollback). The JSONL files and event files are opened at the first record, so
+    that another rank's never open before rank 0 has set the old ones aside (the trainer's ranks agree on their
+    set-up in between). The wandb run's id is kept in ``<dump_folder>/wandb_run_id``: new on a fresh run, the
+    same wandb run resumed on a resumed one (rewound to ``first_step - 1`` with metrics.wandb_rewind when it has
+    steps from ``first_step`` on, which wandb would otherwise drop: a warning names them). A sink that cannot
+    start (wandb without a login) is a ConfigError raised before any file is written.
     """
 
     def __init__(
@@ -264,7 +293,6 @@ class MetricsLogger:
         world_size: int,
         num_flops_per_token: int,
         device: torch.device,
-        fp8: bool = False,
         fresh: bool = False,
         first_step: int = 1,
     ):
@@ -273,7 +301,8 @@ class MetricsLogger:
         self.world_size = max(1, int(world_size))
         self.num_flops_per_token = num_flops_per_token
         self.device = torch.device(device)
-        self.peak_flops = peak_flops_per_device(self.device, fp8=fp8, override=cfg.metrics.peak_flops)
+        # The bf16 peak also for float8 runs, as torchtitan reports MFU (metrics.peak_flops overrides it).
+        self.peak_flops = peak_flops_per_device(self.device, override=cfg.metrics.peak_flops)
         self.dump_folder = cfg.job.dump_folder
         self.step_width = max(1, len(str(getattr(getattr(cfg, "training", None), "steps", 1))))
         self.fresh = fresh
@@ -333,24 +362,37 @@ class MetricsLogger:
         if not self.fresh and os.path.exists(id_path):
             with open(id_path, encoding="utf-8") as f:
                 run_id = f.read().strip() or None
+        # A resumed wandb run that already has steps from first_step on (a crash after the last checkpoint): wandb
+        # drops every step at or below its last one, unless the run is rewound to the checkpoint's step.
+        logged = last_logged_step(os.path.join(self.dump_folder, "metrics.jsonl")) if run_id else 0
+        rewind = m.wandb_rewind and logged >= self.first_step
         run_id = run_id or _new_wandb_run_id()
+        # resume="allow": a resumed run goes on in the same wandb run; a new id starts one.
+        resume = ({"resume_from": f"{run_id}?_step={self.first_step - 1}"} if rewind
+                  else {"id": run_id, "resume": "allow"})
         try:
             self._wandb_run = wandb.init(
                 project=m.wandb_project,
                 dir=self.dump_folder,  # wandb writes under <dump_folder>/wandb
                 mode=m.wandb_mode if m.wandb_mode != "auto" else None,  # None: wandb's own (WANDB_MODE), else online
-                id=run_id,
-                resume="allow",  # a resumed run goes on in the same wandb run; a new id starts one
                 config=cfg.to_dict(),
+                **resume,
             )
         except Exception as e:
             reason = " ".join(str(e).split()) or type(e).__name__
-            raise ConfigError(
-                f"metrics.enable_wandb: wandb.init failed ({reason}); run `wandb login`, or set "
-                "metrics.wandb_mode = offline"
-            ) from None
+            field = "metrics.wandb_rewind" if rewind else "metrics.enable_wandb"
+            fix = ("set metrics.wandb_rewind = false (W&B's rewind is a preview feature your account may lack)"
+                   if rewind else "run `wandb login`, or set metrics.wandb_mode = offline")
+            raise ConfigError(f"{field}: wandb.init failed ({reason}); {fix}") from None
         with open(id_path, "w", encoding="utf-8") as f:
             f.write(run_id + "\n")
+        if not rewind:
+            logged = max(logged, int(getattr(self._wandb_run, "starting_step", 0) or 0) - 1)  # online: wandb's own
+        if logged >= self.first_step and not rewind:
+            print(f"metrics: warning: wandb run {run_id} already has steps up to {logged}, and this run resumes at "
+                  f"step {self.first_step}: wandb drops steps {self.first_step} to {logged} of this run (they are in "
+                  "metrics.jsonl and tensorboard); metrics.wandb_rewind = true rewinds the wandb run instead",
+                  flush=True)
 
     def _open(self) -> None:
         """Open the JSONL files and the tensorboard writer (once, at the first record)."""
@@ -471,6 +513,10 @@ class MetricsLogger:
         mem = f"{r['memory_gib']:.2f}GiB" if r.get("memory_gib") is not None else "n/a"
         if r.get("memory_pct") is not None:
             mem += f" ({r['memory_pct']:.1f}%)"
+        if r.get("memory_reserved_gib") is not None:  # CUDA: the caching allocator's peak reserved
+            mem += f", reserved {r['memory_reserved_gib']:.2f}GiB"
+            if r.get("memory_reserved_pct") is not None:
+                mem += f" ({r['memory_reserved_pct']:.1f}%)"
         tps = r.get("tps")
         tps_gpu = r.get("tps_per_gpu")
         parts = [

@@ -271,6 +271,7 @@ def test_home_is_expanded_in_path_fields(tmp_path, monkeypatch):
         (["--parallelism.pp_layers_per_stage", "2,-1"], "parallelism.pp_layers_per_stage"),
         (["--parallelism.cp_rotate", "ring"], "parallelism.cp_rotate"),
         (["--activation_checkpoint.selective_option", "every2"], "activation_checkpoint.selective_option"),
+        (["--metrics.wandb_rewind"], "metrics.wandb_rewind"),
     ],
 )
 def test_validate_names_the_field(argv, field):
@@ -320,5 +321,45 @@ def test_shipped_configs_parse():
 def test_readme_config_reference_is_current():
     import subprocess
 
-    proc = subprocess.run([sys.executable, "scripts/config_reference.py", "--check"], capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "scripts/config_reference.py", "--check"], capture_output=True, text=True,
+                          timeout=600)
     assert proc.returncode == 0, proc.stdout
+
+
+def test_trace_buf_size_zero_turns_the_flight_recorder_off(tmp_path):
+    """comm.trace_buf_size = 0 sets TORCH_FR_BUFFER_SIZE=0 (torch 2.11 and 2.13 read it before the older
+    TORCH_NCCL_TRACE_BUFFER_SIZE, whose default 2,000 kept the recorder on); a user's variable wins."""
+    from engine.distributed import comm_trace_prefix, set_flight_recorder_env
+
+    env: dict = {}
+    set_flight_recorder_env(0, str(tmp_path), env)
+    assert env == {"TORCH_FR_BUFFER_SIZE": "0"}
+    env = {}
+    set_flight_recorder_env(500, str(tmp_path), env)
+    assert env == {"TORCH_FR_BUFFER_SIZE": "500", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+                   "TORCH_FR_DUMP_TEMP_FILE": comm_trace_prefix(str(tmp_path))}
+    for user in ({"TORCH_FR_BUFFER_SIZE": "64"}, {"TORCH_NCCL_TRACE_BUFFER_SIZE": "64"}):
+        env = dict(user)
+        set_flight_recorder_env(0, str(tmp_path), env)
+        assert env == user
+
+
+def test_print_config_prints_the_resolved_config_and_a_fresh_run_keeps_the_earlier_one(tmp_path, capsys):
+    """job.print_config: rank 0 prints the resolved config, the same TOML it writes to <dump_folder>/config.toml
+    (with the CLI overrides); off by default. A second, fresh run in the folder sets the first run's config.toml
+    aside (config.1.toml, beside metrics.1.jsonl) instead of overwriting it."""
+    from engine import train
+
+    dump = tmp_path / "run"
+    small = ["--job.dump_folder", str(dump), "--training.seq_len", "32", "--training.local_batch_size", "2",
+             "--lr_scheduler.warmup_steps", "1"]
+    assert train.main([*small, "--training.steps", "1", "--job.print_config"]) == 0
+    out = capsys.readouterr().out
+    first = (dump / "config.toml").read_text()
+    assert first in out and "print_config = true" in first and "steps = 1\n" in first
+    assert parse_args(["--config", str(dump / "config.toml")]).training.steps == 1
+    assert train.main([*small, "--training.steps", "2"]) == 0
+    out = capsys.readouterr().out
+    assert (dump / "config.toml").read_text() not in out and "[training]" not in out
+    assert (dump / "config.1.toml").read_text() == first and (dump / "metrics.1.jsonl").exists()
+    assert parse_args(["--config", str(dump / "config.toml")]).training.steps == 2

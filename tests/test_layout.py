@@ -211,7 +211,7 @@ dims.build_mesh("cpu")
 sizes = {v: dims.mesh(v).size() for v in ("dp", "dp_shard_cp", "dp_cp", "tp", "dp_replicate", "dp_shard")}
 print(sizes, dims.coordinate("tp"), dims.coordinate("dp"), dims.mesh("fsdp").ndim)
 """
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip() == (
         "{'dp': 1024, 'dp_shard_cp': 256, 'dp_cp': 1024, 'tp': 8, 'dp_replicate': 4, 'dp_shard': 256} "
@@ -252,7 +252,7 @@ for args, dims_names in (
     norm = DTensor.from_local(torch.ones(()), mesh, placements).full_tensor()
 print(len(records), [m[:120] for m in records])
 """
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.startswith("0 []"), proc.stdout
 
@@ -266,7 +266,7 @@ def _env(ngpu: int) -> dict:
 def test_run_train_sh_refuses_impossible_layout(tmp_path):
     dump = tmp_path / "run"
     proc = subprocess.run(["./run_train.sh", "--parallelism.tp", "3", "--job.dump_folder", str(dump)],
-                          cwd=ROOT, capture_output=True, text=True, env=_env(3))
+                          cwd=ROOT, capture_output=True, text=True, env=_env(3), timeout=600)
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: parallelism.tp: 3 does not divide"), proc.stderr

@@ -109,7 +109,7 @@ def test_cli_writes_a_toml_the_launcher_accepts(tmp_path, capsys):
     # The dry run (the real build path on 8 simulated ranks) takes it and agrees that it fits.
     env = dict(os.environ, DRY_RUN="1", NGPU="8", PYTHON=sys.executable)
     proc = subprocess.run(["./run_train.sh", "--config", str(out), "--model.hf_assets_path="], cwd=ROOT, env=env,
-                          capture_output=True, text=True)
+                          capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "; fits in 80 GiB per GPU" in proc.stdout
 
@@ -178,7 +178,41 @@ def test_cli_errors_are_one_line(capsys):
 ])
 def test_tool_flag_errors_are_one_line(module, argv):
     """argparse's own errors (a flag's type, a missing argument) keep the tools' contract: one error: line."""
-    proc = subprocess.run([sys.executable, "-m", module, *argv], cwd=ROOT, capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-m", module, *argv], cwd=ROOT, capture_output=True, text=True, timeout=600)
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
     assert f"(see python -m {module}" in lines[0] and lines[0].endswith(" --help)"), lines
+
+
+def test_validate_layout_accepts_what_validate_accepts_with_path_fields_set(tmp_path):
+    """The layout check skips the files a layout does not depend on, and nothing more: a config validate() accepts
+    with HF initial weights, validation data, assets, data and tokenizer files validates as a layout, also on a
+    planning machine that lacks those files (initial_load_hf with a blanked initial_load_path was refused)."""
+    from engine.config import HOPPER, validate
+
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    (tmp_path / "train.jsonl").write_text('{"text": "a"}\n')
+    (tmp_path / "val.jsonl").write_text('{"text": "b"}\n')
+    (tmp_path / "tokenizer.json").write_text("{}")
+    argv = ["--config", BASE, "--parallelism.tp", "2", "--checkpoint.initial_load_path", str(hf),
+            "--checkpoint.initial_load_hf", "--validation.enable", "--validation.freq", "10",
+            "--validation.path", str(tmp_path / "val.jsonl"), "--data.path", str(tmp_path / "train.jsonl"),
+            "--data.tokenizer", str(tmp_path / "tokenizer.json"), "--model.hf_assets_path", str(hf)]
+    cfg = parse_args(argv)
+    validate(cfg, 8, HOPPER)
+    assert memory.validate_layout(cfg, 8).tp == 2
+    for path in (hf / "config.json", tmp_path / "train.jsonl", tmp_path / "val.jsonl", tmp_path / "tokenizer.json"):
+        path.unlink()  # the planning machine has none of the files
+    hf.rmdir()
+    assert memory.validate_layout(cfg, 8).tp == 2
+    with pytest.raises(ConfigError, match="checkpoint.initial_load_hf"):  # a rule not about a file still holds
+        memory.validate_layout(parse_args(["--config", BASE, "--checkpoint.initial_load_hf"]), 8)
+    with pytest.raises(ConfigError, match="checkpoint.initial_load_path"):
+        memory.validate_layout(parse_args([*argv, "--checkpoint.create_seed_checkpoint"]), 8)
+    # The estimator's command line, the finding's reproduction: no false error.
+    proc = subprocess.run([sys.executable, "-m", "engine.tools.memory", "--config", BASE, "--ngpu", "8",
+                           "--checkpoint.initial_load_path", str(tmp_path / "missing"), "--checkpoint.initial_load_hf"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and "fits" in proc.stdout, proc.stderr[-2000:]

@@ -18,7 +18,8 @@ def render_4x8(tmp_path, *train_args, dump_folder: str = ""):
         proc = subprocess.run(
             [sys.executable, "-m", "engine.tools.slurm", "--nodes", "4", "--gpus-per-node", "8", "--config",
              "train_configs/debug_model.toml", "--job-name", "tessera-test", "--partition", "gpu", "--time",
-             "02:00:00", *dump, "--", *train_args], cwd=ROOT, stdout=f, stderr=subprocess.PIPE, text=True)
+             "02:00:00", *dump, "--", *train_args], cwd=ROOT, stdout=f, stderr=subprocess.PIPE, text=True,
+            timeout=600)
     assert proc.returncode == 0, proc.stderr
     return out
 
@@ -26,7 +27,7 @@ def render_4x8(tmp_path, *train_args, dump_folder: str = ""):
 def test_render_4_nodes_x_8_gpus(tmp_path):
     script = render_4x8(tmp_path, "--training.steps", "100")
     text = script.read_text()
-    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    assert subprocess.run(["bash", "-n", str(script)], timeout=600).returncode == 0
     for line in ["#SBATCH --job-name=tessera-test", "#SBATCH --nodes=4", "#SBATCH --gpus-per-node=8",
                  "#SBATCH --ntasks-per-node=1", "#SBATCH --partition=gpu", "#SBATCH --time=02:00:00",
                  "#SBATCH --signal=B:TERM@120", "#SBATCH --requeue", "GPUS_PER_NODE=${GPUS_PER_NODE:-${SLURM_GPUS_ON_NODE:-8}}",
@@ -45,7 +46,7 @@ def test_workdir_with_spaces_and_dollars(tmp_path):
     text = slurm.render(slurm.JobSpec(nodes=1, workdir=str(workdir)))
     cd = next(line for line in text.splitlines() if line.startswith("cd "))
     env = {k: v for k, v in os.environ.items() if k != "TESSERA_DIR"}
-    proc = subprocess.run(["bash", "-c", f"{cd}; pwd"], capture_output=True, text=True, env=env)
+    proc = subprocess.run(["bash", "-c", f"{cd}; pwd"], capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0 and proc.stdout.strip() == str(workdir), (cd, proc.stdout, proc.stderr)
 
 
@@ -54,7 +55,7 @@ def test_committed_templates_are_the_renderer_output():
         path = os.path.join(ROOT, "slurm", name)
         with open(path) as f:
             assert f.read() == slurm.render(spec), f"{path} is stale: python -m engine.tools.slurm --write-templates"
-        assert subprocess.run(["bash", "-n", path]).returncode == 0
+        assert subprocess.run(["bash", "-n", path], timeout=600).returncode == 0
 
 
 def debug_config(tmp_path, name, extra="", section="[training]"):
@@ -76,13 +77,13 @@ def test_the_renderer_checks_the_config_for_its_world(tmp_path):
     config = debug_config(tmp_path, "big.toml", LAYOUT_256)
     job = subprocess.run(["bash", "-c", f'WORLD_SIZE=8 TESSERA_CHECK_ONLY=1 "{sys.executable}" -m engine.train '
                           f"--config {config} --job.dump_folder {tmp_path / 'run'}"],
-                         cwd=ROOT, capture_output=True, text=True)
+                         cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert job.returncode == 2 and job.stderr.startswith("error: parallelism: the degrees multiply to 256"), job.stderr
     render = subprocess.run([sys.executable, "-m", "engine.tools.slurm", "--nodes", "1", "--gpus-per-node", "8",
-                             "--config", str(config)], cwd=ROOT, capture_output=True, text=True)
+                             "--config", str(config)], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert (render.returncode, render.stdout, render.stderr) == (2, "", job.stderr)
     render = subprocess.run([sys.executable, "-m", "engine.tools.slurm", "--nodes", "32", "--gpus-per-node", "8",
-                             "--config", str(config)], cwd=ROOT, capture_output=True, text=True)
+                             "--config", str(config)], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert render.returncode == 0 and "#SBATCH --nodes=32" in render.stdout, render.stderr
     assert not (tmp_path / "run").exists()
 
@@ -201,10 +202,12 @@ def _terminated_job(tmp_path, save: bool):
                SLURM_JOB_CPUS_PER_NODE="96(x3),64", VIRTUAL_ENV="set", FAKE_SAVE="1" if save else "0")
     proc = subprocess.Popen(["bash", str(script)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
-    deadline = time.time() + 90
+    deadline = time.time() + 300  # a hang guard: the loop ends as soon as the worker runs
     while time.time() < deadline and proc.poll() is None and not (calls.exists() and "worker running" in calls.read_text()):
         time.sleep(0.2)
-    assert calls.exists() and "worker running" in calls.read_text(), proc.communicate()[0]
+    if not (calls.exists() and "worker running" in calls.read_text()):
+        proc.kill()  # still running past the deadline: its output, without waiting on it for ever
+        raise AssertionError(proc.communicate(timeout=60)[0])
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=60)
     return proc.returncode, out, calls.read_text()

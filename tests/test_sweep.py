@@ -157,3 +157,26 @@ def test_relative_input_paths_name_the_files_the_sweep_checked(tmp_path, monkeyp
     assert written["data"]["path"] == str(work / "data" / "c.jsonl")
     assert written["data"]["tokenizer"] == str(work / "tok.json")
     assert written["checkpoint"]["folder"] == "checkpoint"  # relative to the run's folder, as it was
+
+
+@pytest.mark.parametrize("flags,field", [
+    (["--checkpoint.enable", "--checkpoint.folder", "{abs}"], "checkpoint.folder"),
+    (["--profiling.enable_profiling", "--profiling.profile_freq", "3", "--profiling.save_traces_folder", "{abs}"],
+     "profiling.save_traces_folder"),
+])
+def test_an_absolute_run_folder_in_the_base_config_is_refused(tmp_path, capsys, flags, field):
+    """An absolute checkpoint.folder would be every run's: tp = 2 resumed tp = 1's last step, had nothing to train
+    and its CSV row said "no metrics". Refused with one line naming the field, before anything is written; unused
+    (checkpointing off), it is harmless and allowed."""
+    out = tmp_path / "sweep"
+    argv = ["--config", "train_configs/debug_model.toml", "--dim", "parallelism.tp", "--values", "1,2", "--ngpu", "2",
+            "--steps", "3", "--out", str(out)]
+    flags = [f.replace("{abs}", str(tmp_path / "shared")) for f in flags]
+    rc = sweep.main(argv + flags)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1, err
+    assert err[0].startswith(f"error: {field}: '{tmp_path / 'shared'}' is absolute"), err
+    assert "relative to the run folder" in err[0] and not out.exists()
+    runs = sweep.run_configs("train_configs/debug_model.toml", "parallelism.tp", ["1", "2"],
+                             ["--checkpoint.folder", str(tmp_path / "shared")], 3, str(out), 2)
+    assert [r.value for r in runs] == ["1", "2"]

@@ -721,19 +721,14 @@ def copy_config(cfg):
 
 def validate_layout(cfg, world_size: int):
     """``engine.config.validate`` for the cluster's GPUs (Hopper: float8, flash-attn and CUDA-only options are
-    allowed, whatever this planning machine has) on a copy without the files a layout does not depend on and a
-    planning machine may lack (tokenizer, assets, data, initial weights; a data.path becomes the built-in
-    dataset); returns the ParallelDims. Raises ConfigError."""
+    allowed, whatever this planning machine has) without looking for the files a layout does not depend on and a
+    planning machine may lack (assets, tokenizer, data, validation data, initial weights: ``check_paths=False``;
+    every rule on those fields that is not about the file itself still applies); returns the ParallelDims. Raises
+    ConfigError."""
     from engine.config import HOPPER, validate
     from parallelize.mesh import ParallelDims
 
-    probe = copy_config(cfg)
-    probe.model.hf_assets_path = ""
-    probe.data.tokenizer = ""
-    if probe.data.path:
-        probe.data.path, probe.data.dataset = "", probe.data.dataset or "tessera_docs"
-    probe.checkpoint.initial_load_path = ""
-    validate(probe, world_size, HOPPER)
+    validate(copy_config(cfg), world_size, HOPPER, check_paths=False)
     return ParallelDims.from_config(cfg.parallelism, world_size)
 
 

@@ -8,7 +8,9 @@ For each value the tool writes ``<out>/configs/<value>.toml``: the base config w
 value`` overrides, ``--dim`` set to the value, ``parallelism.dp_shard = -1`` (when the dimension is another
 parallel degree, so the degrees still multiply to the world size), ``training.steps`` from ``--steps`` and
 ``job.dump_folder = <out>/<value>``. Every config is validated for the world (``--ngpu`` x ``--nodes``)
-before anything runs: a user error is one ``error:`` line and exit status 2.
+before anything runs: a user error is one ``error:`` line and exit status 2. Folders relative to the run's
+folder (checkpoint.folder, the profiler's) stay relative, so each run has its own; an absolute one in use is
+refused, since every run would share it (and resume the previous run's checkpoint).
 
 Launchers:
 - local: ``NGPU=<ngpu> ./run_train.sh --config <out>/configs/<value>.toml`` for each value in turn (its output
@@ -87,6 +89,7 @@ def run_configs(base: str, dim: str, values: list[str], overrides: list[str], st
             cfg.training.steps = steps
             cfg.lr_scheduler.warmup_steps = min(cfg.lr_scheduler.warmup_steps, steps)
         cfg.job.dump_folder = os.path.join(os.path.abspath(out), value)
+        _refuse_shared_run_folders(cfg)
         if os.path.isdir(cfg.job.dump_folder) and os.listdir(cfg.job.dump_folder):
             raise ConfigError(f"--out: {cfg.job.dump_folder} holds an earlier run; give another --out, or remove it "
                               "(python -m engine.tools.sweep --collect --out ... reads what is there)")
@@ -111,6 +114,25 @@ def run_configs(base: str, dim: str, values: list[str], overrides: list[str], st
 # Path fields relative to the run's own folder (job.dump_folder is made absolute above), not to the caller's.
 RUN_RELATIVE_FIELDS = ("job.dump_folder", "checkpoint.folder", "profiling.save_traces_folder",
                        "profiling.save_memory_snapshot_folder")
+
+
+def _refuse_shared_run_folders(cfg) -> None:
+    """An absolute checkpoint or profiler folder (in use) would be one folder for every run of the sweep: each run
+    would resume the previous run's last checkpoint (and have nothing left to train), or mix its traces into the
+    previous run's. Raises ConfigError naming the field and the fix."""
+    from engine.config import ConfigError
+
+    in_use = {"checkpoint.folder": cfg.checkpoint.enable,
+              "profiling.save_traces_folder": cfg.profiling.enable_profiling,
+              "profiling.save_memory_snapshot_folder": cfg.profiling.enable_memory_snapshot}
+    for key in RUN_RELATIVE_FIELDS:
+        section, name = key.split(".")
+        folder = getattr(getattr(cfg, section), name)
+        if in_use.get(key) and os.path.isabs(folder):
+            raise ConfigError(f"{key}: '{folder}' is absolute, so every run of the sweep would share it (a run would "
+                              f"resume or overwrite the previous run's); give a folder relative to the run folder, "
+                              f"such as {getattr(type(getattr(cfg, section))(), name)!r} (the default), which each "
+                              f"run keeps in <out>/<value>/")
 
 
 def _absolute_input_paths(cfg) -> None:
