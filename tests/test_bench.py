@@ -696,3 +696,22 @@ def test_snapshot_summary_names_the_code_behind_the_reserved_growth(tmp_path):
     assert lines[3].endswith("runtime/triton_heuristics.py:1430 maybe_clone_args <- engine/optim.py:144 step"), lines[3]
     assert len(lines) == 4
     assert snapshot_summary.main([str(path)]) == 0
+
+
+def test_dry_run_time_times_each_command_and_names_a_failed_one(capsys):
+    """bench/dry_run_time.py: one line per run (a refused layout says FAILED with its error line), exit 1 when one
+    failed; a malformed --run is an error before anything runs."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    try:
+        import dry_run_time
+    finally:
+        sys.path.pop(0)
+    assert dry_run_time.main(["--run", "x:train_configs/debug_model.toml"]) == 2
+    assert "error: --run: 'x:train_configs/debug_model.toml' is not NGPU:CONFIG" in capsys.readouterr().err
+    rc = dry_run_time.main(["--run", "2:train_configs/debug_model.toml:--parallelism.tp 2",
+                            "--run", "4:train_configs/debug_model.toml:--parallelism.tp 3"])
+    out = capsys.readouterr().out.splitlines()
+    assert rc == 1
+    assert re.fullmatch(r"\s+2\s+\d+\.\d  DRY_RUN=1 NGPU=2 \./run_train\.sh --config train_configs/debug_model\.toml "
+                        r"--parallelism\.tp 2", out[1]), out
+    assert "FAILED (exit 2): error: parallelism.dp_shard:" in out[2], out
