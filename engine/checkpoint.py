@@ -36,7 +36,9 @@ import shutil
 import signal
 import threading
 import time
+import traceback
 import warnings
+import zipfile
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Optional
@@ -151,9 +153,27 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"refusing to unpickle {module}.{name}")
 
 
+def _undecodable(e: BaseException) -> bool:
+    """Whether ``e``, raised by DCP's read_data, says that a data file's bytes do not decode: torch.load (its zip
+    reader or its weights-only unpickler) failed on them, or DCP found the decoded tensor of another size than
+    the saved one. Not an OSError (the file could not be read), nor anything raised elsewhere (a device error, a
+    bug)."""
+    if isinstance(e, OSError):
+        return False
+    if isinstance(e, (pickle.UnpicklingError, zipfile.BadZipFile)):
+        return True
+    if isinstance(e, AssertionError) and "mismatch sizes" in str(e):  # DCP's check of the decoded tensor
+        return True
+    return any(os.path.basename(frame.filename) == "serialization.py" and
+               os.path.basename(os.path.dirname(frame.filename)) == "torch"
+               for frame in traceback.extract_tb(e.__traceback__))  # inside torch.load
+
+
 class SafeFileSystemReader(FileSystemReader):
-    """DCP's file reader with a restricted unpickler for the metadata, whose data errors (a file damaged after its
-    commit marker was written: the sizes match, the bytes do not) are ConfigErrors naming ``field``."""
+    """DCP's file reader with a restricted unpickler for the metadata, whose decoding errors (a file damaged after
+    its commit marker was written: the sizes match, the bytes do not) are ConfigErrors naming ``field``. A file that
+    cannot be read (OSError: a failing disk, a stale network mount) is an OSError naming it; other errors are
+    DCP's, with their tracebacks."""
 
     def __init__(self, path: str, field: str = "checkpoint.folder"):
         super().__init__(path)
@@ -162,7 +182,13 @@ class SafeFileSystemReader(FileSystemReader):
     def read_data(self, *args: Any, **kwargs: Any):
         try:
             return super().read_data(*args, **kwargs)
+        except OSError as e:  # the disk or the mount (maybe briefly), not the checkpoint: no "pick another step"
+            where = f"'{e.filename}'" if e.filename else f"a data file of '{self.path}'"
+            message = f"{self.field}: cannot read {where}: {e.strerror or e}"
+            raise (OSError(e.errno, message) if e.errno is not None else OSError(message)) from e
         except Exception as e:
+            if not _undecodable(e):
+                raise
             reason = f"{type(e).__name__}: {str(e).split(chr(10))[0].split('. ')[0]}"[:200]
             raise ConfigError(
                 f"{self.field}: a data file of '{self.path}' is damaged (its size is as saved, its bytes are not: "
@@ -184,7 +210,8 @@ class SafeFileSystemReader(FileSystemReader):
 
 def dcp_load(state: dict, folder: str, field: str, no_dist: bool) -> None:
     """``dcp.load`` of ``state`` from the step folder ``folder``; a damaged data file (on any rank) is the
-    ConfigError naming ``field`` on every rank, not DCP's exception with each rank's traceback."""
+    ConfigError naming ``field`` on every rank, not DCP's exception with each rank's traceback, and a file that
+    cannot be read is the OSError naming it (DCP's exception, with the tracebacks, chained)."""
     from torch.distributed.checkpoint.api import CheckpointException
 
     try:
@@ -193,6 +220,9 @@ def dcp_load(state: dict, folder: str, field: str, no_dist: bool) -> None:
         errors = [exc for exc, _ in e.failures.values() if isinstance(exc, ConfigError)]
         if errors:
             raise errors[0] from None
+        unreadable = [exc for exc, _ in e.failures.values() if isinstance(exc, OSError)]
+        if unreadable:  # the reader's OSError naming the file (its traceback is DCP's exception's, chained)
+            raise unreadable[0] from e
         raise
 
 
@@ -440,12 +470,11 @@ def check_ranks_see_the_same_step(cfg: Config, step: Optional[int], what: str) -
                           f"({views}); put it on a filesystem every node shares and sees alike")
 
 
-def check_fits_model(cfg: Config, model: nn.Module, model_args: Any, resume_from: Optional[CheckpointInfo],
-                     dp_size: int) -> None:
+def check_fits_model(cfg: Config, model: nn.Module, model_args: Any, resume_from: Optional[CheckpointInfo]) -> None:
     """Before anything is written or allocated: the checkpoint this run resumes from, or its initial weights
     (checkpoint.initial_load_path: a Tessera step folder or a Hugging Face folder), holds every tensor of
-    ``model`` (the whole model, on the meta device) with its shape; a resumed data position's shard count
-    splits over this run's ``dp_size`` ranks. Loading checks the same again for the tensors each rank holds."""
+    ``model`` (the whole model, on the meta device) with its shape. Loading checks the same again for the tensors
+    each rank holds. (A resumed data position is checked before: load_data_position.)"""
     init_path = cfg.checkpoint.initial_load_path
     if resume_from is not None:
         field, info = "checkpoint.folder", resume_from
@@ -459,11 +488,32 @@ def check_fits_model(cfg: Config, model: nn.Module, model_args: Any, resume_from
     else:
         return
     Checkpointer._check_entries(info, {f"model.{k}": v for k, v in model.state_dict().items()}, field)
-    if resume_from is not None and "dataloader" not in cfg.checkpoint.exclude_from_loading:
-        num_shards = int(info.train_state["num_shards"])
-        check_shard_split(num_shards, dp_size, f"the checkpoint of step {info.step} holds a data position in",
+
+
+def load_data_position(info: CheckpointInfo, trainer: Any) -> None:
+    """The data position of checkpoint ``info`` into ``trainer``'s loader (nothing with checkpoint.exclude_from_loading
+    = ["dataloader"]): every shard of this rank's loader from the file of the dp rank that held it when saved. On the
+    same dp degree, that rank's turn goes on; on another, the loader derives this rank's turn from its shards'
+    positions (ShardedDataLoader.load_state_dict). Cheap (no data is read), so the trainer does it among its set-up
+    checks, whose errors every rank agrees on: a position past the end of data that has changed since is a
+    ConfigError naming the data field, on every rank, before the model is built."""
+    if "dataloader" in trainer.cfg.checkpoint.exclude_from_loading:
+        return
+    num_shards, old_dp = int(info.train_state["num_shards"]), int(info.train_state["dp"])
+    if num_shards != trainer.dataloader.num_shards:
+        check_shard_split(num_shards, trainer.dp_size, f"the checkpoint of step {info.step} holds a data position in",
                           f"resume on a dp degree that divides {num_shards}, or set "
                           "checkpoint.exclude_from_loading = [\"dataloader\"]")
+        trainer.rebuild_dataloader(num_shards)
+    loader = trainer.dataloader
+    state: dict = {"version": 1, "num_shards": num_shards, "shards": {}}
+    for old_rank in sorted({s % old_dp for s in loader.shard_ids}):
+        saved = read_json_object(os.path.join(info.folder, "dataloader", f"dp-{old_rank:05d}.json"),
+                                 "checkpoint.folder")
+        state["shards"].update(saved["shards"])
+        if old_dp == loader.dp_world_size:  # the same shards, read in the same round robin
+            state["turn"] = saved.get("turn", 0)
+    loader.load_state_dict(state)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -794,8 +844,9 @@ class Checkpointer:
         return bool(stop)
 
     # -- load ------------------------------------------------------------------------------------------------
-    def load(self, info: CheckpointInfo) -> int:
-        """Load the whole training state of ``info`` (any layout); returns its step."""
+    def load(self, info: CheckpointInfo, data_position: bool = True) -> int:
+        """Load the whole training state of ``info`` (any layout); returns its step. ``data_position`` False: the
+        trainer has loaded the data position already (load_data_position, among its set-up checks)."""
         t0 = time.perf_counter()
         parts = self._part_states()
         model = self.model_state(parts)
@@ -820,8 +871,8 @@ class Checkpointer:
         if "dataloader" in self.cfg.checkpoint.exclude_from_loading:
             self._log("checkpoint: data position not loaded (checkpoint.exclude_from_loading): the data starts "
                       "from its beginning")
-        else:
-            self._load_dataloader(info)
+        elif data_position:
+            load_data_position(info, self.trainer)
         saved_layout = (info.train_state.get("world_size"), info.train_state.get("layout"))
         if saved_layout == (self.world_size, self.trainer.dims.describe()):
             rng_file = os.path.join(info.folder, "rng", f"rank-{self.rank:05d}.json")
@@ -874,22 +925,6 @@ class Checkpointer:
             if tuple(md.size) != shape:
                 raise ConfigError(f"{field}: {info.folder} has {key} of shape {tuple(md.size)}, this model's is "
                                   f"{shape}; was it saved for another flavor or vocabulary?")
-
-    def _load_dataloader(self, info: CheckpointInfo) -> None:
-        """Every shard of this rank's loader from the file of the dp rank that held it when saved. On the same dp
-        degree, that rank's turn goes on; on another, the loader derives this rank's turn from its shards'
-        positions (ShardedDataLoader.load_state_dict)."""
-        t = self.trainer
-        num_shards, old_dp = int(info.train_state["num_shards"]), int(info.train_state["dp"])
-        if num_shards != t.dataloader.num_shards:
-            t.rebuild_dataloader(num_shards)  # raises naming data.num_shards when dp does not divide it
-        state: dict = {"version": 1, "num_shards": num_shards, "shards": {}}
-        for old_rank in sorted({s % old_dp for s in t.dataloader.shard_ids}):
-            saved = read_json_object(os.path.join(info.folder, "dataloader", f"dp-{old_rank:05d}.json"), "checkpoint.folder")
-            state["shards"].update(saved["shards"])
-            if old_dp == t.dataloader.dp_world_size:  # the same shards, read in the same round robin
-                state["turn"] = saved.get("turn", 0)
-        t.dataloader.load_state_dict(state)
 
     # -- helpers -----------------------------------------------------------------------------------------------
     def _barrier(self) -> None:

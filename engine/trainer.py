@@ -21,13 +21,14 @@ from torch import nn
 import torch.distributed as dist
 
 from engine.checkpoint import (Checkpointer, check_data_source, check_fits_model, checkpoint_root, fault_point,
-                               find_resume_point, is_model_only, list_steps)
+                               find_resume_point, is_model_only, list_steps, load_data_position)
 from engine.config import Config, dump, grad_accumulation_steps, pp_microbatches, to_toml
 from engine.data.datasets import DataError, validation_data
 from engine.data.loader import build_dataloader
 from engine.data.tokenizer import build_tokenizer
 from engine.distributed import (World, agree_on_user_errors, announce_user_error, comm_trace_prefix,
-                                process_group_backend, set_collective_timeout, set_determinism)
+                                longer_collective_timeout, process_group_backend, set_collective_timeout,
+                                set_determinism)
 from engine.metrics import MetricsLogger
 from engine.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
 from engine.profiling import StepProfiler
@@ -119,9 +120,12 @@ def check_finite(step: int, loss: float, grad_norm: float, nonfinite: float) -> 
     """Raise TrainingDiverged unless ``loss`` (a window's mean) is finite and no step of the window had a nan or
     inf gradient norm (``nonfinite`` counts them): before a log, and before any save of the step."""
     if nonfinite or not math.isfinite(loss):
+        what = ": nan or inf"
+        if math.isfinite(loss) and math.isfinite(grad_norm):  # an earlier step of the window had the nan or inf
+            what = f", nan or inf at {int(nonfinite)} earlier step{'s' if nonfinite > 1 else ''} of its window"
         raise TrainingDiverged(
-            f"optimizer.lr: training diverged by step {step} (loss {loss:.4g}, gradient norm {grad_norm:.4g}: nan or "
-            "inf); this step is not saved. Restart from the last checkpoint with a lower optimizer.lr, more "
+            f"optimizer.lr: training diverged by step {step} (loss {loss:.4g}, gradient norm {grad_norm:.4g}{what}); "
+            "this step is not saved. Restart from the last checkpoint with a lower optimizer.lr, more "
             "lr_scheduler.warmup_steps or a smaller training.max_norm"
         )
 
@@ -203,7 +207,8 @@ class Trainer:
 
         # The checkpoint to resume from, checked now: a bad one stops the run before anything is built (the initial
         # weights are checked against the model below, before anything is written). Then the
-        # tokenizer and this rank's data shard (cheap to build; their errors are user errors). A rank's own
+        # tokenizer and this rank's data shard (cheap to build; their errors are user errors), and the checkpoint's
+        # data position in it (a position past data that has shrunk since fails on some ranks only). A rank's own
         # shard may fail where the others do not: the ranks agree before going on.
         with agree_on_user_errors():
             self.resume_from = find_resume_point(cfg) if resume_from is FIND else resume_from
@@ -216,8 +221,9 @@ class Trainer:
                 self._val_loader = build_dataloader(vcfg, self.tokenizer, self.dp_rank, self.dp_size, fields=fields)
                 self._val_start = self._val_loader.state_dict()  # every validation reads from here
                 val_fit = self._validation_batches_that_fit()  # reads them now: a bad record is a user error now
-            if self.resume_from is not None:  # its data position must belong to this data
+            if self.resume_from is not None:  # its data position must belong to this data, and lie inside it
                 check_data_source(self.resume_from, self.dataloader.source, cfg, self.tokenizer)
+                load_data_position(self.resume_from, self)  # (the checkpoint's load below leaves it as it is)
         if cfg.validation.enable:
             self._warn_small_validation_data(val_fit)
 
@@ -236,7 +242,7 @@ class Trainer:
         with agree_on_user_errors():  # the checkpoint to load holds this model's tensors, with its shapes
             if cfg.float8.enable:  # float8.filter_fqns names layers of this model, and leaves some in float8
                 self.float8_layers = check_float8_layers(model, cfg.float8, self.dims.tp)
-            check_fits_model(cfg, model, self.model_args, self.resume_from, self.dp_size)
+            check_fits_model(cfg, model, self.model_args, self.resume_from)
             # The metrics sinks start (wandb may refuse) before anything is written. A resumed run appends to the
             # run's metrics.jsonl (engine.plot reads its segments).
             self.metrics = MetricsLogger(cfg, world.rank, world.world_size, self.num_flops_per_token, self.device,
@@ -283,7 +289,7 @@ class Trainer:
         self.step = 0
         self.checkpointer = Checkpointer(cfg, self)
         if self.resume_from is not None:
-            self.step = self.checkpointer.load(self.resume_from)
+            self.step = self.checkpointer.load(self.resume_from, data_position=False)  # loaded above
         elif init_path:
             self.checkpointer.load_model_only(init_path)
 
@@ -557,6 +563,7 @@ class Trainer:
         window_loss = torch.zeros((), device=self.device)
         window_nonfinite = torch.zeros((), device=self.device)  # steps whose gradient norm was nan or inf
         first_step = self._first_step = self.step + 1
+        validated = False  # whether this process has run a validation yet
 
         def window_values() -> list[float]:
             """The loss window's mean, the step's gradient norm (grad_norm, set by the loop) and the window's steps
@@ -626,7 +633,12 @@ class Trainer:
                     # Validation, recorded at its own step (after the step's training record); not training time.
                     if cfg.validation.enable and self.step % cfg.validation.freq == 0:
                         t_val = time.perf_counter()
-                        val_loss = self._validate()
+                        # The first one (under no_grad) compiles the model and the loss anew, and with PP the last
+                        # stage waits for every earlier stage's compile: it gets the set-up's timeout.
+                        with longer_collective_timeout(cfg.comm.init_timeout_seconds) if not validated else \
+                                contextlib.nullcontext():
+                            val_loss = self._validate()
+                        validated = True
                         self.metrics.log_validation(self.step, val_loss, time.perf_counter() - t_val)
                         window_start += time.perf_counter() - t_val
 

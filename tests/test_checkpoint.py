@@ -497,6 +497,24 @@ def test_async_save_writes_the_same_contents_while_training_goes_on(reference, t
     assert curve(tmp_path, range(1, 21)) == curve(reference, range(1, 21))
 
 
+def test_async_with_pinned_mem_on_cpu_writes_what_a_sync_save_writes(tmp_path):
+    """checkpoint.async_mode = "async_with_pinned_mem" on a machine without CUDA (pinned memory needs an
+    accelerator: CPU-only torch refuses pin_memory=True, and DCP's pinned stager asserts one) stages without
+    pinned memory, as "async" does: the run saves in the background and its checkpoints hold what a synchronous
+    save writes."""
+    short = ["--training.steps", "4", "--checkpoint.interval", "2"]
+    train(tmp_path / "sync", *short)
+    out = train(tmp_path / "pinned", *short, "--checkpoint.async_mode", "async_with_pinned_mem").stdout
+    assert "checkpoint: step 2 staged" in out and "writing in the background" in out
+    for step in (2, 4):
+        a, b = (tmp_path / run / "checkpoint" / f"step-{step:06d}" for run in ("sync", "pinned"))
+        assert same_tensors(read_full(str(a)), read_full(str(b))), step
+        for extra in ("train_state.json", "dataloader/dp-00000.json", "rng/rank-00000.json"):
+            assert json.loads((a / extra).read_text()) == json.loads((b / extra).read_text()), (step, extra)
+    assert committed(tmp_path / "pinned" / "checkpoint") == [2, 4]
+    assert curve(tmp_path / "pinned", range(1, 5)) == curve(tmp_path / "sync", range(1, 5))
+
+
 def run_saving_script(script: str, folder: Path) -> None:
     """Run ``script`` (it saves into its argument ``folder``, then prints "saved") in a process of its own: what
     it sets (a process group, torch.cuda patched) stays out of the test process."""
@@ -717,6 +735,43 @@ def test_a_shard_damaged_after_its_commit_is_one_error_line(reference, tmp_path,
         assert {k: after.get(k) for k in before} == before
 
 
+def test_a_data_file_that_cannot_be_read_is_not_called_damaged(tmp_path, monkeypatch):
+    """Only bytes that do not decode make a data file "damaged" (a user error: pick another step). An OSError while
+    reading (a failing disk, a stale network mount) is an OSError naming the file, with its traceback; anything
+    else (a device error, a bug) is DCP's own exception, its traceback kept."""
+    import errno
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from engine.checkpoint import dcp_load
+
+    folder = tmp_path / "step"
+    dcp.save({"w": torch.arange(4.0)}, storage_writer=dcp.FileSystemWriter(str(folder)), no_dist=True)
+    shard = str(folder / "__0_0.distcp")
+
+    def fails_with(error: Exception):
+        def read_data(self, *args, **kwargs):
+            raise error
+        monkeypatch.setattr(FileSystemReader, "read_data", read_data)
+
+    fails_with(OSError(errno.EIO, "Input/output error", shard))
+    with pytest.raises(OSError) as e:
+        dcp_load({"w": torch.empty(4)}, str(folder), "checkpoint.folder", no_dist=True)
+    assert not isinstance(e.value, ConfigError)
+    assert e.value.errno == errno.EIO and e.value.strerror == f"checkpoint.folder: cannot read '{shard}': " \
+                                                              "Input/output error", e.value
+    fails_with(RuntimeError("CUDA error: an illegal memory access was encountered"))
+    with pytest.raises(CheckpointException, match="CUDA error: an illegal memory access"):
+        dcp_load({"w": torch.empty(4)}, str(folder), "checkpoint.folder", no_dist=True)
+    monkeypatch.undo()
+    with open(shard, "r+b") as f:  # the damage the commit marker cannot see: its size is as saved
+        f.write(b"A" * 64)
+    with pytest.raises(ConfigError, match=f"^checkpoint.folder: a data file of '{folder}' is damaged "):
+        dcp_load({"w": torch.empty(4)}, str(folder), "checkpoint.folder", no_dist=True)
+
+
 def test_resuming_on_other_data_needs_the_dataloader_excluded(reference, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(reference / "checkpoint" / "step-000010", run / "checkpoint" / "step-000010")
@@ -742,6 +797,62 @@ def test_resuming_on_other_data_needs_the_dataloader_excluded(reference, tmp_pat
     # The step-12 checkpoint holds a position in the new data: the next resume needs no exclusion.
     train(run, *other, "--training.steps", "14")
     assert sorted(metrics(run)) == [11, 12, 13, 14]
+
+
+def test_resuming_on_data_that_has_shrunk_is_one_error_line(tmp_path, capsys):
+    """A map-style local file that lost documents since the checkpoint, which holds a position past the ones left:
+    one error line naming data.path and the way out, found among the set-up checks that every rank agrees on
+    (before the model is built or anything is written: the run folder is left as it was)."""
+    from engine import train as train_main
+
+    data, run = tmp_path / "docs.jsonl", tmp_path / "run"
+    docs = [json.dumps({"text": f"Document {i} of a corpus that will shrink. " * 4}) + "\n" for i in range(300)]
+    data.write_text("".join(docs))
+    local = ["--data.path", str(data), "--data.streaming", "false"]
+    train(run, *local, "--training.steps", "10")
+    position = json.loads((run / "checkpoint" / "step-000010" / "dataloader" / "dp-00000.json").read_text())
+    read = position["shards"]["0"]["docs_in_epoch"]
+    assert read > 5, position
+    data.write_text("".join(docs[:5]))
+    before = tree(tmp_path)
+    rc = train_main.main([*BASE, *local, "--job.dump_folder", str(run), "--training.steps", "12"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1, err
+    assert err[0] == (f"error: data.path: the checkpoint's data position is record {read} of shard 0 of 1 (epoch 0), "
+                      f"past the 5 records that shard of '{data}' (1 json file) now holds: the data changed since "
+                      "that checkpoint; resume with the same data, or set checkpoint.exclude_from_loading = "
+                      "[\"dataloader\"] to read it from its beginning"), err
+    assert tree(tmp_path) == before
+
+
+def test_data_position_is_loaded_on_another_shard_count_or_names_the_split(reference):
+    """load_data_position (a set-up check): a loader of another shard count is rebuilt on the checkpoint's and
+    takes its positions; a checkpoint's shards that do not split over this run's data-parallel ranks are a
+    ConfigError naming data.num_shards and the way out (unless the data position is excluded)."""
+    from types import SimpleNamespace
+
+    from engine.checkpoint import load_data_position
+
+    info = inspect_checkpoint(str(reference / "checkpoint" / "step-000010"), "checkpoint.folder")
+    saved = json.loads((reference / "checkpoint" / "step-000010" / "dataloader" / "dp-00000.json").read_text())
+
+    def trainer(args: list[str], dp: int):
+        cfg = parse_args([*BASE, *args])
+        tok = build_tokenizer(cfg)
+        t = SimpleNamespace(cfg=cfg, dp_size=dp, dataloader=build_dataloader(cfg, tok, 0, dp))
+        t.rebuild_dataloader = lambda n: setattr(t, "dataloader", build_dataloader(cfg, tok, 0, dp, n))
+        return t
+
+    two = trainer(["--data.num_shards", "2"], 1)  # saved with 1 shard: rebuilt with 1
+    load_data_position(info, two)
+    assert two.dataloader.num_shards == 1 and json.loads(json.dumps(two.dataloader.state_dict())) == saved
+    with pytest.raises(ConfigError, match=r"^data\.num_shards: the checkpoint of step 10 holds a data position in 1 "
+                                          r"shards, which do not split evenly over 2 data-parallel ranks .*; resume on "
+                                          r"a dp degree that divides 1, or set checkpoint\.exclude_from_loading"):
+        load_data_position(info, trainer([], 2))
+    excluded = trainer(["--checkpoint.exclude_from_loading", "dataloader"], 2)
+    load_data_position(info, excluded)
+    assert excluded.dataloader.num_shards == 2 and excluded.dataloader.state_dict()["shards"]["0"]["batches"] == 0
 
 
 def test_resuming_with_the_other_data_streaming_setting_names_it(reference):

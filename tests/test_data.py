@@ -796,6 +796,23 @@ def test_resumed_position_past_a_documents_end_is_a_data_error(tmp_path, tok):
         next(loader)
 
 
+def test_resumed_position_past_the_end_of_data_that_shrank_names_the_field(tmp_path, tok):
+    """A map-style position past the records a shard now holds (the data lost documents since the checkpoint): a
+    ConfigError naming data.path and the way out, when the position is loaded (a set-up check of the trainer)."""
+    path = write_jsonl(tmp_path / "d.jsonl", docs_of(20))
+    cfg = make_cfg(path, seq_len=16, batch=2, streaming=False)
+    loader = build_dataloader(cfg, tok, 0, 1)
+    take(loader, 6)
+    state = loader.state_dict()
+    read = state["shards"]["0"]["docs_in_epoch"]
+    assert read > 3, state
+    write_jsonl(tmp_path / "d.jsonl", docs_of(3))
+    with pytest.raises(ConfigError, match=rf"^data\.path: the checkpoint's data position is record {read} of shard 0 "
+                                          r"of 1 \(epoch 0\), past the 3 records that shard of .* now holds: .*; "
+                                          r"resume with the same data, or set checkpoint\.exclude_from_loading"):
+        build_dataloader(cfg, tok, 0, 1).load_state_dict(state)
+
+
 def test_unreachable_hub_dataset_is_one_line(tok):
     cfg = make_cfg("", dataset="no-such-user/no-such-dataset")  # HF_HUB_OFFLINE is on in these tests
     check_data_config(cfg)  # nothing cheap to check

@@ -123,3 +123,34 @@ def test_validation_data_smaller_than_validation_steps_is_one_warning(tmp_path, 
     assert 0 < fit < 20
     assert warning(fit) == ""
     assert warning(fit + 1) != ""
+
+
+def validation_timeouts_job(world_size: int, rank: int, dump: str) -> dict:
+    """Two FSDP ranks validate at steps 2 and 4: the collective timeouts each validation runs under, and after."""
+    from engine.config import parse_args, validate
+    from engine.distributed import collective_timeouts, init_distributed
+    from engine.trainer import Trainer
+
+    cfg = parse_args([*BASE, "--training.local_batch_size", "2", "--parallelism.dp_shard", "2", "--job.dump_folder",
+                      dump, "--training.steps", "4", "--validation.enable", "--validation.freq", "2",
+                      "--validation.steps", "1", "--comm.init_timeout_seconds", "77",
+                      "--comm.train_timeout_seconds", "33"])
+    validate(cfg, world_size)
+    trainer = Trainer(cfg, init_distributed(cfg))
+    seen, validate_once = [], trainer._validate
+
+    def spy() -> float:
+        seen.append(sorted(set(collective_timeouts())))
+        return validate_once()
+
+    trainer._validate = spy
+    trainer.train()
+    return {"validations": seen, "after": sorted(set(collective_timeouts()))}
+
+
+def test_the_first_validation_has_the_set_up_timeout(tmp_path):
+    """The first validation compiles the no-grad forward anew (with PP the last stage waits for every stage's
+    compile): it runs under comm.init_timeout_seconds, though step 1 has set comm.train_timeout_seconds; the
+    later ones, and the steps after it, under the training's."""
+    result = run_jobs(2, validation_timeouts_job, {"run": (str(tmp_path / "run"),)}, str(tmp_path))["run"]
+    assert result == {"validations": [[77.0], [33.0]], "after": [33.0]}

@@ -142,7 +142,7 @@ def test_run_train_sh_error_is_one_line(tmp_path):
     dump = tmp_path / "run"
     proc = subprocess.run(
         ["./run_train.sh", "--training.setps", "3", "--job.dump_folder", str(dump)],
-        cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PYTHON": sys.executable},
+        cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PYTHON": sys.executable}, timeout=300,
     )
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
@@ -415,6 +415,46 @@ def test_divergence_stops_before_it_is_saved(tmp_path, capsys):
     assert 2 < stopped2 < 30 and saved2 == list(range(2, stopped2, 2)), (stopped2, saved2)
 
 
+def test_check_finite_stops_on_a_nan_or_inf_gradient_norm_of_the_window():
+    from engine.trainer import TrainingDiverged, check_finite
+
+    check_finite(7, 2.5, 1.0, 0.0)  # finite loss, no step of the window with a nan or inf gradient norm
+    with pytest.raises(TrainingDiverged, match=r"^optimizer\.lr: training diverged by step 7 \(loss 2\.5, gradient "
+                                               r"norm 1, nan or inf at 1 earlier step of its window\)"):
+        check_finite(7, 2.5, 1.0, 1.0)  # an earlier step's norm was inf, this step's is finite
+    with pytest.raises(TrainingDiverged, match=r"^optimizer\.lr: training diverged by step 7 \(loss 2\.5, gradient "
+                                               r"norm inf: nan or inf\)"):
+        check_finite(7, 2.5, float("inf"), 1.0)
+    with pytest.raises(TrainingDiverged, match=r"by step 7 \(loss nan, gradient norm 1: nan or inf\)"):
+        check_finite(7, float("nan"), 1.0, 0.0)
+
+
+def test_an_inf_gradient_norm_with_a_finite_loss_stops_before_it_is_saved(tmp_path, capsys, monkeypatch):
+    """Step 5's gradient norm is inf, its loss (and every other step's) finite: step 5 is neither logged (every 4)
+    nor saved (every 3), so the window's count of nan or inf norms stops the run at the save of step 6, with one
+    error line and exit status 3; the checkpoints left are of steps before step 5."""
+    import torch
+
+    from engine.trainer import Trainer
+
+    train_step = Trainer.train_step
+
+    def inf_at_step_5(self, *args, **kwargs):
+        loss, grad_norm = train_step(self, *args, **kwargs)
+        return loss, torch.full_like(grad_norm, float("inf")) if self.step == 5 else grad_norm
+
+    monkeypatch.setattr(Trainer, "train_step", inf_at_step_5)
+    dump = tmp_path / "run"
+    rc, out, err = run_main(["--job.dump_folder", str(dump), *SMALL, "--training.steps", "10", "--metrics.log_freq",
+                             "4", "--checkpoint.enable", "--checkpoint.interval", "3"], capsys)
+    lines = err.strip().splitlines()
+    assert rc == 3 and len(lines) == 1, err
+    assert lines[0].startswith("error: optimizer.lr: training diverged by step 6 (loss "), lines[0]
+    assert "nan or inf at 1 earlier step of its window" in lines[0] and "loss nan" not in lines[0], lines[0]
+    assert sorted(p.name for p in (dump / "checkpoint").iterdir()) == ["step-000003"]
+    assert [r["step"] for r in read_jsonl(dump / "metrics.jsonl")] == [1, 4]
+
+
 def test_error_of_a_rank_whose_output_is_hidden_is_printed_by_the_launcher(tmp_path):
     """Two data-parallel ranks stream a folder of two files, one each; only rank 1's file is malformed. At
     start-up rank 1's shard fails and rank 0's does not: the ranks agree, both exit with status 2, and rank 0
@@ -575,15 +615,22 @@ def test_gradient_accumulation_matches_one_big_batch(tmp_path, capsys):
 
 def test_throughput_window_skips_checkpoint_saves_and_a_resumed_first_step_is_logged_alone(
         tmp_path, capsys, monkeypatch):
-    """A save (here made 4 s slower) is not training time: the next window's elapsed time leaves it out (the
-    bound leaves the step itself 3 s, for a CPU busy with other work). A resumed run logs its first step on its
-    own (its compile and warm-up), as a fresh run logs step 1."""
+    """A save is not training time: the next window's elapsed time leaves it out. The trainer's clock is made to
+    jump 1000 s inside the step-2 save: the window of step 3 (logged alone) shows the step's own time, never the
+    jump, whatever this machine's speed. A resumed run logs its first step on its own (its compile and warm-up),
+    as a fresh run logs step 1."""
+    import types
+
+    import engine.trainer as trainer_module
     from engine.checkpoint import Checkpointer
 
+    jumped = [0.0]  # seconds the trainer's clock is ahead of the real one
+    monkeypatch.setattr(trainer_module, "time",
+                        types.SimpleNamespace(perf_counter=lambda: time.perf_counter() + jumped[0]))
     save = Checkpointer.save
 
     def slow_save(self, *args, **kwargs):
-        time.sleep(4.0)
+        jumped[0] += 1000.0
         return save(self, *args, **kwargs)
 
     monkeypatch.setattr(Checkpointer, "save", slow_save)
@@ -592,9 +639,10 @@ def test_throughput_window_skips_checkpoint_saves_and_a_resumed_first_step_is_lo
             "--metrics.log_freq", "2", "--checkpoint.enable", "--checkpoint.interval", "2"]
     rc, out, err = run_main([*argv, "--training.steps", "3"], capsys)
     assert rc == 0, err
+    assert jumped[0] == 2000.0  # steps 2 and 3 saved
     rows = read_jsonl(os.path.join(dump, "metrics.jsonl"))
     assert [r["step"] for r in rows] == [1, 2, 3]
-    assert rows[2]["elapsed_s"] < 3.0, rows  # step 3 only, after the step-2 save
+    assert all(0 < r["elapsed_s"] < 1000.0 for r in rows), rows  # step 3's window: the step alone, not the save
     monkeypatch.setattr(Checkpointer, "save", save)
     rc, out, err = run_main([*argv, "--training.steps", "8"], capsys)  # resumes from step 3
     assert rc == 0, err

@@ -299,9 +299,12 @@ class DataLoader:
                 f"resumed with {str(self.streaming).lower()}; use the same setting to resume"
             )
         if not self.streaming and state["docs_in_epoch"] > len(self.dataset):
-            raise ValueError(
-                f"data loader state: position {state['docs_in_epoch']} is past this rank's "
-                f"{len(self.dataset)} documents; was the dataset changed?"
+            raise ConfigError(
+                f"{self.source.field}: the checkpoint's data position is record {state['docs_in_epoch']} of shard "
+                f"{self.dp_rank} of {self.dp_world_size} (epoch {state['epoch']}), past the {len(self.dataset)} "
+                f"records that shard of {self.source.describe()} now holds: the data changed since that checkpoint; "
+                "resume with the same data, or set checkpoint.exclude_from_loading = [\"dataloader\"] to read it "
+                "from its beginning"
             )
         self.batches_produced = int(state.get("batches", 0))
         self.samples_produced = int(state.get("samples", 0))
