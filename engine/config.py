@@ -1259,9 +1259,13 @@ def _check_split_backward(cfg: Config) -> None:
 
 
 def _validate_pipeline(cfg: Config, dims, args) -> None:
+    from models import get_model_spec
     from parallelize.pipeline import num_stages, splits_backward
 
     p = cfg.parallelism
+    if get_model_spec(cfg.model.name).pipeline_fn is None:
+        raise ConfigError(f"parallelism.pp: model {cfg.model.name!r} has no pipeline split (its ModelSpec registers "
+                          "no pipeline_fn); set parallelism.pp = 1")
     stages = num_stages(dims.pp, p.pp_schedule, p.pp_virtual_stages, p.pp_schedule_csv)
     if p.pp_layers_per_stage:
         if len(p.pp_layers_per_stage) != stages or sum(p.pp_layers_per_stage) != args.n_layers:

@@ -161,7 +161,7 @@ def build_model_parts(cfg: Config, dims: ParallelDims, spec, model: nn.Module, d
         stage_count = pipeline.num_stages(pp, p.pp_schedule, p.pp_virtual_stages, p.pp_schedule_csv)
         stage_ids = pipeline.stage_ids(pp_rank, pp, p.pp_schedule, p.pp_virtual_stages, p.pp_schedule_csv)
         layers = pipeline.split_layers(model.n_layers, stage_count, p.pp_layers_per_stage or None)
-        parts = [pipeline.stage_module(model, i, stage_count, layers[i]) for i in stage_ids]
+        parts = [spec.pipeline_fn(model, i, stage_count, layers[i]) for i in stage_ids]
     else:
         stage_count, stage_ids, parts = 1, [0], [model]
     # FSDP's CPU offload wants its parameters in CPU memory (it moves each unit's to the GPU for its forward and

@@ -31,7 +31,9 @@ class ModelSpec:
     """``parallelize_fn(model, dims, cfg, device_type)``: applies the family's whole plan (TP, AC, compile,
     FSDP2/HSDP/DDP) to a model on the meta device, in place, for the ``ParallelDims`` ``dims``."""
     pipeline_fn: Optional[Callable] = None
-    """Splits a model into pipeline stages (later)."""
+    """``pipeline_fn(model, stage, n_stages, layers) -> nn.Module``: the pipeline split, a copy of the model (meta
+    device) holding only what stage ``stage`` of ``n_stages`` runs (the blocks whose indices are in the range
+    ``layers``; the trainer picks the ranges). None: the family has no pipeline split (parallelism.pp must be 1)."""
     state_dict_adapter: Optional[type] = None
     """Converts between this family's state dict and the Hugging Face checkpoint layout: a class with
     ``to_hf``, ``from_hf``, ``hf_shapes``, ``hf_config`` and ``check_hf_config`` (engine/hf.py uses them)."""

@@ -12,7 +12,6 @@ A CSV file may give any other schedule, one action list per rank, in torch's CSV
 
 from __future__ import annotations
 
-import copy
 import functools
 import io
 from typing import Callable
@@ -216,21 +215,6 @@ def split_layers(n_layers: int, n_stages: int, layers_per_stage: list[int] | Non
             counts[i] += 1
     starts = [sum(counts[:i]) for i in range(n_stages)]
     return [range(s, s + c) for s, c in zip(starts, counts)]
-
-
-def stage_module(model: nn.Module, stage: int, n_stages: int, layers: range) -> nn.Module:
-    """A copy of ``model`` (meta device) holding only what ``stage`` runs."""
-    part = copy.deepcopy(model)
-    if stage != 0:
-        part.tok_embeddings = None
-    if stage != n_stages - 1:
-        part.norm = None
-        part.output = None
-    keep = {str(i) for i in layers}
-    for name in list(part.layers.keys()):
-        if name not in keep:
-            del part.layers[name]
-    return part
 
 
 def _stage_class():

@@ -43,15 +43,42 @@ def test_registry():
     assert spec.model_cls is Transformer and spec.args_cls is TransformerModelArgs
     assert {"debugmodel", "8B", "8B_L8", "8B_L2", "70B", "405B"} <= set(spec.flavors)
     assert spec.flops_per_token is flops_per_token
-    from models.llama3.parallelize import parallelize_llama
+    from models.llama3.parallelize import parallelize_llama, pipeline_stage
 
     assert spec.parallelize_fn is parallelize_llama
     from models.llama3.hf_adapter import Llama3HFAdapter
 
-    assert spec.pipeline_fn is None and spec.state_dict_adapter is Llama3HFAdapter
+    assert spec.pipeline_fn is pipeline_stage and spec.state_dict_adapter is Llama3HFAdapter
     with pytest.raises(ValueError, match="model.name.*llama3"):
         get_model_spec("no_such_model")
     assert models.get_model_spec is get_model_spec
+
+
+def test_a_model_without_a_pipeline_split_refuses_pipeline_parallelism():
+    from engine.config import ConfigError, parse_args, validate
+
+    spec = dataclasses.replace(get_model_spec("llama3"), name="llama3_no_pp_split", pipeline_fn=None)
+    models.register_model_spec(spec)
+    cfg = parse_args(["--config", "train_configs/debug_model.toml", "--model.name", "llama3_no_pp_split",
+                      "--parallelism.pp", "2"])
+    with pytest.raises(ConfigError, match=r"^parallelism\.pp: model 'llama3_no_pp_split' has no pipeline split .*"
+                                          r"set parallelism\.pp = 1$"):
+        validate(cfg, 2)
+    validate(parse_args(["--config", "train_configs/debug_model.toml", "--model.name", "llama3_no_pp_split"]), 1)
+
+
+def test_pipeline_stage_splits_without_dropping_or_duplicating():
+    from models.llama3.parallelize import pipeline_stage
+
+    with torch.device("meta"):
+        model = Transformer(dataclasses.replace(llama3_flavors["debugmodel"], vocab_size=256))
+    n = model.n_layers
+    ranges = [range(0, 2), range(2, n - 1), range(n - 1, n)]
+    parts = [pipeline_stage(model, i, 3, r) for i, r in enumerate(ranges)]
+    assert [list(p.layers.keys()) for p in parts] == [[str(i) for i in r] for r in ranges]
+    assert [p.tok_embeddings is not None for p in parts] == [True, False, False]
+    assert [(p.norm is not None, p.output is not None) for p in parts] == [(False, False)] * 2 + [(True, True)]
+    assert len(model.layers) == n and model.norm is not None  # the whole model is left as it was
 
 
 def test_flavor_shapes():

@@ -3,7 +3,7 @@
 from models import ModelSpec, register_model_spec
 from models.llama3.flavors import llama3_flavors
 from models.llama3.hf_adapter import Llama3HFAdapter
-from models.llama3.parallelize import parallelize_llama
+from models.llama3.parallelize import parallelize_llama, pipeline_stage
 from models.llama3.model import Transformer, TransformerModelArgs, count_params, flops_per_token, num_params
 
 __all__ = [
@@ -24,6 +24,7 @@ register_model_spec(
         flavors=llama3_flavors,
         flops_per_token=flops_per_token,
         parallelize_fn=parallelize_llama,
+        pipeline_fn=pipeline_stage,
         state_dict_adapter=Llama3HFAdapter,
     )
 )

@@ -1,4 +1,5 @@
-"""Llama 3's whole parallel plan, applied to a model on the meta device, in this order:
+"""Llama 3's whole parallel plan, applied to a model on the meta device: with pipeline parallelism the model is
+first split into this rank's stages (``pipeline_stage``, the trainer's call), then each stage gets, in this order:
 TP (with sequence and loss parallel) -> CP (ring attention) -> float8 -> activation checkpointing -> compile
 -> FSDP2/HSDP/DDP (over dp_shard x cp).
 
@@ -21,6 +22,7 @@ Tensor parallel layout (Megatron-style, with sequence parallelism):
 
 from __future__ import annotations
 
+import copy
 from functools import partial
 from typing import Any
 
@@ -87,6 +89,23 @@ def tp_plan_block(block: nn.Module | None = None, float8_comm: bool = False) -> 
         "feed_forward.w2": rowwise_parallel(layer("feed_forward.w2"), float8_comm, output_layouts=Shard(1)),
         "feed_forward.w3": colwise_parallel(layer("feed_forward.w3"), float8_comm),
     }
+
+
+def pipeline_stage(model: nn.Module, stage: int, n_stages: int, layers: range) -> nn.Module:
+    """Pipeline split (the ModelSpec's pipeline_fn): a copy of ``model`` (meta device) holding only what
+    ``stage`` of ``n_stages`` runs: the blocks ``layers``, the embedding on the first stage, the final norm and
+    the output projection on the last."""
+    part = copy.deepcopy(model)
+    if stage != 0:
+        part.tok_embeddings = None
+    if stage != n_stages - 1:
+        part.norm = None
+        part.output = None
+    keep = {str(i) for i in layers}
+    for name in list(part.layers.keys()):
+        if name not in keep:
+            del part.layers[name]
+    return part
 
 
 def apply_cp(model: nn.Module, cp_group, cp_rank: int, cp: int, seq_len: int, rotate: str) -> None:
