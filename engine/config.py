@@ -1266,7 +1266,7 @@ def _validate_pipeline(cfg: Config, dims, args) -> None:
     if get_model_spec(cfg.model.name).pipeline_fn is None:
         raise ConfigError(f"parallelism.pp: model {cfg.model.name!r} has no pipeline split (its ModelSpec registers "
                           "no pipeline_fn); set parallelism.pp = 1")
-    stages = num_stages(dims.pp, p.pp_schedule, p.pp_virtual_stages, p.pp_schedule_csv)
+    stages = num_stages(dims.pp, p.pp_schedule, p.pp_virtual_stages)
     if p.pp_layers_per_stage:
         if len(p.pp_layers_per_stage) != stages or sum(p.pp_layers_per_stage) != args.n_layers:
             raise ConfigError(
@@ -1281,7 +1281,7 @@ def _validate_pipeline(cfg: Config, dims, args) -> None:
     elif stages > args.n_layers + 2:
         from parallelize.pipeline import V_SCHEDULES, is_multi_stage
 
-        if not is_multi_stage(p.pp_schedule, p.pp_schedule_csv):
+        if not is_multi_stage(p.pp_schedule):
             fix = "lower parallelism.pp"
         elif p.pp_schedule in V_SCHEDULES:  # two stages per rank, whatever pp_virtual_stages says
             fix = "lower parallelism.pp, or use a schedule of one stage per rank (1F1B, GPipe)"
@@ -1334,7 +1334,7 @@ def pp_microbatches(cfg: Config, dims) -> int:
     p = cfg.parallelism
     if p.pp_microbatches != -1:
         return p.pp_microbatches
-    return num_stages(dims.pp, p.pp_schedule, p.pp_virtual_stages, p.pp_schedule_csv)
+    return num_stages(dims.pp, p.pp_schedule, p.pp_virtual_stages)
 
 
 def grad_accumulation_steps(cfg: Config, dp: int) -> int:

@@ -158,8 +158,8 @@ def build_model_parts(cfg: Config, dims: ParallelDims, spec, model: nn.Module, d
     p = cfg.parallelism
     if dims.pp_enabled:
         pp_rank, pp = dims.coordinate("pp")
-        stage_count = pipeline.num_stages(pp, p.pp_schedule, p.pp_virtual_stages, p.pp_schedule_csv)
-        stage_ids = pipeline.stage_ids(pp_rank, pp, p.pp_schedule, p.pp_virtual_stages, p.pp_schedule_csv)
+        stage_count = pipeline.num_stages(pp, p.pp_schedule, p.pp_virtual_stages)
+        stage_ids = pipeline.stage_ids(pp_rank, pp, p.pp_schedule, p.pp_virtual_stages)
         layers = pipeline.split_layers(model.n_layers, stage_count, p.pp_layers_per_stage or None)
         parts = [spec.pipeline_fn(model, i, stage_count, layers[i]) for i in stage_ids]
     else:
@@ -479,7 +479,7 @@ class Trainer:
             mb = self._to_device(mb)
             with self.autocast(), loss_context(self.loss_parallel):
                 if self.dims.pp_enabled:
-                    owners = pipeline.stage_owners(self.dims.pp, p.pp_schedule, p.pp_virtual_stages, p.pp_schedule_csv)
+                    owners = pipeline.stage_owners(self.dims.pp, p.pp_schedule, p.pp_virtual_stages)
                     logits = pipeline.forward_only(self.model_parts, self.pp_stage_ids, self.pp_stage_count, owners,
                                                    self.dims.coordinate("pp")[0], self.dims.group("pp"),
                                                    mb["input_ids"], self._forward_kwargs(mb))

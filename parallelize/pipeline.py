@@ -95,22 +95,22 @@ def schedule_class(schedule: str) -> type:
     return getattr(schedules, SCHEDULES[schedule][0])
 
 
-def is_multi_stage(schedule: str, csv: str = "") -> bool:
+def is_multi_stage(schedule: str) -> bool:
     """Whether ``schedule``'s placement puts several stages on a rank. A CSV schedule follows the placement of
     the schedule it is given with (parallelism.pp_schedule: GPipe or 1F1B, one stage per rank)."""
     return SCHEDULES[schedule][1]
 
 
-def num_stages(pp: int, schedule: str, virtual_stages: int, csv: str = "") -> int:
+def num_stages(pp: int, schedule: str, virtual_stages: int) -> int:
     """Stages in the whole pipeline."""
-    if not is_multi_stage(schedule, csv):
+    if not is_multi_stage(schedule):
         return pp
     return pp * (2 if schedule in V_SCHEDULES else virtual_stages)
 
 
-def stage_ids(pp_rank: int, pp: int, schedule: str, virtual_stages: int, csv: str = "") -> list[int]:
+def stage_ids(pp_rank: int, pp: int, schedule: str, virtual_stages: int) -> list[int]:
     """The stages this pp rank runs, in order."""
-    if not is_multi_stage(schedule, csv):
+    if not is_multi_stage(schedule):
         return [pp_rank]
     if schedule in V_SCHEDULES:
         return [pp_rank, 2 * pp - 1 - pp_rank]
@@ -139,14 +139,14 @@ def check_schedule_csv(csv: str, pp: int, schedule: str, virtual_stages: int, mi
     if len(rows) != pp:
         raise ValueError(f"{field} has {len(rows)} row{'s' * (len(rows) != 1)}; it needs one per pipeline rank "
                          f"(parallelism.pp = {pp})")
-    n_stages = num_stages(pp, schedule, virtual_stages, csv)
+    n_stages = num_stages(pp, schedule, virtual_stages)
     forwards: dict[int, set[int]] = {s: set() for s in range(n_stages)}
     runs: Counter = Counter()  # (stage, microbatch, F / B / I / W) -> times the CSV runs it
     kinds = {_ComputationType.FORWARD: "F", _ComputationType.FULL_BACKWARD: "B",
              _ComputationType.BACKWARD_INPUT: "I", _ComputationType.BACKWARD_WEIGHT: "W"}
     actions: dict[int, list] = {}  # each row's parsed cells (None for an empty one), for torch's order check below
     for rank, row in enumerate(rows):
-        held = stage_ids(rank, pp, schedule, virtual_stages, csv)
+        held = stage_ids(rank, pp, schedule, virtual_stages)
         actions[rank] = []
         for cell in row:
             try:
@@ -314,11 +314,11 @@ def forward_only(parts: list[nn.Module], ids: list[int], n_stages: int, owners: 
     return x if owners[n_stages - 1] == pp_rank else None
 
 
-def stage_owners(pp: int, schedule: str, virtual_stages: int, csv: str = "") -> list[int]:
+def stage_owners(pp: int, schedule: str, virtual_stages: int) -> list[int]:
     """The pp rank of every stage."""
-    owners = [-1] * num_stages(pp, schedule, virtual_stages, csv)
+    owners = [-1] * num_stages(pp, schedule, virtual_stages)
     for rank in range(pp):
-        for s in stage_ids(rank, pp, schedule, virtual_stages, csv):
+        for s in stage_ids(rank, pp, schedule, virtual_stages):
             owners[s] = rank
     assert -1 not in owners, owners
     return owners

@@ -120,9 +120,9 @@ def stage_signature(cfg, dims, n_layers: int, pp_rank: int) -> tuple:
     p = cfg.parallelism
     if dims.pp == 1:
         return ((n_layers, True, True),)
-    n = pipeline.num_stages(dims.pp, p.pp_schedule, p.pp_virtual_stages, p.pp_schedule_csv)
+    n = pipeline.num_stages(dims.pp, p.pp_schedule, p.pp_virtual_stages)
     layers = pipeline.split_layers(n_layers, n, p.pp_layers_per_stage or None)
-    ids = pipeline.stage_ids(pp_rank, dims.pp, p.pp_schedule, p.pp_virtual_stages, p.pp_schedule_csv)
+    ids = pipeline.stage_ids(pp_rank, dims.pp, p.pp_schedule, p.pp_virtual_stages)
     return tuple((len(layers[i]), i == 0, i == n - 1) for i in ids)
 
 

@@ -332,8 +332,7 @@ def rank_layout(cfg, dims, pp_rank: int) -> RankLayout:
 
     p, t = cfg.parallelism, cfg.training
     micro = pp_microbatches(cfg, dims) if dims.pp > 1 else 1
-    local_stages = len(stage_ids(pp_rank, dims.pp, p.pp_schedule, p.pp_virtual_stages, p.pp_schedule_csv)) \
-        if dims.pp > 1 else 1
+    local_stages = len(stage_ids(pp_rank, dims.pp, p.pp_schedule, p.pp_virtual_stages)) if dims.pp > 1 else 1
     return RankLayout(
         seq_len=t.seq_len,
         microbatch_samples=t.local_batch_size // micro,
@@ -635,8 +634,8 @@ def analytic_stages(cfg, dims, shape: ModelShape, pp_rank: int) -> list[StagePar
     p = cfg.parallelism
     if dims.pp == 1:
         return [stage_params(shape, 0, 1, shape.n_layers, dims.tp, dims.dp_shard * dims.cp)]
-    n = pipeline.num_stages(dims.pp, p.pp_schedule, p.pp_virtual_stages, p.pp_schedule_csv)
-    ids = pipeline.stage_ids(pp_rank, dims.pp, p.pp_schedule, p.pp_virtual_stages, p.pp_schedule_csv)
+    n = pipeline.num_stages(dims.pp, p.pp_schedule, p.pp_virtual_stages)
+    ids = pipeline.stage_ids(pp_rank, dims.pp, p.pp_schedule, p.pp_virtual_stages)
     layers = pipeline.split_layers(shape.n_layers, n, p.pp_layers_per_stage or None)
     return [stage_params(shape, i, n, len(layers[i]), dims.tp, dims.dp_shard * dims.cp) for i in ids]
 
