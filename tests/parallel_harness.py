@@ -17,7 +17,8 @@ import os
 import socket
 import sys
 import traceback
-from typing import Optional
+from datetime import timedelta
+from typing import Callable, Optional
 
 import torch
 import torch.multiprocessing as mp
@@ -69,11 +70,16 @@ def build_trainer(args: list[str], world_size: int, rank: int, steps: int, dump:
     return Trainer(cfg, World(rank=rank, local_rank=rank, world_size=world_size, device=torch.device("cpu")))
 
 
-def run_layout(args: list[str], world_size: int, rank: int, batches, dump: str) -> dict | None:
-    """Train ``len(batches)`` steps with ``args`` in this process (one rank of ``world_size``)."""
+def run_layout(args: list[str], world_size: int, rank: int, batches, dump: str,
+               probe: Optional[Callable] = None) -> dict | None:
+    """Train ``len(batches)`` steps with ``args`` in this process (one rank of ``world_size``). ``probe`` (a
+    module-level function, if given) is called as ``probe(trainer)`` on every rank right after the first step
+    (it may run collectives); rank 0's return value is the result's ``probe``."""
     from torch.distributed.tensor import DTensor
 
     trainer = build_trainer(args, world_size, rank, len(batches), dump)
+    seen = _record_shapes(trainer)
+    probed = None
     cfg = trainer.cfg
     dp_rank, dp = trainer.dp_rank, trainer.dp_size
     accum = trainer.grad_accum
@@ -125,12 +131,50 @@ def run_layout(args: list[str], world_size: int, rank: int, batches, dump: str) 
         loss, norm = trainer.train_step(micro, after_clip=record_grads if step == 0 else None)
         losses.append(float(loss))
         norms.append(float(norm))
+        if step == 0 and probe is not None:
+            probed = probe(trainer)
     dist.all_reduce = all_reduce
     trainer.metrics.close()
     if rank != 0:
         return None
-    built = {**built_features(trainer), "replica_all_reduces": replica_all_reduces}
-    return {"losses": losses, "grad_norms": norms, "grads": grads, "built": built}
+    built = {**built_features(trainer), "replica_all_reduces": replica_all_reduces,
+             **{key: sorted(values) for key, values in seen.items()}}
+    return {"losses": losses, "grad_norms": norms, "grads": grads, "built": built, "probe": probed}
+
+
+def _record_shapes(trainer) -> dict[str, set]:
+    """Forward hooks on this rank's model parts that record, for ``built_features``' checks, what the layout
+    really ran on (a flag the plan ignored leaves the losses right: see ``built_features``):
+    ``tokens_seq``, the sequence length of the token ids a first stage receives (context parallelism: this
+    rank's chunks); ``block_seq`` and ``attn_seq``, those of the hidden state each block and its attention
+    receive (sequence parallelism shards the former over TP; the attention gets the all-gathered sequence,
+    still this rank's CP chunks); ``logits``, the layout of the output projection's result (a DTensor sharded on
+    the vocabulary under loss parallel, a plain tensor otherwise; empty when the output is fused with the loss
+    or on another stage). Code that Dynamo compiles (the blocks under ``compile.enable``) runs no hook
+    eagerly, so it records no block shapes; ``tokens_seq`` is recorded either way."""
+    from torch.distributed.tensor import DTensor
+
+    seen: dict[str, set] = {"tokens_seq": set(), "block_seq": set(), "attn_seq": set(), "logits": set()}
+
+    def seq_of(key):
+        def hook(module, args):
+            if not torch.compiler.is_compiling():
+                seen[key].add(int(args[0].shape[1]))
+        return hook
+
+    def logits(module, args, out):
+        seen["logits"].add(",".join(map(placement_name, out.placements)) if isinstance(out, DTensor) else "tensor")
+
+    for part in trainer.model_parts:
+        if part.tok_embeddings is not None:
+            part.register_forward_pre_hook(seq_of("tokens_seq"))
+        if part.output is not None:
+            part.output.register_forward_hook(logits)
+        for block in part.layers.values():
+            inner = getattr(block, "_checkpoint_wrapped_module", block)
+            inner.register_forward_pre_hook(seq_of("block_seq"))
+            inner.attention.register_forward_pre_hook(seq_of("attn_seq"))
+    return seen
 
 
 def _holds_own_parameters(module, unit_type) -> bool:
@@ -140,18 +184,61 @@ def _holds_own_parameters(module, unit_type) -> bool:
     return any(id(p) not in inner for p in module.parameters())
 
 
+def placement_name(p) -> str:
+    """``Shard(0)``, ``Replicate``, ``Partial``, ``_StridedShard(0)``: a placement by its class (and dimension),
+    the same on every torch release (their str() changed from ``Shard(dim=0)`` to ``S(0)``)."""
+    dim = getattr(p, "dim", None)
+    return type(p).__name__ + (f"({dim})" if dim is not None else "")
+
+
+def _placements(weight) -> Optional[dict[str, str]]:
+    """A DTensor parameter's placement on each named mesh dimension; None for a plain tensor."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(weight, DTensor):
+        return None
+    return {name: placement_name(p) for name, p in zip(weight.device_mesh.mesh_dim_names, weight.placements)}
+
+
+def _attn_fn(block) -> Optional[tuple]:
+    """The attention kernel a parallel plan set on ``block`` (``Attention.attn_fn``): (function's qualified name,
+    its CP group's size, its rotate method) for a ``functools.partial``; None when the block runs its own."""
+    import functools
+
+    import torch.distributed as dist
+
+    fn = getattr(block, "_checkpoint_wrapped_module", block).attention.attn_fn
+    if fn is None:
+        return None
+    if not isinstance(fn, functools.partial):
+        return (repr(fn), None, None)
+    group = fn.keywords.get("cp_group")
+    return (f"{fn.func.__module__}.{fn.func.__name__}", dist.get_world_size(group) if group is not None else None,
+            fn.keywords.get("rotate"))
+
+
 def built_features(trainer) -> dict:
     """What the plan did to rank 0's model parts, so that a test can tell a feature applied from a flag ignored
-    (the losses of an ignored AC, compile or CSV schedule would match the reference too): blocks held,
-    checkpoint-wrapped (and the per-op policies' matmul choices), compiled; Float8Linear modules; DTensor
-    parameters; the pipeline schedule's class."""
+    (the losses of an ignored AC, compile, CSV schedule, context parallelism, CP rotate method or loss parallel
+    would match the reference too; CP ignored, each rank computes the whole sequences' losses and the target
+    count summed over dp_cp doubles with them): blocks held, checkpoint-wrapped (and the per-op policies' matmul
+    choices), compiled; Float8Linear modules; DTensor parameters; the pipeline schedule's class; each block's
+    attention kernel (ring attention, its CP group size and rotate method); the placements of the first block's
+    wq and wo weights per mesh dimension (TP: colwise Shard(0) and rowwise Shard(1) on "tp"); whether the trainer
+    computes the loss under loss parallel. ``run_layout`` adds the shapes the hooks of ``_record_shapes`` saw."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 
     blocks = [b for part in trainer.model_parts for b in part.layers.values()]
     modules = [m for part in trainer.model_parts for m in part.modules()]
+    attention = getattr(blocks[0], "_checkpoint_wrapped_module", blocks[0]).attention if blocks else None
     return {
+        "seq_len": trainer.cfg.training.seq_len,
+        "attn_fns": [_attn_fn(b) for b in blocks],
+        "wq": _placements(attention.wq.weight) if attention is not None else None,
+        "wo": _placements(attention.wo.weight) if attention is not None else None,
+        "loss_parallel": trainer.loss_parallel,
         # fully_shard units holding parameters of their own: each reduces their gradients in one collective
         "fsdp_units": sum(isinstance(m, FSDPModule) and _holds_own_parameters(m, FSDPModule) for m in modules),
         "blocks": len(blocks),
@@ -174,7 +261,9 @@ def _worker(rank: int, world_size: int, port: int, fn, jobs: dict[str, tuple], o
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if world_size > 1:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        # A deadlocked collective fails after 5 minutes instead of gloo's default 30 (a Trainer sets every group's
+        # timeout to comm.init_timeout_seconds, also 300 s; other jobs keep this one).
+        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=300))
     try:
         for name, job in jobs.items():
             try:
@@ -249,11 +338,13 @@ def train_job(world_size: int, rank: int, argv: list[str], env: Optional[dict[st
     return printed.getvalue()
 
 
-def _run_layout_job(world_size: int, rank: int, args: list[str], batches, dump: str):
-    return run_layout(args, world_size, rank, batches, dump)
+def _run_layout_job(world_size: int, rank: int, args: list[str], batches, dump: str, probe=None):
+    return run_layout(args, world_size, rank, batches, dump, probe)
 
 
-def run_world(world_size: int, layouts: dict[str, list[str]], batches_by_name: dict, out: str) -> dict[str, dict]:
-    """Train every layout on ``world_size`` gloo ranks; returns rank 0's results by layout name."""
-    jobs = {name: (args, batches_by_name[name], os.path.join(out, name)) for name, args in layouts.items()}
+def run_world(world_size: int, layouts: dict[str, list[str]], batches_by_name: dict, out: str,
+              probe: Optional[Callable] = None) -> dict[str, dict]:
+    """Train every layout on ``world_size`` gloo ranks; returns rank 0's results by layout name. ``probe``: see
+    ``run_layout`` (a module-level function: the ranks import it by name)."""
+    jobs = {name: (args, batches_by_name[name], os.path.join(out, name), probe) for name, args in layouts.items()}
     return run_jobs(world_size, _run_layout_job, jobs, out)

@@ -96,6 +96,41 @@ def test_exported_logits_match_transformers(flavor, tmp_path):
         assert max_logit_diff(model, load_in_transformers(folder), tokens) > 10 * TOLERANCE
 
 
+def test_folder_saved_by_transformers_loads_with_its_logits(tmp_path):
+    """Import of a checkpoint Tessera did not write: a LlamaForCausalLM of the debug model's shapes, built and
+    saved by transformers itself (its own config.json keys, tensor names, dtype and file layout), loads with
+    load_hf into the debug flavor, and Tessera's model gives transformers' logits on the same tokens."""
+    args = DEBUG
+    config = transformers.LlamaConfig(
+        vocab_size=args.vocab_size, hidden_size=args.dim, num_hidden_layers=args.n_layers,
+        num_attention_heads=args.n_heads, num_key_value_heads=args.n_kv_heads,
+        intermediate_size=ffn_hidden_dim(args.dim, args.multiple_of, args.ffn_dim_multiplier),
+        rms_norm_eps=args.norm_eps, rope_theta=args.rope_theta, max_position_embeddings=args.max_seq_len,
+        tie_word_embeddings=False, attn_implementation="sdpa",
+    )
+    torch.manual_seed(3)
+    hf_model = transformers.LlamaForCausalLM(config).to(torch.float32).eval()
+    with torch.no_grad():  # random norms (transformers initializes them to ones, which would hide a mix-up)
+        for name, param in hf_model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(1 + 0.2 * torch.randn_like(param))
+    folder = str(tmp_path / "saved_by_transformers")
+    hf_model.save_pretrained(folder)
+    assert any(f.endswith(".safetensors") for f in os.listdir(folder))
+
+    sd = load_hf(folder, args)
+    model = build(args, seed=7)  # other weights (and the RoPE table), then every weight from the folder
+    model.load_state_dict(sd)
+    tokens = torch.randint(0, args.vocab_size, (2, 64), generator=torch.Generator().manual_seed(1))
+    diff = max_logit_diff(model, hf_model, tokens)
+    print(f"max |logits - transformers' logits| = {diff:.2e}")
+    assert diff <= TOLERANCE
+    # The comparison sees the weights: one block's query projection left at another's gives other logits.
+    with torch.no_grad():
+        model.layers["1"].attention.wq.weight.copy_(model.layers["0"].attention.wq.weight)
+    assert max_logit_diff(model, hf_model, tokens) > 10 * TOLERANCE
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # the adapter
 # ----------------------------------------------------------------------------------------------------------------

@@ -132,3 +132,43 @@ def test_clip_folded_into_the_fused_optimizer(max_norm):
     # A later step that must scale before the optimizer clears the factor the folded ones set.
     clip_grad_norm_(models[0].parameters(), max_norm, optimizer=folded, scale_in_optimizer=False)
     assert folded.grad_scale is None
+
+
+@pytest.mark.parametrize("argv", [
+    ["--optimizer.implementation", "for-loop"],
+    ["--optimizer.implementation", "foreach"],
+    ["--optimizer.implementation", "fused"],
+    ["--optimizer.name", "Adam"],
+], ids=["for-loop", "foreach", "fused", "adam"])
+def test_betas_and_eps_reach_every_param_group(argv):
+    """optimizer.beta1 / beta2 / eps, from the command line, reach every parameter group (with and without weight
+    decay) of every optimizer the engine builds, and the AdamW step uses them: one step from zero moments, where
+    eps = 1 (instead of 1e-8) shrinks the update of a unit gradient from lr to lr / 2."""
+    from engine.config import parse_args
+
+    cfg = parse_args(["--optimizer.beta1", "0.8", "--optimizer.beta2", "0.99", "--optimizer.eps", "1.0",
+                      "--optimizer.weight_decay", "0", *argv]).optimizer
+    assert (cfg.beta1, cfg.beta2, cfg.eps) == (0.8, 0.99, 1.0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4, bias=True), torch.nn.LayerNorm(4))
+    opt = build_optimizer(model, cfg, torch.device("cpu"))
+    assert len(opt.param_groups) == 2
+    for group in opt.param_groups:
+        assert group["betas"] == (0.8, 0.99) and group["eps"] == 1.0, group.keys()
+    before = [p.detach().clone() for p in model.parameters()]
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    # Adam's first step: lr * m_hat / (sqrt(v_hat) + eps) = lr * 1 / (1 + 1) with unit gradients.
+    for p, p0 in zip(model.parameters(), before):
+        torch.testing.assert_close(p0 - p.detach(), torch.full_like(p0, cfg.lr / 2))
+
+
+def test_betas_and_eps_reach_the_bf16_weights_optimizer():
+    from engine.config import parse_args
+    from engine.optim import AdamWWithBf16Weights
+
+    cfg = parse_args(["--optimizer.beta1", "0.8", "--optimizer.beta2", "0.99", "--optimizer.eps", "1e-6",
+                      "--optimizer.implementation", "for-loop"]).optimizer
+    opt = build_optimizer(torch.nn.Linear(4, 4), cfg, torch.device("cpu"), bf16_weights=True)
+    assert isinstance(opt, AdamWWithBf16Weights)
+    assert all(g["betas"] == (0.8, 0.99) and g["eps"] == 1e-6 for g in opt.param_groups)

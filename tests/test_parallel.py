@@ -68,6 +68,10 @@ LAYOUTS = {
         "cp2": _layout(8, "--parallelism.cp", "2"),
         "cp2_alltoall_fused_loss": _layout(8, "--parallelism.cp", "2", "--parallelism.cp_rotate", "alltoall",
                                            "--training.loss_chunk_tokens", "100"),
+        # Compiled blocks (fullgraph) with the point-to-point ring inside, under per-op AC, which saves the ring's
+        # output whole (parallelize/context.py: one operator).
+        "cp2_alltoall_compile_ac_op": _layout(8, "--parallelism.cp", "2", "--parallelism.cp_rotate", "alltoall",
+                                              "--compile.enable", "--activation_checkpoint.mode", "selective"),
         # The harness steps the optimizer per tensor (see BASE); this layout keeps the engine's CPU default.
         "fsdp2_fused_loss_foreach_adamw": _layout(4, "--parallelism.dp_shard", "2", "--training.loss_chunk_tokens",
                                                   "48", "--optimizer.implementation", "foreach"),
@@ -250,6 +254,46 @@ def _check_built(args: list[str], built: dict) -> None:
         assert built["schedule"] == SCHEDULES[name][0], built
     else:
         assert built["schedule"] is None, built
+    _check_built_sharding(args, built)
+
+
+def _degree(args: list[str], dim: str) -> int:
+    flag = f"--parallelism.{dim}"
+    return int(args[args.index(flag) + 1]) if flag in args else 1
+
+
+def _check_built_sharding(args: list[str], built: dict) -> None:
+    """Context, sequence, tensor and loss parallelism were applied as the flags ask (their losses match the
+    reference whether applied or ignored: see parallel_harness.built_features): every block's attention is the
+    ring attention over a CP group of the cp degree with the configured rotate method (or its own kernel without
+    CP); the model gets seq_len / cp tokens of each sequence, the blocks the hidden state of seq_len / (cp x tp)
+    positions (sequence parallel), their attention that of seq_len / cp; wq and wo are colwise and rowwise TP
+    shards; the trainer's loss parallel (and the logits' layout where the output runs unfused on rank 0)."""
+    cp, tp = _degree(args, "cp"), _degree(args, "tp")
+    seq = built["seq_len"]
+    if cp > 1:
+        rotate = args[args.index("--parallelism.cp_rotate") + 1] if "--parallelism.cp_rotate" in args else "allgather"
+        assert built["attn_fns"] == [("parallelize.context.context_attention", cp, rotate)] * built["blocks"], built
+    else:
+        assert built["attn_fns"] == [None] * built["blocks"], built
+    assert built["tokens_seq"] == [seq // cp], built  # rank 0 holds the first stage under every schedule
+    if "--compile.enable" in args or not built["blocks"]:  # compiled blocks run the hooks only inside the graph
+        assert built["block_seq"] == built["attn_seq"] == [], built  # (no record); some stages hold no block
+    else:
+        assert built["block_seq"] == [seq // (cp * tp)], built
+        assert built["attn_seq"] == [seq // cp], built
+    if tp > 1 and built["blocks"]:
+        assert built["wq"] is not None and built["wq"].get("tp") == "Shard(0)", built
+        assert built["wo"] is not None and built["wo"].get("tp") == "Shard(1)", built
+    else:
+        assert "tp" not in (built["wq"] or {}) and "tp" not in (built["wo"] or {}), built
+    loss_parallel = tp > 1 and "--parallelism.disable_loss_parallel" not in args
+    assert built["loss_parallel"] == loss_parallel, built
+    if _degree(args, "pp") == 1 and "--training.loss_chunk_tokens" not in args:
+        assert built["logits"], built  # rank 0 holds the output, unfused with the loss
+    if built["logits"]:
+        assert "--training.loss_chunk_tokens" not in args, built
+        assert built["logits"] == (["Shard(2)"] if loss_parallel else ["tensor"]), built
 
 
 def test_parallel_layouts_match_single_process(world_results, reference):
@@ -293,13 +337,102 @@ def test_document_masking_matches_single_process(batches, reference, tmp_path):
             _check(result, doc_reference, layouts[name])
 
 
+# The releases whose answer was measured. An unlisted release is still checked against the real thing below.
+SPLIT_BACKWARD_KNOWN = {(2, 11): False, (2, 13): True}
+
+
+def _split_backward_through_the_fused_loss():
+    """The fused output loss (models/loss.py's custom autograd function, as the last stage of a zero-bubble
+    schedule runs it): its gradients (input, weight) from torch's split backward, the input half then the weight
+    half, or the RuntimeError it raised; and the plain backward's, for comparison."""
+    from torch import nn
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+    from models.loss import linear_cross_entropy_sum
+
+    g = torch.Generator().manual_seed(0)
+    h0, w0, labels = torch.randn(2, 3, 8, generator=g), torch.randn(16, 8, generator=g), torch.randint(0, 16, (2, 3))
+
+    def run(split: bool):
+        h, w = h0.clone().requires_grad_(), nn.Parameter(w0.clone())
+        with torch.enable_grad():
+            loss = linear_cross_entropy_sum(h * 1, w, labels, 4)
+            if not split:
+                loss.backward()
+                return h.grad, w.grad
+            try:
+                _, groups = stage_backward_input([loss], None, [h], iter([w]))
+                stage_backward_weight(iter([w]), groups)
+            except RuntimeError as e:
+                return e
+        return h.grad, w.grad
+
+    return run(True), run(False)
+
+
 def test_split_backward_probe():
-    """The probe behind the zero-bubble rule: torch 2.13 runs the weight pass through custom autograd functions,
-    so CI keeps the zero-bubble fused-loss layouts; 2.11 cannot."""
-    if TORCH_RELEASE >= (2, 13):
-        assert split_backward_takes_custom_functions()
-    elif TORCH_RELEASE == (2, 11):
-        assert not split_backward_takes_custom_functions()
+    """The probe behind the zero-bubble rule (validation refuses a zero-bubble schedule with the fused loss when it
+    says no; CI keeps those layouts when it says yes), on every torch release: it answers what the real split
+    backward through the fused loss does (the same gradients as the plain backward, or a RuntimeError), and on
+    the measured releases it gives the measured answer (2.11 cannot, 2.13 and later can)."""
+    takes = split_backward_takes_custom_functions()
+    split, plain = _split_backward_through_the_fused_loss()
+    if takes:
+        assert not isinstance(split, Exception), split
+        for got, want in zip(split, plain):
+            assert got is not None
+            torch.testing.assert_close(got, want)
+    else:
+        assert isinstance(split, RuntimeError) or split[1] is None, "the probe says no, but the split backward works"
+    if TORCH_RELEASE in SPLIT_BACKWARD_KNOWN:
+        assert takes == SPLIT_BACKWARD_KNOWN[TORCH_RELEASE]
+    elif TORCH_RELEASE > max(SPLIT_BACKWARD_KNOWN):
+        assert takes  # a newer release lost what 2.13 has: the zero-bubble fused-loss layouts would leave CI
+
+
+def test_mixed_precision_policy_follows_the_config_on_cuda_and_is_fp32_on_cpu(monkeypatch):
+    """FSDP2's policy: training.mixed_precision_param / mixed_precision_reduce on CUDA; float32 throughout on CPU
+    (gloo and CPU kernels: the parity tests compare fp32 with fp32), whatever they say. parallelize_llama hands
+    apply_fsdp the policy of the config and the device type it is given."""
+    import types
+
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    import models.llama3.parallelize as plan
+    from parallelize.data import mixed_precision_policy
+
+    bf16, fp32 = torch.bfloat16, torch.float32
+    for param, reduce in (("bfloat16", "float32"), ("float32", "bfloat16"), ("bfloat16", "bfloat16"),
+                          ("float32", "float32")):
+        want = MixedPrecisionPolicy(param_dtype=bf16 if param == "bfloat16" else fp32,
+                                    reduce_dtype=bf16 if reduce == "bfloat16" else fp32)
+        assert mixed_precision_policy(param, reduce, "cuda") == want
+        assert mixed_precision_policy(param, reduce, "cpu") == MixedPrecisionPolicy(param_dtype=fp32, reduce_dtype=fp32)
+
+    policies = []
+    monkeypatch.setattr(plan, "apply_fsdp", lambda model, blocks, mesh, mp_policy, **kw: policies.append(mp_policy))
+    dims = types.SimpleNamespace(tp_enabled=False, cp_enabled=False, pp_enabled=False, data_parallel=True, tp=1,
+                                 mesh=lambda name: name)
+    for argv, device, want in (
+        ([], "cuda", (bf16, fp32)),  # the defaults
+        (["--training.mixed_precision_param", "float32", "--training.mixed_precision_reduce", "bfloat16"], "cuda",
+         (fp32, bf16)),
+        (["--training.mixed_precision_param", "bfloat16", "--training.mixed_precision_reduce", "bfloat16"], "cpu",
+         (fp32, fp32)),
+    ):
+        cfg = parse_args(argv)
+        plan.parallelize_llama(_meta_debug_model(), dims, cfg, device)
+        assert (policies[-1].param_dtype, policies[-1].reduce_dtype) == want, (argv, device, policies[-1])
+    assert len(policies) == 3
+
+
+def _meta_debug_model():
+    import dataclasses
+
+    from models.llama3 import Transformer, llama3_flavors
+
+    with torch.device("meta"):
+        return Transformer(dataclasses.replace(llama3_flavors["debugmodel"], vocab_size=256))
 
 
 def test_schedule_table_matches_torch():
@@ -420,8 +553,8 @@ def rope_table_dtype_under_fsdp(world_size: int, rank: int) -> dict:
 
 def test_fsdp_bf16_keeps_the_rope_table_fp32(tmp_path):
     """FSDP's bf16 policy casts a module's floating-point forward inputs; the blocks receive the model's fp32 RoPE
-    table as one, and cosines and sines rounded to bf16 stretch the rotated vectors (by up to 3e-3). Only the root casts the model's inputs: each block gets the bf16 hidden state and the fp32
-    table."""
+    table as one, and cosines and sines rounded to bf16 stretch the rotated vectors (by up to 3e-3). Only the root
+    casts the model's inputs: each block gets the bf16 hidden state and the fp32 table."""
     from tests.parallel_harness import run_jobs
 
     seen = run_jobs(2, rope_table_dtype_under_fsdp, {"run": ()}, str(tmp_path))["run"]["seen"]
