@@ -25,7 +25,6 @@ def _save_list() -> frozenset:
     ops = {
         torch.ops.aten.mm.default,
         torch.ops.aten.addmm.default,
-        torch.ops.aten.bmm.default,
         torch.ops.aten._scaled_mm.default,  # float8 matmuls (torchao)
         torch.ops.aten.max.default,  # float8 tensorwise scales: the amax of each input (a whole-tensor reduction)
         torch.ops.aten._scaled_dot_product_flash_attention.default,
@@ -44,7 +43,9 @@ def _save_list() -> frozenset:
     return frozenset(ops)
 
 
-_MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
+# Not bmm: the model's linear layers are mm (addmm with a bias); a bmm is attention's math kernel
+# (model.sdpa_backend = math), whose [B, H, S, S] scores saved per block would outgrow everything else.
+_MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default}
 
 
 def op_policy(op_matmuls: str):

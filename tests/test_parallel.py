@@ -559,3 +559,41 @@ def test_fsdp_bf16_keeps_the_rope_table_fp32(tmp_path):
 
     seen = run_jobs(2, rope_table_dtype_under_fsdp, {"run": ()}, str(tmp_path))["run"]["seen"]
     assert seen == [(torch.bfloat16, torch.float32)] * 2
+
+
+def test_op_policy_saves_the_matmuls_and_the_attention_kernel_not_the_math_kernels_scores():
+    """Per-op AC (parallelize/checkpointing.py) saves the linear layers' mm and the fused attention kernel's output;
+    under the math attention kernel (model.sdpa_backend = math) it saves neither of its bmm, whose first result is
+    the [B, H, S, S] scores."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+    from parallelize.checkpointing import op_policy
+
+    saved, seen = [], set()
+    base = op_policy("all")
+
+    def policy(ctx, op, *args, **kwargs):
+        decision = base(ctx, op, *args, **kwargs)
+        seen.add(str(op))
+        if decision == CheckpointPolicy.MUST_SAVE and not ctx.is_recompute:
+            saved.append(str(op))
+        return decision
+
+    linear = torch.nn.Linear(16, 48, bias=False)
+
+    def attention(x):
+        q, k, v = linear(x).view(2, 8, 3, 2, 8).permute(2, 0, 3, 1, 4)  # each [B, H, S, D]
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    x = torch.randn(2, 8, 16, requires_grad=True)
+    for backend, kernel in ((SDPBackend.MATH, []),
+                            (SDPBackend.FLASH_ATTENTION, ["aten._scaled_dot_product_flash_attention_for_cpu.default"])):
+        saved.clear()
+        seen.clear()
+        with sdpa_kernel(backend):
+            out = checkpoint(attention, x, use_reentrant=False,
+                             context_fn=lambda: create_selective_checkpoint_contexts(policy))
+            out.sum().backward()
+        assert saved == ["aten.mm.default", *kernel], (backend, saved)
+        assert ("aten.bmm.default" in seen) == (backend == SDPBackend.MATH), seen
