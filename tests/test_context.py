@@ -10,6 +10,7 @@ fails the spawn.
 from __future__ import annotations
 
 import os
+from datetime import timedelta
 
 import pytest
 import torch
@@ -91,7 +92,7 @@ def _worker(rank: int, world_size: int, port: int) -> None:
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=300))
     try:
         group = dist.group.WORLD
         for seq_len in SEQ_LENS[world_size]:
@@ -142,7 +143,7 @@ def _ac_compile_worker(rank: int, world_size: int, port: int) -> None:
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=300))
     resolve = context._resolve_group
     try:
         group, seq_len = dist.group.WORLD, SEQ_LENS[world_size][0]
