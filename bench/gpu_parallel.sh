@@ -38,8 +38,9 @@ SMALL=(--training.steps "$SMALL_STEPS" --training.seq_len 256 --training.local_b
 launching one
 timeout "$(limit "$LIMIT")" python3 -m engine.train --config train_configs/debug_model.toml --job.dump_folder "$RUNS/one" "${SMALL[@]}" \
   --training.global_batch_size 8 > "$RUNS/one.log" 2>&1 || tail -n 20 "$RUNS/one.log"
-compare_to_one() {  # NAME [steps]: the run in $RUNS/NAME beside the single-rank run's losses, PASS or FAIL (steps:
-                    # only that both logged every step, its data being another); a FAIL is added to FAILED
+# NAME [steps]: the run in $RUNS/NAME beside the single-rank run's losses, PASS or FAIL, a FAIL added to FAILED
+# (steps: only that both logged every step, its data being another)
+compare_to_one() {
   python3 - "$RUNS/one" "$RUNS/$1" "$SMALL_STEPS" "$CURVE_RTOL" "${2:-losses}" <<'PY' || FAILED+=" $1"
 import json, math, os, sys
 

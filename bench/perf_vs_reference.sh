@@ -171,9 +171,12 @@ compare() {  # ARGS...: compare_reference.py on this call's runs, medians over t
     --steps "$STEPS" "$@"
 }
 
+ran_now() {  # LABEL: launched by this call, and logged (no earlier call's result counts)
+  [[ " $LAUNCHED " == *" $1 "* ]] && [ -f "$RUNS/$1/metrics.jsonl" ]
+}
+
 memory_above_reference() {  # LABEL (run by this call): peak reserved (steps 11 on, or whole run) above reference's
-  [[ " $LAUNCHED " == *" $1 "* ]] && [ -f "$RUNS/$1/metrics.jsonl" ] \
-    && compare --labels "$1" --pairs "$1=${PAIR[$1]}" --memory-above 1.0 > /dev/null
+  ran_now "$1" && compare --labels "$1" --pairs "$1=${PAIR[$1]}" --memory-above 1.0 > /dev/null
 }
 
 auto_run() {  # LABEL: a Tessera run auto_memory adds (unless ONLY runs it anyway, in its place); in the table if
@@ -190,8 +193,7 @@ auto_memory() {  # a pair's memory above the reference's: the fix to try; then b
        "memory holds, else bf16_snapshot"
   auto_run bf16_noautotune
   # Its memory holds only if it ran now (ONLY may have it later in its place; no earlier call's result counts).
-  if [[ " $LAUNCHED " == *" bf16_noautotune "* ]] && [ -f "$RUNS/bf16_noautotune/metrics.jsonl" ] \
-       && ! memory_above_reference bf16_noautotune; then
+  if ran_now bf16_noautotune && ! memory_above_reference bf16_noautotune; then
     auto_run fp8_noautotune
   else
     auto_run bf16_snapshot

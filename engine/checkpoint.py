@@ -844,9 +844,9 @@ class Checkpointer:
         return bool(stop)
 
     # -- load ------------------------------------------------------------------------------------------------
-    def load(self, info: CheckpointInfo, data_position: bool = True) -> int:
-        """Load the whole training state of ``info`` (any layout); returns its step. ``data_position`` False: the
-        trainer has loaded the data position already (load_data_position, among its set-up checks)."""
+    def load(self, info: CheckpointInfo) -> int:
+        """Load the whole training state of ``info`` (any layout) but the data position, which the trainer loads
+        among its set-up checks (load_data_position); returns its step."""
         t0 = time.perf_counter()
         parts = self._part_states()
         model = self.model_state(parts)
@@ -871,8 +871,6 @@ class Checkpointer:
         if "dataloader" in self.cfg.checkpoint.exclude_from_loading:
             self._log("checkpoint: data position not loaded (checkpoint.exclude_from_loading): the data starts "
                       "from its beginning")
-        elif data_position:
-            load_data_position(info, self.trainer)
         saved_layout = (info.train_state.get("world_size"), info.train_state.get("layout"))
         if saved_layout == (self.world_size, self.trainer.dims.describe()):
             rng_file = os.path.join(info.folder, "rng", f"rank-{self.rank:05d}.json")

@@ -386,9 +386,10 @@ class MetricsLogger:
             raise ConfigError(f"{field}: wandb.init failed ({reason}); {fix}") from None
         with open(id_path, "w", encoding="utf-8") as f:
             f.write(run_id + "\n")
-        if not rewind:
-            logged = max(logged, int(getattr(self._wandb_run, "starting_step", 0) or 0) - 1)  # online: wandb's own
-        if logged >= self.first_step and not rewind:
+        if rewind:
+            return
+        logged = max(logged, int(getattr(self._wandb_run, "starting_step", 0) or 0) - 1)  # online: wandb's own
+        if logged >= self.first_step:
             print(f"metrics: warning: wandb run {run_id} already has steps up to {logged}, and this run resumes at "
                   f"step {self.first_step}: wandb drops steps {self.first_step} to {logged} of this run (they are in "
                   "metrics.jsonl and tensorboard); metrics.wandb_rewind = true rewinds the wandb run instead",

@@ -289,7 +289,7 @@ class Trainer:
         self.step = 0
         self.checkpointer = Checkpointer(cfg, self)
         if self.resume_from is not None:
-            self.step = self.checkpointer.load(self.resume_from, data_position=False)  # loaded above
+            self.step = self.checkpointer.load(self.resume_from)  # (its data position: loaded above)
         elif init_path:
             self.checkpointer.load_model_only(init_path)
 

@@ -125,10 +125,10 @@ def _refuse_shared_run_folders(cfg) -> None:
     in_use = {"checkpoint.folder": cfg.checkpoint.enable,
               "profiling.save_traces_folder": cfg.profiling.enable_profiling,
               "profiling.save_memory_snapshot_folder": cfg.profiling.enable_memory_snapshot}
-    for key in RUN_RELATIVE_FIELDS:
+    for key, used in in_use.items():
         section, name = key.split(".")
         folder = getattr(getattr(cfg, section), name)
-        if in_use.get(key) and os.path.isabs(folder):
+        if used and os.path.isabs(folder):
             raise ConfigError(f"{key}: '{folder}' is absolute, so every run of the sweep would share it (a run would "
                               f"resume or overwrite the previous run's); give a folder relative to the run folder, "
                               f"such as {getattr(type(getattr(cfg, section))(), name)!r} (the default), which each "
