@@ -335,7 +335,7 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=20)
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
-        print("hopper_levers: no CUDA GPU here; run it on the H100 machine")
+        print("hopper_levers: no CUDA GPU here; run it on the Hopper machine (H100 or H200)")
         return 0
     print(torch.cuda.get_device_name(), "torch", torch.__version__)
     levers = {"sdpa": lever_sdpa, "ce": lever_ce, "adamw": lever_adamw, "rope": lever_rope, "clip": lever_clip,

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # A session's ONE device call (bench/README.md): Tessera against the reference trainer (torchtitan 0.2.2,
-# ../shared/bench/anchor) on one H100, at most 10 minutes, the most needed runs first (issue 6, acceptance 1
+# ../shared/bench/anchor) on one Hopper GPU, at most 10 minutes, the most needed runs first (issue 6, acceptance 1
 # and 2; issue 2: 7; issue 3: 4; issue 4: 3; issue 7: 2). Both trainers train Llama-3-8B layer shapes with 8
 # layers (flavor 8B_L8, 2.8B parameters), seq_len 8192, local batch 1, AdamW, with the expandable-segments
 # allocator; each run prints its median tps, TFLOP/s, MFU (bf16 peak, 989 TFLOP/s, for float8 too, as the
