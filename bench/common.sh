@@ -21,7 +21,8 @@ fi
 # Every run imports these (datasets: the data loader; tomli_w: the config dump; torchao: float8): fail now, in
 # seconds, rather than in every run after its start-up.
 python3 -c "import datasets, tomli_w, torchao" \
-  || { echo "error: the carried wheels are missing or broken: carry .whl (bench/README.md says how to fill it)"; exit 2; }
+  || { echo "error: the carried wheels are missing or broken: bash bench/prepare_device.sh on the development" \
+            "machine, then carry .whl"; exit 2; }
 export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD" PYTHONUNBUFFERED=1
 RET=${OUT:-/tmp/tessera_bench_out}
 RUNS=${RUNS:-/tmp/tessera_bench/$(basename "$0" .sh)}

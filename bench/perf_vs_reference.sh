@@ -9,11 +9,7 @@
 # compiled with per-op AC), bench/cuda_cp_check.py (ring attention's CUDA kernels), eager (issue 2's 8B_L8
 # run at seq 8192 in bf16 with sdpa), FSDP2 on the one rank (issue 3), no AC, full AC.
 #
-# Once, on this machine (both folders are git-ignored; wheels for the GPU machine's Python 3.12):
-#   bash ../shared/bench/anchor/prepare.sh         # .anchor/: the kit and the reference's wheels
-#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-#       --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux2014_x86_64 \
-#       --platform any -d .whl torchao==0.17.0 tomli_w==1.2.0 datasets==4.7.0 dill==0.4.0 multiprocess==0.70.18
+# Once, on this machine (it fills .anchor/ and .whl/, both git-ignored): bash bench/prepare_device.sh
 # Device call (carry .anchor and .whl):
 #   ANCHOR_LOGS=$OUT bash bench/perf_vs_reference.sh
 #
@@ -155,7 +151,8 @@ reference() {  # LABEL: one reference run (its script prints its last logged ste
     "$label|${REFERENCE[$label]} --training.steps $STEPS"
 }
 
-[ -f .anchor/run_anchor.sh ] || { echo "no .anchor/: run bash ../shared/bench/anchor/prepare.sh here and carry .anchor"; }
+[ -f .anchor/run_anchor.sh ] \
+  || { echo "no .anchor/: bash bench/prepare_device.sh on the development machine, then carry .anchor"; }
 python3 -c "import torchao" 2>/dev/null || echo "warning: torchao missing (carry .whl with torchao==0.17.0): float8 runs will fail"
 
 cp_check() {  # ring attention's CUDA kernels against full SDPA (issue 4), about half a minute

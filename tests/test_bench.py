@@ -715,3 +715,34 @@ def test_dry_run_time_times_each_command_and_names_a_failed_one(capsys):
     assert re.fullmatch(r"\s+2\s+\d+\.\d  DRY_RUN=1 NGPU=2 \./run_train\.sh --config train_configs/debug_model\.toml "
                         r"--parallelism\.tp 2", out[1]), out
     assert "FAILED (exit 2): error: parallelism.dp_shard:" in out[2], out
+
+
+def test_prepare_device_fills_what_the_calls_carry(tmp_path):
+    """bench/prepare_device.sh puts the reference kit in .anchor/ (the kit's own prepare.sh) and downloads into .whl/
+    the packages bench/common.sh imports before any run, for the GPU machine's Python; without the kit it stops at
+    once with one error line. A stand-in python3 records the download instead of reaching PyPI."""
+    repo = _copy_repo(str(tmp_path))
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python3").write_text(
+        "#!/usr/bin/env bash\nprintf '%s\\n' \"$@\" > " + str(tmp_path / "pip_args") + "\n"
+        "while [ $# -gt 0 ]; do [ \"$1\" = -d ] && mkdir -p \"$2\" && touch \"$2/x.whl\"; shift; done\n")
+    (bin_dir / "python3").chmod(0o755)
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", ANCHOR_KIT=str(tmp_path / "kit"))
+    script = os.path.join(repo, "bench", "prepare_device.sh")
+    proc = subprocess.run(["bash", script], env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1 and proc.stderr.strip().startswith("error: no reference kit at"), proc.stderr
+    assert not os.path.exists(os.path.join(repo, ".anchor")) and not (tmp_path / "pip_args").exists()
+
+    (tmp_path / "kit").mkdir()
+    (tmp_path / "kit" / "prepare.sh").write_text("mkdir -p .anchor/whl && touch .anchor/run_anchor.sh\n")
+    proc = subprocess.run(["bash", script], env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert os.path.exists(os.path.join(repo, ".anchor", "run_anchor.sh"))
+    assert os.path.exists(os.path.join(repo, ".whl", "x.whl"))
+    args = (tmp_path / "pip_args").read_text().split()
+    assert args[:3] == ["-m", "pip", "download"] and args[args.index("--python-version") + 1] == "3.12"
+    with open(os.path.join(ROOT, "bench", "common.sh")) as f:
+        imported = re.search(r'python3 -c "import ([\w, ]+)"', f.read()).group(1).split(", ")
+    downloaded = {a.split("==")[0].replace("-", "_") for a in args if "==" in a}
+    assert set(imported) <= downloaded, (imported, downloaded)
