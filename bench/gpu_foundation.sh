@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The foundation's GPU check, in one device call on the Hopper machine (H100 or H200) (issue 2, acceptance 7):
+# The foundation's GPU check, in one device call on the Hopper machine, an H100 or H200 (issue 2, acceptance 7):
 # Llama-3-8B layer shapes with 8 layers (flavor 8B_L8), seq_len 8192, local batch 1, bf16 autocast, sdpa,
 # 20 steps; prints median tps, TFLOP/s, MFU and peak memory after warm-up (the windows after step 10).
 #

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The mesh issue's GPU checks, in one device call on the Hopper machine (H100 or H200) (issue 3, acceptance 4):
+# The mesh issue's GPU checks, in one device call on the Hopper machine, an H100 or H200 (issue 3, acceptance 4):
 #  1. one rank, 8B layer shapes with 8 layers (8B_L8), seq 8192, batch 1: FSDP2 on the one rank + compile +
 #     per-op AC (the acceptance item): median tps, TFLOP/s, MFU and peak memory after warm-up. (The same
 #     without FSDP, and the eager, no-AC and full-AC runs, are perf_vs_reference.sh's.)

@@ -153,7 +153,6 @@ reference() {  # LABEL: one reference run (its script prints its last logged ste
 
 [ -f .anchor/run_anchor.sh ] \
   || { echo "no .anchor/: bash bench/prepare_device.sh on the development machine, then carry .anchor"; }
-python3 -c "import torchao" 2>/dev/null || echo "warning: torchao missing (carry .whl with torchao==0.17.0): float8 runs will fail"
 
 cp_check() {  # ring attention's CUDA kernels against full SDPA (issue 4), about half a minute
   if ! fits 45; then CP_CHECK=skipped; echo "=== skip cuda_cp_check.py (budget)"; return; fi
