@@ -78,14 +78,16 @@ fi
 
 # Several processes: the configuration, once, quietly, so that a user error prints one line and no launcher
 # traceback; then launch.
-WORLD_SIZE=$NGPU RANK=0 LOCAL_RANK=0 TESSERA_CHECK_ONLY=1 "$PYTHON" -m engine.train "${args[@]}"
+WORLD_SIZE=$NGPU RANK=0 LOCAL_RANK=0 TESSERA_CHECK_ONLY=1 TESSERA_PARENT_PID=$$ "$PYTHON" -m engine.train "${args[@]}"
 # SIGTERM (SLURM preemption, or a user's kill) goes straight to the training processes, which save a
 # checkpoint at the next step boundary and exit 0 (checkpoint.enable); torchrun then exits 0 too. (torchrun
 # itself, signalled, would stop its workers after a grace period and exit non-zero.) engine.launch is torchrun
 # that ends with the one error: line when the processes stop on a user error.
 # One OpenMP thread per process unless set: torchrun's own default, without its banner about it.
 # The ranks LOG_RANK shows print the run's log lines (engine.distributed.log_ranks), not rank 0 alone.
-TESSERA_LOG_RANKS="$LOG_RANK" OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} "$PYTHON" -m engine.launch \
+# TESSERA_PARENT_PID: the launcher dies with this script, and the training processes with the launcher (a SIGKILL
+# to either leaves no process training).
+TESSERA_PARENT_PID=$$ TESSERA_LOG_RANKS="$LOG_RANK" OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} "$PYTHON" -m engine.launch \
   --nproc_per_node="$NGPU" --rdzv_backend=c10d --rdzv_endpoint="localhost:0" \
   --local-ranks-filter="$LOG_RANK" --role=rank --tee=3 \
   -m engine.train "${args[@]}" &

@@ -116,9 +116,17 @@ def checkpoint_root(cfg: Config) -> str:
 
 def fault_point(step: int, point: str) -> None:
     """Fault injection for tests: TESSERA_FAULT_AT=<step>:<point> kills this process with SIGKILL there
-    (with SIGTERM for the point "sigterm", which the trainer passes in the middle of every step)."""
-    if os.environ.get("TESSERA_FAULT_AT") == f"{step}:{point}":
+    (with SIGTERM for the point "sigterm", which the trainer passes in the middle of every step);
+    <step>:<point>:stall stops the thread there for good instead, and once the last stall of a comma-separated
+    list is reached it creates the file TESSERA_FAULT_STALLED names (a test then kills the launcher)."""
+    faults = os.environ.get("TESSERA_FAULT_AT", "").split(",")
+    if f"{step}:{point}" in faults:
         os.kill(os.getpid(), signal.SIGTERM if point == "sigterm" else signal.SIGKILL)
+    elif f"{step}:{point}:stall" in faults:
+        if faults[-1] == f"{step}:{point}:stall":
+            open(os.environ["TESSERA_FAULT_STALLED"], "a").close()
+        while True:
+            time.sleep(1)
 
 
 _fault = fault_point

@@ -69,6 +69,9 @@ class Job:
     """Free text describing the run; written into the dumped config."""
     print_config: bool = False
     """Print the resolved configuration on rank 0 before training."""
+    owner_timeout_seconds: float = 60.0
+    """The run owns dump_folder (its OWNER.json) while it lives; an owner on another host whose heartbeat stops
+    for this long is gone and its folder is taken over (one on this host is checked by its process)."""
 
 
 @dataclass
@@ -919,6 +922,10 @@ def validate(cfg: Config, world_size: int = 1, machine: Optional[Machine] = None
 
     if not cfg.job.dump_folder.strip():
         raise ConfigError("job.dump_folder: must not be empty")
+    _positive("job.owner_timeout_seconds", cfg.job.owner_timeout_seconds)
+    if cfg.job.owner_timeout_seconds > MAX_TIMEOUT_SECONDS:
+        raise ConfigError(f"job.owner_timeout_seconds: at most {MAX_TIMEOUT_SECONDS:,} seconds, got "
+                          f"{cfg.job.owner_timeout_seconds:,}")
 
     # model
     _choice("model.name", cfg.model.name, model_names())

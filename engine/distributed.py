@@ -172,10 +172,16 @@ def peer_user_error(wait_seconds: float = 5.0) -> Optional[dict]:
         return None
     import json
 
-    try:
-        store.wait([_USER_ERROR_KEY], timedelta(seconds=wait_seconds))
+    import time
+
+    deadline = time.monotonic() + wait_seconds
+    try:  # polled: a timed-out store.wait logs warnings, and most often none comes (a peer was killed)
+        while not store.check([_USER_ERROR_KEY]):
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(0.1)
         return json.loads(store.get(_USER_ERROR_KEY))
-    except Exception:  # the wait timed out, or the store is gone with the job
+    except Exception:  # the store is gone with the job
         return None
 
 

@@ -12,6 +12,7 @@ the launcher (engine/launch.py) prints the line, else rank 0 does.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import tempfile
@@ -141,14 +142,67 @@ def user_error(e: BaseException, status: int, show: bool) -> int:
     return status
 
 
+def own_run_folder(cfg, world):
+    """Rank 0 takes job.dump_folder for this run (engine.run_owner), or every rank raises the OwnerError naming the
+    live run that has it. Returns the ownership on rank 0, None on the others."""
+    from engine.distributed import agree_on_user_errors
+    from engine.run_owner import RunOwner
+
+    owner = None
+    with agree_on_user_errors():
+        if world.rank == 0:
+            log = (lambda line: print(line, flush=True)) if world.logs else (lambda line: None)
+            owner = RunOwner(cfg.job.dump_folder, cfg.job.owner_timeout_seconds, on_lost=folder_lost, log=log)
+            owner.acquire()
+    return owner
+
+
+def folder_lost(message: str) -> None:
+    """Another run has taken this run's folder over (its heartbeat thread found out): stop now, with one line."""
+    user_error(ValueError(message), 2, show=True)
+    os._exit(2)
+
+
+def crashed_quietly(e: BaseException, world_size: int) -> bool:
+    """Under Tessera's launcher with several ranks, a failure's traceback goes into this process's error file
+    instead of the console: most often a collective failed because a peer died, and the launcher names that rank
+    in one line; otherwise it prints torchrun's report, with every failed rank's traceback from these files."""
+    from engine.launch import LAUNCHER_ENV
+
+    if world_size < 2 or os.environ.get(LAUNCHER_ENV) != "1" or not os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        return False
+    from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+    ErrorHandler().record_exception(e)
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
+    from engine.launch import exit_with_parent
+
+    exit_with_parent()  # under a launcher: not one moment longer than it
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--help" in argv or "-h" in argv:
         print(help_text())
         return 0
+    with contextlib.ExitStack() as at_exit:  # the run folder's ownership ends last
+        try:
+            return run(argv, at_exit)
+        except Exception as e:
+            if crashed_quietly(e, int(os.environ.get("WORLD_SIZE", "1"))):
+                return 1
+            raise
+
+
+def run(argv: list[str], at_exit: contextlib.ExitStack) -> int:
+    """Check, set up and train; returns the exit status. ``at_exit`` ends the run folder's ownership."""
     rank = int(os.environ.get("RANK", "0"))
     try:
         cfg = check(argv)
+        if rank == 0:  # a live run on this machine owns the folder: refused now, before anything starts
+            from engine.run_owner import check_free
+
+            check_free(cfg.job.dump_folder)
         if os.environ.get("TESSERA_CHECK_ONLY") == "1":
             return 0
         from engine.checkpoint import agreed_resume_point
@@ -157,6 +211,9 @@ def main(argv: list[str] | None = None) -> int:
 
         world = init_distributed(cfg)
         try:
+            owner = own_run_folder(cfg, world)
+            if owner is not None:
+                at_exit.callback(owner.release)
             resume_from = agreed_resume_point(cfg)
             if finished_already(cfg, world, resume_from):
                 destroy_distributed()

@@ -497,6 +497,7 @@ class Trainer:
         """validation.steps batches of the validation data, the same ones each time."""
         self._val_loader.load_state_dict(self._val_start)
         batches = [next(self._val_loader) for _ in range(self.cfg.validation.steps)]
+        fault_point(self.step, "validation")  # tests: a launcher killed during a validation
         return float(self.evaluate(batches))
 
     def _validation_batches_that_fit(self) -> int:

@@ -2,7 +2,7 @@
 
 Runs train the debug model with short sequences, as whole Trainer.train runs on ranks forked from the test
 harness's forkserver (tests/parallel_harness.py), and through ./run_train.sh (torchrun on gloo) where the
-launcher itself is under test: a 4-rank run SIGKILLed and resumed, SIGTERM forwarding, bad checkpoints.
+launcher itself is under test: SIGTERM forwarding, bad checkpoints (tests/test_launch.py kills launchers).
 Faults are injected with TESSERA_FAULT_AT=<step>:<point> (engine/checkpoint.py), which kills the process
 with SIGKILL at that point of the save of that step.
 """
@@ -134,20 +134,6 @@ def test_kill_after_step_10_and_resume_is_bit_identical(reference, tmp_path):
     # The resumed run appends to the killed run's metrics.jsonl: one curve, the uninterrupted one.
     assert sorted(metrics(tmp_path)) == list(range(1, 21))
     assert curve(tmp_path, range(1, 21)) == curve(reference, range(1, 21))
-
-
-def test_kill_and_resume_is_bit_identical_under_fsdp2_tp2(tmp_path):
-    whole, cut = tmp_path / "whole", tmp_path / "cut"
-    args = [*FSDP2_TP2, "--training.steps", "10", "--checkpoint.interval", "5"]
-    # The uninterrupted run on 4 harness ranks; the interrupted one through run_train.sh (torchrun workers
-    # SIGKILLed), which is also the plain check of a 4-rank CPU launch.
-    train(whole, *args, ngpu=4)
-    assert sorted(metrics(whole)) == list(range(1, 11)) and metrics(whole)[10]["loss"] < metrics(whole)[1]["loss"]
-    killed = train(cut, *args, ngpu=4, fault="5:committed", check=False, launcher="run_train.sh")
-    assert killed.returncode != 0 and "dp_shard 2 x cp 1 x tp 2" in killed.stdout
-    resumed = train(cut, *args, ngpu=4)
-    assert "resumed from step 5" in resumed.stdout
-    assert curve(cut, range(6, 11)) == curve(whole, range(6, 11))
 
 
 def test_sigterm_saves_exits_zero_and_the_resumed_run_continues_the_curve(reference, tmp_path):

@@ -189,7 +189,7 @@ cat > "$NODE_LAUNCH" <<'NODE'
 #!/bin/bash
 launcher=""  # the trap comes first: a signal right after the launch must not end this shell (USR2's default)
 trap '[ -n "$launcher" ] && pkill -TERM -P "$launcher" || true' TERM USR2
-"$PYTHON" -m engine.launch "$@" &
+TESSERA_PARENT_PID=$$ "$PYTHON" -m engine.launch "$@" &  # torchrun dies with this shell
 launcher=$!
 status=0
 wait "$launcher" || status=$?
