@@ -101,8 +101,11 @@ def scheduled_gc(every: int):
 
 def release_cached_memory(device: torch.device) -> None:
     """Hand the caching allocator's free blocks back to the device (CUDA: torch.cuda.empty_cache; with
-    expandable segments every free page is unmapped). Nothing on CPU."""
+    expandable segments every free page is unmapped). Nothing on CPU. The whole device is synchronized first:
+    a block freed on one stream may still be read by work queued on another (FSDP2's all-gather and
+    reduce-scatter streams, NCCL's own), and unmapping its pages under that work is an illegal memory access."""
     if device.type == "cuda":
+        torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
 
 

@@ -543,17 +543,19 @@ def test_first_steps_cached_memory_is_released_before_its_log(tmp_path, capsys, 
 
 
 def test_release_cached_memory_empties_cudas_cache_and_leaves_cpu_alone(monkeypatch):
-    """CUDA: torch.cuda.empty_cache. CPU: there is no caching allocator to empty, torch.cuda is not touched."""
+    """CUDA: the whole device synchronized, then torch.cuda.empty_cache. CPU: there is no caching allocator to
+    empty, torch.cuda is not touched."""
     import torch
 
     from engine.trainer import release_cached_memory
 
     calls = []
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append(("synchronize", str(device))))
     release_cached_memory(torch.device("cpu"))
     assert calls == []
     release_cached_memory(torch.device("cuda", 0))
-    assert calls == ["empty_cache"]
+    assert calls == [("synchronize", "cuda:0"), "empty_cache"]
 
 
 def test_help_lists_fields(capsys):
