@@ -746,3 +746,76 @@ def test_prepare_device_fills_what_the_calls_carry(tmp_path):
         imported = re.search(r'python3 -c "import ([\w, ]+)"', f.read()).group(1).split(", ")
     downloaded = {a.split("==")[0].replace("-", "_") for a in args if "==" in a}
     assert set(imported) <= downloaded, (imported, downloaded)
+
+
+def _gpu_check():
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    try:
+        import gpu_check
+    finally:
+        sys.path.pop(0)
+    return gpu_check
+
+
+def test_gpu_check_runs_are_valid_on_hopper(tmp_path):
+    """Every run of bench/gpu_check.py passes engine.train's checks as on a Hopper GPU, at its world size."""
+    gpu_check = _gpu_check()
+    plan = gpu_check.runs()
+    assert {"fsdp_compile_8b_l2", "gloo_hsdp2x2", "ckpt_async_with_pinned_mem_resumed",
+            "config_llama3_405b"} <= {r.label for r in plan}
+    rows = [_check_world(run, tmp_path) for run in plan]
+    errors = [f"{r['label']}: {r['error']}" for r in rows if "error" in r]
+    assert not errors, "\n".join(errors)
+
+
+def _check_world(run, tmp_path) -> dict:
+    from engine.config import HOPPER
+    from engine.train import check
+
+    old = os.environ.get("WORLD_SIZE")
+    os.environ["WORLD_SIZE"] = str(run.ngpu)
+    try:
+        check([*run.args, "--job.dump_folder", str(tmp_path / run.label)], HOPPER)
+        return {"label": run.label}
+    except ValueError as e:
+        return {"label": run.label, "error": str(e)}
+    finally:
+        if old is None:
+            del os.environ["WORLD_SIZE"]
+        else:
+            os.environ["WORLD_SIZE"] = old
+
+
+def test_gpu_check_verdicts_can_fail(tmp_path):
+    """A curve off by more than its tolerance, a step missing, a nan, a run that died and a resume that differs
+    in the last bit each FAIL; the same curve PASSes."""
+    gpu_check = _gpu_check()
+    Run, Result = gpu_check.Run, gpu_check.Result
+
+    def write(label, losses, norms=None):
+        (tmp_path / label).mkdir()
+        with open(tmp_path / label / "metrics.jsonl", "w") as f:
+            for step, loss in enumerate(losses, 1):
+                f.write(json.dumps({"step": step, "loss": loss, "grad_norm": (norms or losses)[step - 1]}) + "\n")
+
+    curve = [8.0, 7.5, 7.0, 6.5, 6.0, 5.5]
+    args = ["--training.steps", "6"]
+    write("ref", curve)
+    write("same", [x * 1.001 for x in curve])
+    write("off", [x * 1.05 for x in curve])
+    write("short", curve[:5])
+    write("nan", curve[:5] + [float("nan")])
+    write("ckpt_whole", curve)
+    write("ckpt_async_killed", curve[:3])
+    write("ckpt_async_resumed", curve[:5] + [5.5 + 1e-12])
+    labels = ["ref", "same", "off", "short", "nan", "ckpt_whole", "ckpt_async_killed", "ckpt_async_resumed", "died"]
+    plan = [Run(label, args) for label in labels]
+    results = {label: Result(0, 1.0, "resumed from step 3") for label in labels}
+    results["ckpt_async_killed"] = Result(-9, 1.0, "")
+    results["died"] = Result(1, 1.0, "Traceback\nRuntimeError: CUDA error: an illegal memory access")
+    c = gpu_check.Checker(plan, results, tmp_path)
+    assert c.close("same", "ref", 1e-2).ok and c.falls("ref").ok
+    for verdict in (c.close("off", "ref", 1e-2), c.close("short", "ref", 1e-2), c.close("nan", "ref", 1e-2),
+                    c.close("died", "ref", 1e-2), c.exact_resume("async"), c.falls("same", by=0.5)):
+        assert not verdict.ok, verdict.detail
+    assert "illegal memory access" in c.close("died", "ref", 1e-2).detail
