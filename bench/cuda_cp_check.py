@@ -23,7 +23,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from models.attention import dense_causal_mask  # noqa: E402
-from parallelize.context import context_attention, shard_sequence  # noqa: E402
+from parallelize.context_parallel import context_attention, shard_sequence  # noqa: E402
 
 DEVICE = os.environ.get("DEVICE", "cuda")
 # dtype, B, Hq, Hkv, S, D, document masking

@@ -1169,7 +1169,7 @@ def validate_parallelism(cfg: Config, world_size: int, spec, machine: Optional[M
 def _validate_values(cfg: Config) -> None:
     """The parallelism and activation checkpointing options' own values (names, signs), whether or not the layout
     uses them: a config valid at pp = 1 stays valid at pp = 2 as far as they go."""
-    from parallelize.pipeline import SCHEDULES
+    from parallelize.pipeline_parallel import SCHEDULES
 
     p = cfg.parallelism
     _choice("parallelism.fsdp_reshard_after_forward", p.fsdp_reshard_after_forward, ["default", "always", "never"])
@@ -1228,7 +1228,7 @@ def _check_split_backward(cfg: Config) -> None:
     (measured on 2 CPU ranks, ZBVZeroBubble, debug model), are refused."""
     import torch
 
-    from parallelize.pipeline import split_backward_takes_custom_functions
+    from parallelize.pipeline_parallel import split_backward_takes_custom_functions
 
     p, ac = cfg.parallelism, cfg.activation_checkpoint
     field = "parallelism.pp_schedule_csv" if p.pp_schedule_csv else "parallelism.pp_schedule"
@@ -1267,7 +1267,7 @@ def _check_split_backward(cfg: Config) -> None:
 
 def _validate_pipeline(cfg: Config, dims, args) -> None:
     from models import get_model_spec
-    from parallelize.pipeline import num_stages, splits_backward
+    from parallelize.pipeline_parallel import num_stages, splits_backward
 
     p = cfg.parallelism
     if get_model_spec(cfg.model.name).pipeline_fn is None:
@@ -1286,7 +1286,7 @@ def _validate_pipeline(cfg: Config, dims, args) -> None:
                 "(only the first and last stages, which hold the embedding and the output, may have 0)"
             )
     elif stages > args.n_layers + 2:
-        from parallelize.pipeline import V_SCHEDULES, is_multi_stage
+        from parallelize.pipeline_parallel import V_SCHEDULES, is_multi_stage
 
         if not is_multi_stage(p.pp_schedule):
             fix = "lower parallelism.pp"
@@ -1322,7 +1322,7 @@ def _validate_pipeline(cfg: Config, dims, args) -> None:
             f"({stages} on pp = {dims.pp}), got {got}"
         )
     if p.pp_schedule_csv:
-        from parallelize.pipeline import check_schedule_csv
+        from parallelize.pipeline_parallel import check_schedule_csv
 
         try:
             check_schedule_csv(p.pp_schedule_csv, dims.pp, p.pp_schedule, p.pp_virtual_stages, micro, accum)
@@ -1336,7 +1336,7 @@ def _validate_pipeline(cfg: Config, dims, args) -> None:
 
 
 def pp_microbatches(cfg: Config, dims) -> int:
-    from parallelize.pipeline import num_stages
+    from parallelize.pipeline_parallel import num_stages
 
     p = cfg.parallelism
     if p.pp_microbatches != -1:

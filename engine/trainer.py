@@ -35,15 +35,15 @@ from engine.profiling import StepProfiler
 from models import get_model_spec
 from models.attention import select_sdpa_backend
 from models.loss import IGNORE_INDEX, cross_entropy_sum
-from parallelize import pipeline
+from parallelize import pipeline_parallel as pipeline
 from parallelize.bf16_weights import bf16_weights_apply, split_linear_weights
 from parallelize.compile import compile_loss, tag_compile_caches
-from parallelize.context import shard_sequence
-from parallelize.data import gradient_divide_factor, set_replica_all_reduce
+from parallelize.context_parallel import shard_sequence
+from parallelize.fsdp import gradient_divide_factor, set_replica_all_reduce
 from parallelize.float8 import check_float8_layers, float8_after_optimizer_step
 from parallelize.init import materialize
 from parallelize.mesh import ParallelDims
-from parallelize.tensor import loss_context, reduce_partial_grads, to_local_scalar
+from parallelize.tensor_parallel import loss_context, reduce_partial_grads, to_local_scalar
 
 
 def host_memory_available() -> int | None:

@@ -17,7 +17,7 @@ Two ways to compute it:
   plain way's single matmul rounds once (measured on CPU: 32,768 tokens in 16 chunks, relative error 4.9e-3
   against 1.7e-3), because a float32 accumulator would add 2 GiB at Llama-3's vocabulary and dimension 4096,
   at the step's peak. Under tensor parallelism each rank holds a slice of the vocabulary and the log-sum-exp is
-  reduced over the TP group (parallelize/tensor.py ``vocab_parallel_linear_cross_entropy_sum``).
+  reduced over the TP group (parallelize/tensor_parallel.py ``vocab_parallel_linear_cross_entropy_sum``).
 """
 
 from __future__ import annotations
@@ -146,7 +146,7 @@ def linear_cross_entropy_sum(h: Tensor, weight: Tensor, labels: Tensor, chunk: i
 
     Vocabulary-parallel with ``group``: ``weight`` is this rank's rows ``vocab_offset ...`` of the projection,
     ``h`` the whole (replicated) hidden state; the loss is the full one on every rank, and the gradient of
-    ``h`` is this rank's part of a sum over the group (parallelize/tensor.py reduces it)."""
+    ``h`` is this rank's part of a sum over the group (parallelize/tensor_parallel.py reduces it)."""
     assert chunk > 0, chunk
     h2, y = h.flatten(0, 1), labels.flatten(0, 1)
     if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):

@@ -14,7 +14,7 @@ from torch import nn
 
 def apply_compile(blocks: nn.ModuleDict, inside_checkpoint: bool = False) -> None:
     """Compile each block in place, with fullgraph (context parallelism's ring attention, whichever way it
-    rotates, is one operator to the compiler: parallelize/context.py).
+    rotates, is one operator to the compiler: parallelize/context_parallel.py).
 
     ``inside_checkpoint`` (full and every-N activation checkpointing): a checkpoint-wrapped block's own module is
     compiled and the checkpoint runs eagerly around it, recomputing the compiled forward in backward. Compiling

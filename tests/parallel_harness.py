@@ -105,7 +105,7 @@ def run_layout(args: list[str], world_size: int, rank: int, batches, dump: str,
                     grads.setdefault(name, g)
 
     # HSDP/DDP: FSDP's all-reduces of gradients over dp_replicate, counted per step (the engine defers them to
-    # a step's last gradient-accumulation microbatch: parallelize.data.set_replica_all_reduce).
+    # a step's last gradient-accumulation microbatch: parallelize.fsdp.set_replica_all_reduce).
     import torch.distributed as dist
 
     replica_all_reduces, all_reduce = [], dist.all_reduce

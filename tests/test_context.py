@@ -1,4 +1,4 @@
-"""Context parallelism (parallelize/context.py): sequence sharding and ring attention.
+"""Context parallelism (parallelize/context_parallel.py): sequence sharding and ring attention.
 
 The ring-attention checks spawn one gloo process group per world size (CPU) and run every case of that size in
 it: each rank builds the same seeded full q/k/v, computes full causal SDPA and its gradients as the reference,
@@ -19,8 +19,8 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from models.attention import dense_causal_mask
-from parallelize import context
-from parallelize.context import (
+from parallelize import context_parallel as context
+from parallelize.context_parallel import (
     _cpu_block_backward,
     _cpu_block_forward,
     _math_block_backward,
@@ -138,7 +138,7 @@ def _ac_compile_worker(rank: int, world_size: int, port: int) -> None:
 
     from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-    from parallelize.checkpointing import op_policy
+    from parallelize.activation_checkpoint import op_policy
 
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)

@@ -176,7 +176,7 @@ def test_compiled_block_formula_matches_autograd(precision, mode):
     """compile.enable: what inductor's partitioner keeps for backward, no AC and per-op AC with all or every
     other matmul kept (the compiled graph saves through autograd, so the hooks see it all, the SAC policy's
     choices included)."""
-    from parallelize.checkpointing import apply_ac
+    from parallelize.activation_checkpoint import apply_ac
 
     torch._dynamo.reset()
     args = dataclasses.replace(llama3_flavors["debugmodel"], vocab_size=512, n_heads=8, n_kv_heads=2)
@@ -225,12 +225,12 @@ def test_compiled_loss_keeps_the_logits_only():
 
 @pytest.mark.parametrize("op_matmuls", ["all", "alternate"])
 def test_selective_op_formula_matches_the_policy(op_matmuls):
-    """'op' keeps the block input and the outputs of the ops the policy saves (parallelize/checkpointing.py):
+    """'op' keeps the block input and the outputs of the ops the policy saves (parallelize/activation_checkpoint.py):
     every matmul, or every other one."""
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils.checkpoint import CheckpointPolicy
 
-    from parallelize.checkpointing import op_policy
+    from parallelize.activation_checkpoint import op_policy
 
     policy, forward = op_policy(op_matmuls), types.SimpleNamespace(is_recompute=False)
 
@@ -265,7 +265,7 @@ def test_alternate_policy_is_torchtitans_for_float8_matmuls():
     keeps them."""
     from torch.utils.checkpoint import CheckpointPolicy
 
-    from parallelize.checkpointing import op_policy
+    from parallelize.activation_checkpoint import op_policy
 
     ctx = types.SimpleNamespace(is_recompute=False)
     mm, scaled_mm = torch.ops.aten.mm.default, torch.ops.aten._scaled_mm.default

@@ -57,7 +57,7 @@ def test_zero_bubble_refuses_what_cannot_run_twice(tmp_path, capsys, monkeypatch
     model on 2 ranks) and float8 (torchao's matmul node computes both gradients in each pass: twice the backward
     matmuls). On a torch whose split backward cannot pass through a custom autograd function (2.11) they refuse
     the fused loss too; 2.13 runs it (tests/test_parallel.py). The other schedules take all of these."""
-    from parallelize import pipeline
+    from parallelize import pipeline_parallel as pipeline
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     pp2 = ["--parallelism.pp", "2", "--job.dump_folder", str(tmp_path / "run")]

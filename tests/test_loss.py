@@ -110,7 +110,7 @@ def vocab_parallel_job(world_size: int, rank: int, vocab: int, chunk: int) -> di
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from parallelize.tensor import vocab_parallel_linear_cross_entropy_sum
+    from parallelize.tensor_parallel import vocab_parallel_linear_cross_entropy_sum
 
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
     h, w, labels = _inputs(n=36, v=vocab)

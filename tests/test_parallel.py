@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from engine.config import parse_args
-from parallelize.pipeline import split_backward_takes_custom_functions
+from parallelize.pipeline_parallel import split_backward_takes_custom_functions
 from tests.parallel_harness import global_batches, run_layout, run_world
 
 STEPS = 5
@@ -69,7 +69,7 @@ LAYOUTS = {
         "cp2_alltoall_fused_loss": _layout(8, "--parallelism.cp", "2", "--parallelism.cp_rotate", "alltoall",
                                            "--training.loss_chunk_tokens", "100"),
         # Compiled blocks (fullgraph) with the point-to-point ring inside, under per-op AC, which saves the ring's
-        # output whole (parallelize/context.py: one operator).
+        # output whole (parallelize/context_parallel.py: one operator).
         "cp2_alltoall_compile_ac_op": _layout(8, "--parallelism.cp", "2", "--parallelism.cp_rotate", "alltoall",
                                               "--compile.enable", "--activation_checkpoint.mode", "selective"),
         # The harness steps the optimizer per tensor (see BASE); this layout keeps the engine's CPU default.
@@ -229,7 +229,7 @@ def test_fsdp_on_a_single_rank_matches_reference(batches, reference, tmp_path):
 
 def _check_built(args: list[str], built: dict) -> None:
     """The features the layout's flags ask for were applied (not ignored) on rank 0's model parts."""
-    from parallelize.pipeline import SCHEDULES
+    from parallelize.pipeline_parallel import SCHEDULES
 
     a = " ".join(args)
     blocks = built["blocks"]
@@ -273,7 +273,7 @@ def _check_built_sharding(args: list[str], built: dict) -> None:
     seq = built["seq_len"]
     if cp > 1:
         rotate = args[args.index("--parallelism.cp_rotate") + 1] if "--parallelism.cp_rotate" in args else "allgather"
-        assert built["attn_fns"] == [("parallelize.context.context_attention", cp, rotate)] * built["blocks"], built
+        assert built["attn_fns"] == [("parallelize.context_parallel.context_attention", cp, rotate)] * built["blocks"], built
     else:
         assert built["attn_fns"] == [None] * built["blocks"], built
     assert built["tokens_seq"] == [seq // cp], built  # rank 0 holds the first stage under every schedule
@@ -399,7 +399,7 @@ def test_mixed_precision_policy_follows_the_config_on_cuda_and_is_fp32_on_cpu(mo
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     import models.llama3.parallelize as plan
-    from parallelize.data import mixed_precision_policy
+    from parallelize.fsdp import mixed_precision_policy
 
     bf16, fp32 = torch.bfloat16, torch.float32
     for param, reduce in (("bfloat16", "float32"), ("float32", "bfloat16"), ("bfloat16", "bfloat16"),
@@ -436,11 +436,11 @@ def _meta_debug_model():
 
 
 def test_schedule_table_matches_torch():
-    """parallelize/pipeline.py names torch's schedule classes without importing them: the names exist and the
+    """parallelize/pipeline_parallel.py names torch's schedule classes without importing them: the names exist and the
     multi-stage flags agree with torch's class hierarchy."""
     from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
 
-    from parallelize.pipeline import SCHEDULES, is_multi_stage, schedule_class
+    from parallelize.pipeline_parallel import SCHEDULES, is_multi_stage, schedule_class
 
     assert sorted(SCHEDULES) == sorted(PP_SCHEDULES)
     for name in SCHEDULES:
@@ -461,7 +461,7 @@ def compiled_tp_collective(world_size: int, rank: int, cache_dir: str) -> dict:
     from models.loss import cross_entropy_sum
     from parallelize.compile import compile_loss, tag_compile_caches
     from parallelize.mesh import ParallelDims
-    from parallelize.tensor import loss_context
+    from parallelize.tensor_parallel import loss_context
 
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
     dims = ParallelDims.from_config(parse_args(["--parallelism.dp_shard", "2", "--parallelism.tp", "2"]).parallelism,
@@ -537,7 +537,7 @@ def rope_table_dtype_under_fsdp(world_size: int, rank: int) -> dict:
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     from models.llama3 import Transformer, llama3_flavors
-    from parallelize.data import apply_fsdp
+    from parallelize.fsdp import apply_fsdp
 
     args = dataclasses.replace(llama3_flavors["debugmodel"], vocab_size=64, n_layers=2, max_seq_len=256)
     torch.manual_seed(0)
@@ -562,13 +562,13 @@ def test_fsdp_bf16_keeps_the_rope_table_fp32(tmp_path):
 
 
 def test_op_policy_saves_the_matmuls_and_the_attention_kernel_not_the_math_kernels_scores():
-    """Per-op AC (parallelize/checkpointing.py) saves the linear layers' mm and the fused attention kernel's output;
+    """Per-op AC (parallelize/activation_checkpoint.py) saves the linear layers' mm and the fused attention kernel's output;
     under the math attention kernel (model.sdpa_backend = math) it saves neither of its bmm, whose first result is
     the [B, H, S, S] scores."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-    from parallelize.checkpointing import op_policy
+    from parallelize.activation_checkpoint import op_policy
 
     saved, seen = [], set()
     base = op_policy("all")

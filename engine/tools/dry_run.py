@@ -115,7 +115,7 @@ class Build:
 
 def stage_signature(cfg, dims, n_layers: int, pp_rank: int) -> tuple:
     """What determines a pipeline rank's parameter shapes: each of its stages' layer count and ends."""
-    from parallelize import pipeline
+    from parallelize import pipeline_parallel as pipeline
 
     p = cfg.parallelism
     if dims.pp == 1:

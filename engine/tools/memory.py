@@ -42,7 +42,7 @@ block (every tensor an op keeps for its backward, as in the llama3 model):
     full:  r d / t                     only the block input; the block is recomputed in backward
     op:    r d / t + c (2 hq + 2 hkv) / t + 4 H / t + 2 c f / t + 2 c d (+ 2 c d / t with tp > 1)
                                        block input, outputs of every matmul and of attention (the policy in
-                                       parallelize/checkpointing.py), and the TP reduce-scatter outputs;
+                                       parallelize/activation_checkpoint.py), and the TP reduce-scatter outputs;
                                        op_matmuls = alternate keeps every other matmul's output: minus wk's,
                                        wo's and w3's, c hkv / t + c d + c f / t (compiled too)
 Compiled blocks (compile.enable) keep less, as inductor's partitioner chooses (measured on CPU against autograd,
@@ -328,7 +328,7 @@ class RankLayout:
 def rank_layout(cfg, dims, pp_rank: int) -> RankLayout:
     """The RankLayout of pipeline rank ``pp_rank`` for a validated config and its ParallelDims."""
     from engine.config import grad_accumulation_steps, pp_microbatches
-    from parallelize.pipeline import stage_ids
+    from parallelize.pipeline_parallel import stage_ids
 
     p, t = cfg.parallelism, cfg.training
     micro = pp_microbatches(cfg, dims) if dims.pp > 1 else 1
@@ -629,7 +629,7 @@ class RankRow:
 
 def analytic_stages(cfg, dims, shape: ModelShape, pp_rank: int) -> list[StageParams]:
     """The stages of pipeline rank ``pp_rank`` and their parameter sizes, from the shapes alone."""
-    from parallelize import pipeline
+    from parallelize import pipeline_parallel as pipeline
 
     p = cfg.parallelism
     if dims.pp == 1:

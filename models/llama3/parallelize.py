@@ -17,7 +17,7 @@ Tensor parallel layout (Megatron-style, with sequence parallelism):
   to sequence shards;
 - norm sequence-parallel; output colwise, its logits left sharded on the vocabulary for loss parallel (or
   gathered when loss parallel is off); with the output fused into the loss (training.loss_chunk_tokens) the
-  loss is vocabulary-parallel chunk by chunk instead (parallelize/tensor.py).
+  loss is vocabulary-parallel chunk by chunk instead (parallelize/tensor_parallel.py).
 """
 
 from __future__ import annotations
@@ -34,10 +34,10 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
-from parallelize.checkpointing import apply_ac
+from parallelize.activation_checkpoint import apply_ac
 from parallelize.compile import apply_compile, set_kernel_autotuning, wait_before_compiled_blocks
-from parallelize.context import context_attention, shard_sequence
-from parallelize.data import apply_fsdp, mixed_precision_policy
+from parallelize.context_parallel import context_attention, shard_sequence
+from parallelize.fsdp import apply_fsdp, mixed_precision_policy
 from parallelize.float8 import (
     colwise_parallel,
     convert_float8,
@@ -46,7 +46,7 @@ from parallelize.float8 import (
     rowwise_parallel,
 )
 from parallelize.mesh import ParallelDims
-from parallelize.tensor import apply_tp, enable_async_tp, vocab_parallel_linear_cross_entropy_sum
+from parallelize.tensor_parallel import apply_tp, enable_async_tp, vocab_parallel_linear_cross_entropy_sum
 
 
 def tp_plan_root(loss_parallel: bool) -> dict:

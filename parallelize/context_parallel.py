@@ -378,7 +378,7 @@ def _resolve_group(group_name: str) -> dist.ProcessGroup:
 
 # Ring attention is one operator (with its own backward operator) rather than a Python autograd function, so
 # that whatever looks at the operators of a block's forward sees it whole: per-op activation checkpointing
-# (parallelize/checkpointing.py) saves its output and log-sum-exp, as it saves a plain attention kernel's,
+# (parallelize/activation_checkpoint.py) saves its output and log-sum-exp, as it saves a plain attention kernel's,
 # instead of every block kernel's partial output inside the ring, and does not rerun its collectives when the
 # block is recomputed; torch.compile keeps it opaque (its fake implementation gives the output shapes).
 

@@ -17,7 +17,7 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-import parallelize.context  # noqa: F401  (registers the tessera::ring_attention operator named below)
+import parallelize.context_parallel  # noqa: F401  (registers the tessera::ring_attention operator named below)
 
 
 @cache
