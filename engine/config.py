@@ -81,8 +81,8 @@ class Model:
     flavor: str = "debugmodel"
     """Shape preset of the model family, e.g. debugmodel, 8B, 70B, 405B for llama3."""
     attn: str = "sdpa"
-    """Attention backend: sdpa (torch scaled_dot_product_attention), flex (flex_attention), flash_attn (the
-    flash-attn package, when installed)."""
+    """Attention backend: sdpa (torch scaled_dot_product_attention), flex (flex_attention), flash_attn
+    (FlashAttention 4 from flash-attn-4 on Hopper and Blackwell, else 3 or 2 from flash-attn, when installed)."""
     attn_mask: str = "causal"
     """Attention mask: causal, or block_causal (causal within each packed document; needs attn = flex; with
     context parallelism the ring attention applies it)."""
@@ -879,20 +879,19 @@ class Machine:
     cuda_capability: Optional[tuple[int, int]]
     """Their compute capability (float8 matmuls need >= 8.9); None without CUDA."""
     flash_attn: bool
-    """The flash-attn package is installed."""
+    """A FlashAttention package these GPUs run is installed (4: flash-attn-4; 3: its Hopper build; 2: flash-attn)."""
 
     @staticmethod
     def this() -> "Machine":
         """This machine, as a launch here will find it."""
-        import importlib.util
-
         import torch
 
+        from models.attention import flash_attn_available
         from parallelize.float8 import cuda_capability
 
         cuda = torch.cuda.is_available()
         return Machine(cuda=cuda, cuda_capability=cuda_capability() if cuda else None,
-                       flash_attn=importlib.util.find_spec("flash_attn") is not None)
+                       flash_attn=flash_attn_available())
 
 
 # What a dry run plans for: Hopper GPUs (H100) with flash-attn installed.
@@ -937,7 +936,8 @@ def validate(cfg: Config, world_size: int = 1, machine: Optional[Machine] = None
         raise ConfigError("model.attn_mask: block_causal document masking needs model.attn = flex")
     if cfg.model.attn == "flash_attn":
         if not machine.flash_attn:
-            raise ConfigError("model.attn: flash_attn is not installed; pip install flash-attn, or use model.attn = sdpa")
+            raise ConfigError("model.attn: flash_attn is not installed for this GPU; pip install flash-attn-4 (Hopper, "
+                              "Blackwell) or flash-attn, or use model.attn = sdpa")
         if not machine.cuda:
             raise ConfigError("model.attn: flash_attn needs a CUDA GPU; use model.attn = sdpa on this machine")
     _choice("model.sdpa_backend", cfg.model.sdpa_backend, SDPA_BACKENDS)

@@ -30,6 +30,7 @@ __all__ = [
     "SDPA_BACKENDS",
     "select_sdpa_backend",
     "flash_attn_available",
+    "flash_attn_version",
     "attention",
     "flex_block_mask",
     "dense_causal_mask",
@@ -88,12 +89,8 @@ def _sdpa(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
 
-_FLASH_MISSING = "model.attn: flash_attn is not installed; pip install flash-attn, or use model.attn = sdpa"
-
-
-def flash_attn_available() -> bool:
-    """True when the flash-attn package is installed and a CUDA device is present."""
-    return importlib.util.find_spec("flash_attn") is not None and torch.cuda.is_available()
+_FLASH_MISSING = ("model.attn: flash_attn is not installed for this GPU; pip install flash-attn-4 (Hopper, Blackwell) "
+                  "or flash-attn, or use model.attn = sdpa")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -181,21 +178,107 @@ def _flex(q: Tensor, k: Tensor, v: Tensor, doc_ids: Optional[Tensor], block_mask
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# flash_attn
+# flash_attn: FlashAttention 4 (PyPI flash-attn-4: CuTe DSL kernels for Hopper and Blackwell), else 3 (the Hopper
+# build's flash_attn_interface), else 2 (flash-attn)
 # ----------------------------------------------------------------------------------------------------------------
 
 
+def _module_exists(name: str) -> bool:
+    """Whether ``name`` (a dotted module name) can be imported, without importing it when its package is absent."""
+    parent = name.split(".")[0]
+    try:
+        return importlib.util.find_spec(parent) is not None and importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def flash_attn_version() -> Optional[int]:
+    """The FlashAttention generation model.attn = flash_attn runs on this machine: 4 (flash-attn-4, compute
+    capability 9 or 10), 3 (flash_attn_interface, Hopper), 2 (flash-attn); None without one (or without CUDA)."""
+    if not torch.cuda.is_available():
+        return None
+    major = torch.cuda.get_device_capability()[0]
+    if major in (9, 10, 11) and _module_exists("flash_attn.cute"):
+        return 4
+    if major == 9 and _module_exists("flash_attn_interface"):
+        return 3
+    if _module_exists("flash_attn") and _module_exists("flash_attn.flash_attn_interface"):
+        return 2
+    return None
+
+
+def flash_attn_available() -> bool:
+    """True when a FlashAttention package this GPU runs is installed (flash_attn_version)."""
+    return flash_attn_version() is not None
+
+
+# FlashAttention 4 as one operator: torch.compile keeps it whole (its CuTe kernels are compiled by its own JIT), and
+# per-op AC saves its output and log-sum-exp. Its forward and backward functions are flash-attn-4's private
+# _flash_attn_fwd / _flash_attn_bwd, called here only.
+@torch.library.custom_op("tessera::flash_attn", mutates_args=())
+def flash_attn4(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    """Causal attention on q ``[B, S, Hq, D]``, k/v ``[B, S, Hkv, D]``: the output and the log-sum-exp
+    ``[B, Hq, S]`` (fp32)."""
+    from flash_attn.cute.interface import _flash_attn_fwd
+
+    out, lse = _flash_attn_fwd(q, k, v, softmax_scale=q.shape[-1] ** -0.5, causal=True, return_lse=True)
+    return out, lse
+
+
+@flash_attn4.register_fake
+def _(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    b, s, h, _ = q.shape
+    return torch.empty_like(q), q.new_empty((b, h, s), dtype=torch.float32)
+
+
+@torch.library.custom_op("tessera::flash_attn_backward", mutates_args=())
+def flash_attn4_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor
+                         ) -> tuple[Tensor, Tensor, Tensor]:
+    from flash_attn.cute.interface import _flash_attn_bwd
+
+    dq, dk, dv = _flash_attn_bwd(q, k, v, out, dout.contiguous(), lse, q.shape[-1] ** -0.5, True)
+    return dq, dk, dv
+
+
+@flash_attn4_backward.register_fake
+def _(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _flash4_setup_context(ctx, inputs, output) -> None:
+    ctx.save_for_backward(*inputs, *output)
+
+
+def _flash4_backward(ctx, dout: Tensor, _dlse: Optional[Tensor]):
+    q, k, v, out, lse = ctx.saved_tensors
+    return flash_attn4_backward(dout, q, k, v, out, lse)
+
+
+flash_attn4.register_autograd(_flash4_backward, setup_context=_flash4_setup_context)
+
+
 def _flash(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-    if importlib.util.find_spec("flash_attn") is None:
+    version = flash_attn_version()
+    if version is None:
         raise ValueError(_FLASH_MISSING)
     if q.device.type != "cuda":
         raise ValueError("model.attn: flash_attn needs CUDA tensors; use model.attn = sdpa on this device")
     if q.dtype not in (torch.float16, torch.bfloat16):
         raise ValueError(f"model.attn: flash_attn needs bf16 or fp16 activations, got {q.dtype}")
-    from flash_attn import flash_attn_func
+    # FlashAttention takes [B, S, H, D] and handles GQA (fewer k/v heads) itself.
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    if version == 4:
+        out = flash_attn4(q.contiguous(), k.contiguous(), v.contiguous())[0]
+    elif version == 3:
+        from flash_attn_interface import flash_attn_func
 
-    # flash_attn takes [B, S, H, D] and handles GQA (fewer k/v heads) itself.
-    out = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True)
+        out = flash_attn_func(q, k, v, causal=True)
+    else:
+        from flash_attn import flash_attn_func
+
+        out = flash_attn_func(q, k, v, causal=True)
+    if isinstance(out, tuple):  # some releases return (out, lse)
+        out = out[0]
     return out.transpose(1, 2)
 
 

@@ -35,8 +35,12 @@ def _save_list() -> frozenset:
         torch.ops.tessera.ring_attention.default,  # context parallelism: the whole ring, one operator
         torch.ops._c10d_functional.reduce_scatter_tensor.default,
     }
-    try:  # model.attn = flash_attn: the package registers its kernels as torch ops (flash-attn >= 2.7) when
-        import flash_attn  # noqa: F401  imported, which models/attention.py does only at its first call
+    try:  # model.attn = flash_attn on FlashAttention 4: models/attention.py's operator, registered once the model
+        ops.add(torch.ops.tessera.flash_attn.default)  # module is imported (before any AC is applied)
+    except (AttributeError, RuntimeError):
+        pass
+    try:  # FlashAttention 2 registers its kernels as torch ops (flash-attn >= 2.7) when imported, which
+        import flash_attn  # noqa: F401  models/attention.py does only at its first call
         ops.add(torch.ops.flash_attn._flash_attn_forward.default)
     except (ImportError, AttributeError, RuntimeError):
         pass

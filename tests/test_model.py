@@ -375,6 +375,67 @@ def test_flash_attn_missing_raises():
         attention(q, k, v, "flash_attn")
 
 
+def _fake_flash_attn4(monkeypatch) -> None:
+    """flash-attn-4's two private functions (the only ones models/attention.py calls), as math on CPU with its
+    layouts: q [B, S, Hq, D], k/v [B, S, Hkv, D], the log-sum-exp [B, Hq, S]."""
+    import sys
+    import types
+
+    def fwd(q, k, v, softmax_scale=None, causal=False, return_lse=False):
+        rep = q.shape[2] // k.shape[2]
+        qt, kt, vt = (t.transpose(1, 2).float() for t in (q, k, v))
+        kt, vt = kt.repeat_interleave(rep, 1), vt.repeat_interleave(rep, 1)
+        scores = qt @ kt.transpose(-1, -2) * softmax_scale
+        s = q.shape[1]
+        scores = scores.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf")) if causal else scores
+        lse = scores.logsumexp(-1)
+        return ((scores - lse[..., None]).exp() @ vt).transpose(1, 2).to(q.dtype), lse
+
+    def bwd(q, k, v, out, dout, lse, softmax_scale, causal, *args, **kwargs):  # attention's gradients, by hand
+        b, s, hq, d = q.shape
+        rep = hq // k.shape[2]
+        qt, kt, vt, ot, dot = (t.transpose(1, 2).float() for t in (q, k, v, out, dout))
+        kt, vt = kt.repeat_interleave(rep, 1), vt.repeat_interleave(rep, 1)
+        scores = qt @ kt.transpose(-1, -2) * softmax_scale
+        if causal:
+            scores = scores.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf"))
+        p = (scores - lse[..., None]).exp()
+        dp = dot @ vt.transpose(-1, -2)
+        ds = p * (dp - (dot * ot).sum(-1, keepdim=True))
+        dq = ds @ kt * softmax_scale
+        dk = (ds.transpose(-1, -2) @ qt * softmax_scale).unflatten(1, (-1, rep)).sum(2)
+        dv = (p.transpose(-1, -2) @ dot).unflatten(1, (-1, rep)).sum(2)
+        return tuple(g.transpose(1, 2).to(q.dtype) for g in (dq, dk, dv))
+
+    module = types.ModuleType("flash_attn.cute.interface")
+    module._flash_attn_fwd, module._flash_attn_bwd = fwd, bwd
+    monkeypatch.setitem(sys.modules, "flash_attn.cute.interface", module)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_flash_attn4_operator_matches_sdpa_and_compiles_whole(monkeypatch, compiled):
+    """The tessera::flash_attn operator wraps FlashAttention 4 (here a CPU stand-in of its two functions): its
+    output and q/k/v gradients are SDPA's, under grouped-query attention, and torch.compile traces it whole."""
+    from models.attention import flash_attn4
+
+    _fake_flash_attn4(monkeypatch)
+    q, k, v = _qkv(S=16)  # [B, H, S, D]
+    grads = []
+    for use_flash in (True, False):
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        if use_flash:
+            def fn(q, k, v):
+                return flash_attn4(*(t.transpose(1, 2).contiguous() for t in (q, k, v)))[0].transpose(1, 2)
+
+            out = (torch.compile(fn, fullgraph=True, backend="aot_eager") if compiled else fn)(*leaves)
+        else:
+            out = F.scaled_dot_product_attention(*leaves, is_causal=True, enable_gqa=True)
+        out.square().sum().backward()
+        grads.append((out.detach(), *(t.grad for t in leaves)))
+    for got, want in zip(*grads):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
 def test_unknown_backend_raises():
     q, k, v = _qkv(S=16)
     with pytest.raises(ValueError, match="model.attn"):
