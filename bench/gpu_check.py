@@ -301,7 +301,8 @@ class Checker:
         folder = self.folder("hf_export") / "checkpoint" / "step-000003-hf"
         code = HF_LOGITS.format(folder=str(folder))
         proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                              env={**os.environ, "PYTHONPATH": str(ROOT)})
+                              env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                                  p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)})
         if proc.returncode != 0:
             return Check(False, "hf logits: " + proc.stderr.strip().splitlines()[-1][-400:] if proc.stderr.strip()
                          else f"exit {proc.returncode}")
@@ -434,6 +435,14 @@ def install_carried_wheels() -> None:
     sys.path.insert(0, "/tmp/site")
 
 
+def add_flash_attn4() -> None:
+    """FlashAttention 4, unzipped by bench/fa4_carry.sh (FA4_SITE), on the runs' path when it is there."""
+    site = os.environ.get("FA4_SITE", "/tmp/site_fa4")
+    if os.path.isdir(site):
+        paths = (site, os.path.join(site, "nvidia_cutlass_dsl", "dsl_packages"), os.environ.get("PYTHONPATH"))
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", default="", help="comma-separated run labels (default: all)")
@@ -452,6 +461,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 0
     t0 = time.time()
     install_carried_wheels()
+    add_flash_attn4()
     deadline = t0 + args.budget
     runs_dir = Path(os.environ.get("RUNS", "/tmp/tessera_gpu_check"))
     runs_dir.mkdir(parents=True, exist_ok=True)

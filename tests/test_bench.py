@@ -819,3 +819,40 @@ def test_gpu_check_verdicts_can_fail(tmp_path):
                     c.close("died", "ref", 1e-2), c.exact_resume("async"), c.falls("same", by=0.5)):
         assert not verdict.ok, verdict.detail
     assert "illegal memory access" in c.close("died", "ref", 1e-2).detail
+
+
+def test_fa4_carry_puts_the_two_parts_back_together_and_imports_from_them(tmp_path):
+    """bench/fa4_carry.sh on the device: part 1's half of the big wheel waits in FA4_PARTS; part 2 joins it, unzips
+    every wheel into one folder (two share nvidia_cutlass_dsl/) and imports flash_attn.cute from there. Stand-in
+    wheels here; without part 1, or without a part number, one error line."""
+    import zipfile
+
+    repo = tmp_path / "repo"
+    (repo / "bench").mkdir(parents=True)
+    shutil.copy(os.path.join(ROOT, "bench", "fa4_carry.sh"), repo / "bench")
+    big = tmp_path / "nvidia_cutlass_dsl_libs_cu13-1-py3-none-any.whl"
+    with zipfile.ZipFile(big, "w") as z:
+        z.writestr("nvidia_cutlass_dsl/cu13/lib/libx.so", os.urandom(3000))
+        z.writestr("nvidia_cutlass_dsl/dsl_packages/cutlass/__init__.py", "")
+    data = big.read_bytes()
+    for part, chunk in (("1", data[:2000]), ("2", data[2000:])):
+        (repo / ".fa4" / part).mkdir(parents=True)
+        (repo / ".fa4" / part / f"{big.name}.part0{int(part) - 1}").write_bytes(chunk)
+    with zipfile.ZipFile(repo / ".fa4" / "2" / "flash_attn_4-1-py3-none-any.whl", "w") as z:
+        z.writestr("flash_attn/cute/__init__.py", "import cutlass\n")
+    env = dict(os.environ, FA4_PARTS=str(tmp_path / "parts"), FA4_SITE=str(tmp_path / "site"))
+    script = str(repo / "bench" / "fa4_carry.sh")
+
+    def carry(*args):
+        return subprocess.run(["bash", script, *args], env=env, capture_output=True, text=True, timeout=60)
+
+    for args, message in (((), "error: give the part"), (("2",), "error: part 1 is missing")):
+        proc = carry(*args)
+        assert proc.returncode == 2 and proc.stderr.startswith(message), proc.stderr
+    shutil.rmtree(tmp_path / "parts")
+    assert carry("1").returncode == 0
+    proc = carry("2")
+    assert proc.returncode == 0, proc.stderr
+    assert "FlashAttention 4 imports from" in proc.stdout
+    assert (tmp_path / "site" / "nvidia_cutlass_dsl" / "cu13" / "lib" / "libx.so").read_bytes() == \
+        zipfile.ZipFile(big).read("nvidia_cutlass_dsl/cu13/lib/libx.so")
