@@ -45,7 +45,7 @@ def _pid_namespace() -> str:
 
 def _start_time(pid: int) -> Optional[str]:
     """The start time of process ``pid`` in clock ticks since boot (/proc/<pid>/stat, field 22); None when the
-    process does not exist, "" where /proc does not tell."""
+    process does not exist or has exited (a zombie not yet reaped), "" where /proc does not tell."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             stat = f.read()
@@ -54,7 +54,8 @@ def _start_time(pid: int) -> Optional[str]:
     except OSError:
         stat = ""
     if stat:
-        return stat[stat.rindex(")") + 2:].split()[19]
+        fields = stat[stat.rindex(")") + 2:].split()
+        return None if fields[0] == "Z" else fields[19]
     try:  # no /proc: whether the process exists at all
         os.kill(pid, 0)
     except ProcessLookupError:
