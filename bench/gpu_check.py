@@ -316,7 +316,7 @@ class Checker:
 HF_LOGITS = """
 import json, torch, transformers
 from engine.hf import load_hf, model_args_for
-from models import get_model_spec
+from models.registry import get_model_spec
 torch.backends.cuda.matmul.allow_tf32 = False
 folder = {folder!r}
 vocab = json.load(open(folder + "/config.json"))["vocab_size"]

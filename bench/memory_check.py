@@ -89,6 +89,7 @@ def measure(argv: list[str]) -> dict:
 
     from engine import metrics
     from engine.config import parse_args
+    from engine.config.validation import validate
     from engine.distributed import destroy_distributed, init_distributed
     from engine.trainer import Trainer
 
@@ -107,7 +108,7 @@ def measure(argv: list[str]) -> dict:
     metrics.reset_peak_memory = recording_reset
     start = time.perf_counter()
     try:
-        trainer = Trainer(cfg, init_distributed())
+        trainer = Trainer(cfg, init_distributed(), validate(cfg, 1))
         logged = trainer.train()
         peaks.append(torch.cuda.max_memory_allocated(device))
     finally:

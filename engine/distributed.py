@@ -61,11 +61,11 @@ def backend_from_env(cuda: bool) -> Optional[str]:
     """TESSERA_BACKEND, the process-group backend chosen instead of process_group_backend's (gloo lets several ranks
     share one GPU, which NCCL refuses: a check of CUDA code paths); None when unset. ``cuda``: CUDA GPUs are
     present. A ConfigError naming it when it is not a backend this machine has."""
-    from engine.config import ConfigError, _choice
+    from engine.config import ConfigError, check_choice
 
     backend = os.environ.get("TESSERA_BACKEND") or None
     if backend is not None:
-        _choice("TESSERA_BACKEND", backend, ["gloo", "nccl"])
+        check_choice("TESSERA_BACKEND", backend, ["gloo", "nccl"])
         if backend == "nccl" and not cuda:
             raise ConfigError("TESSERA_BACKEND: nccl needs CUDA GPUs; unset it (gloo is the default here) or set gloo")
     return backend

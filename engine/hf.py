@@ -31,8 +31,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
+from engine.checkpoint.files import COMMIT_FILE, inspect_checkpoint, read_tensors
 from engine.config import read_json_object
-from models import get_model_spec, model_names
+from models.registry import get_model_spec, model_names
 
 __all__ = ["export_hf", "export_checkpoint_hf", "load_hf", "load_hf_into", "open_hf", "model_args_for",
            "MAX_SHARD_BYTES"]
@@ -313,8 +314,6 @@ def export_checkpoint_hf(
     whatever the size of the model. With ``world_size`` > 1, every rank of a job calls it (``node_size`` ranks per
     node) and the shards are shared out, one rank per node first (``_export``); rank 0 returns last, once the
     folder is complete."""
-    from engine.checkpoint import COMMIT_FILE, inspect_checkpoint, read_tensors
-
     info = inspect_checkpoint(step_folder, "checkpoint")
     name, flavor = info.train_state["model"], info.train_state["flavor"]
     args = model_args_for(name, flavor, info.tensors["model.tok_embeddings.weight"].size[0])

@@ -13,48 +13,28 @@ the launcher (engine/launch.py) prints the line, else rank 0 does.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import sys
 import tempfile
 
-from engine.config import ConfigError, Machine, help_text, parse_args, validate
+from engine.config import ConfigError, help_text, parse_args
+from engine.config.validation import Machine, validate
 
 
 def check(argv: list[str] | None = None, machine=None):
-    """Parse and validate the configuration for this world (and ``machine``, an engine.config.Machine: by
-    default this one's); raises ConfigError."""
+    """Parse and validate the configuration for this world (and ``machine``, an engine.config.validation.Machine:
+    by default this one's); returns the config and its resolved Plan; raises ConfigError."""
     from engine.data.datasets import check_data_config
     from engine.distributed import backend_from_env, world_size_from_env
 
     cfg = parse_args(argv)
     machine = machine or Machine.this()
-    validate(cfg, world_size_from_env(), machine)
+    plan = validate(cfg, world_size_from_env(), machine)
     backend_from_env(machine.cuda)
     check_output_folders(cfg)
     check_data_config(cfg)
-    check_model_layers(cfg)
-    return cfg
-
-
-def check_model_layers(cfg) -> None:
-    """The checks that need the model's layer names, on a model built on the meta device (no memory): with
-    float8.enable, float8.filter_fqns names linear layers and leaves some to convert (as the trainer checks it),
-    so that a job script's check, the memory estimate and the dry run refuse what a launch refuses."""
-    if not cfg.float8.enable:
-        return
-    import dataclasses
-
-    import torch
-
-    from models import get_model_spec
-    from parallelize.float8 import check_float8_layers
-
-    spec = get_model_spec(cfg.model.name)
-    args = spec.flavors[cfg.model.flavor]
-    vocab = cfg.model.vocab_size if cfg.model.vocab_size != -1 else args.vocab_size  # the names do not depend on it
-    with torch.device("meta"):
-        model = spec.model_cls(dataclasses.replace(args, vocab_size=vocab if vocab > 0 else 4096))
-    check_float8_layers(model, cfg.float8, cfg.parallelism.tp)
+    return cfg, plan
 
 
 def check_output_folders(cfg) -> None:
@@ -62,7 +42,7 @@ def check_output_folders(cfg) -> None:
     seed checkpoint) and the profiler's folders when on (relative ones are inside the dump folder)."""
     check_writable_folder(cfg.job.dump_folder, "job.dump_folder")
     if cfg.checkpoint.enable or cfg.checkpoint.create_seed_checkpoint:
-        from engine.checkpoint import checkpoint_root
+        from engine.checkpoint.files import checkpoint_root
 
         check_writable_folder(checkpoint_root(cfg), "checkpoint.folder")
     pr = cfg.profiling
@@ -93,21 +73,16 @@ def check_writable_folder(folder: str, field: str) -> None:
                           "write to") from None
 
 
-def finished_already(cfg, world, info) -> bool:
-    """Whether the run to resume (from ``info``, find_resume_point's answer) has reached training.steps already:
-    then say so, write the last_save_hf folder if it is missing, and build nothing (no model, no checkpoint load;
-    the run's config.toml and metrics stay as they are)."""
-    from engine.checkpoint import check_ranks_see_the_same_step, checkpoint_root, export_last_hf, list_steps
+def finished_already(cfg, world, resume) -> bool:
+    """Whether the run to resume has reached training.steps already (``resume.finished_at``, plan_resume's
+    answer): then say so, write the last_save_hf folder if it is missing, and build nothing (no model, no checkpoint
+    load; the run's config.toml and metrics stay as they are)."""
+    from engine.checkpoint.checkpointer import export_last_hf
     from engine.data.tokenizer import tokenizer_path
 
     c = cfg.checkpoint
-    if c.create_seed_checkpoint or not c.enable or c.load_step == 0:
-        return False
-    step = info.step if info is not None else 0
-    if c.load_step < 0:  # the newest: a last save of the model only (last_save_model_only) ends a run too
-        step = max([step] + [s for s, _, complete in list_steps(checkpoint_root(cfg)) if complete])
-        check_ranks_see_the_same_step(cfg, step, "as the newest")
-    if step < cfg.training.steps:
+    step = resume.finished_at
+    if step is None:
         return False
     if world.logs:
         print(f"resumed at step {step}: training.steps = {cfg.training.steps} is reached, nothing to train "
@@ -198,27 +173,30 @@ def run(argv: list[str], at_exit: contextlib.ExitStack) -> int:
     """Check, set up and train; returns the exit status. ``at_exit`` ends the run folder's ownership."""
     rank = int(os.environ.get("RANK", "0"))
     try:
-        cfg = check(argv)
+        cfg, plan = check(argv)
         if rank == 0:  # a live run on this machine owns the folder: refused now, before anything starts
             from engine.run_owner import check_free
 
             check_free(cfg.job.dump_folder)
         if os.environ.get("TESSERA_CHECK_ONLY") == "1":
             return 0
-        from engine.checkpoint import agreed_resume_point
+        from engine.checkpoint.resume import plan_resume
         from engine.distributed import destroy_distributed, init_distributed
+        from engine.faults import install_from_env
         from engine.trainer import Trainer
+
+        install_from_env()  # tests' fault injection (TESSERA_FAULT_AT), when set
 
         world = init_distributed(cfg)
         try:
             owner = own_run_folder(cfg, world)
             if owner is not None:
                 at_exit.callback(owner.release)
-            resume_from = agreed_resume_point(cfg)
-            if finished_already(cfg, world, resume_from):
+            plan = dataclasses.replace(plan, resume=plan_resume(cfg))
+            if finished_already(cfg, world, plan.resume):
                 destroy_distributed()
                 return 0
-            trainer = Trainer(cfg, world, resume_from)  # raises ValueError for user errors, before writing anything
+            trainer = Trainer(cfg, world, plan)  # raises ValueError for user errors, before writing anything
         except BaseException:
             destroy_distributed()
             raise

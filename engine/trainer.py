@@ -20,9 +20,11 @@ from torch import nn
 
 import torch.distributed as dist
 
-from engine.checkpoint import (Checkpointer, check_data_source, check_fits_model, checkpoint_root, fault_point,
-                               find_resume_point, is_model_only, list_steps, load_data_position)
-from engine.config import Config, dump, grad_accumulation_steps, pp_microbatches, to_toml
+from engine import events
+from engine.checkpoint.checkpointer import Checkpointer
+from engine.checkpoint.resume import check_data_source, check_fits_model, load_data_position, plan_resume
+from engine.config import Config, dump, to_toml
+from engine.config.validation import Plan
 from engine.data.datasets import DataError, validation_data
 from engine.data.loader import build_dataloader
 from engine.data.tokenizer import build_tokenizer
@@ -32,7 +34,7 @@ from engine.distributed import (World, agree_on_user_errors, announce_user_error
 from engine.metrics import MetricsLogger
 from engine.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
 from engine.profiling import StepProfiler
-from models import get_model_spec
+from models.registry import get_model_spec
 from models.attention import select_sdpa_backend
 from models.loss import IGNORE_INDEX, cross_entropy_sum
 from parallelize import pipeline_parallel as pipeline
@@ -40,7 +42,7 @@ from parallelize.bf16_weights import bf16_weights_apply, split_linear_weights
 from parallelize.compile import compile_loss, tag_compile_caches
 from parallelize.context_parallel import shard_sequence
 from parallelize.fsdp import gradient_divide_factor, set_replica_all_reduce
-from parallelize.float8 import check_float8_layers, float8_after_optimizer_step
+from parallelize.float8 import float8_after_optimizer_step
 from parallelize.init import materialize
 from parallelize.mesh import ParallelDims
 from parallelize.tensor_parallel import loss_context, reduce_partial_grads, to_local_scalar
@@ -183,21 +185,19 @@ def build_model_parts(cfg: Config, dims: ParallelDims, spec, model: nn.Module, d
     return ModelParts(parts, stage_ids, stage_count)
 
 
-FIND = object()  # Trainer's resume_from default: look for the checkpoint to resume from
-
-
 class Trainer:
-    def __init__(self, cfg: Config, world: World, resume_from: Any = FIND):
-        """``resume_from``: the checkpoint to resume from, or None, when the caller has looked already
-        (find_resume_point reads the checkpoint's metadata, whose size grows with the world); by default the
-        Trainer looks."""
+    def __init__(self, cfg: Config, world: World, plan: Plan):
+        """``plan``: validate's resolved Plan for this world, used as it is. Its ``resume`` (plan_resume's answer)
+        is decided by the caller, or here when it is None."""
+        assert plan.dims.world_size == world.world_size, "the plan was validated for another world"
         self.cfg = cfg
+        self.plan = plan
         self.world = world
         self.device = world.device
         set_determinism(cfg.debug.seed, cfg.debug.deterministic)
 
         # The mesh: which ranks share data, shards and tokens.
-        self.dims = ParallelDims.from_config(cfg.parallelism, world.world_size)
+        self.dims = plan.dims
         if self.dims.distributed:
             self.dims.build_mesh(self.device.type,
                                  process_group_backend(self.device.type, cfg.parallelism.fsdp_cpu_offload))
@@ -205,7 +205,7 @@ class Trainer:
             if cfg.compile.enable:
                 tag_compile_caches(self.dims.group_names())
         self.dp_rank, self.dp_size = self.dims.coordinate("dp")
-        self.grad_accum = grad_accumulation_steps(cfg, self.dp_size)
+        self.grad_accum = plan.grad_accum
         self.loss_group = self.dims.group("dp_cp")  # ranks holding different tokens
 
         # The checkpoint to resume from, checked now: a bad one stops the run before anything is built (the initial
@@ -213,9 +213,9 @@ class Trainer:
         # tokenizer and this rank's data shard (cheap to build; their errors are user errors), and the checkpoint's
         # data position in it (a position past data that has shrunk since fails on some ranks only). A rank's own
         # shard may fail where the others do not: the ranks agree before going on.
+        self.resume_plan = resume = plan.resume if plan.resume is not None else plan_resume(cfg)
+        self.resume_from = resume.checkpoint
         with agree_on_user_errors():
-            self.resume_from = find_resume_point(cfg) if resume_from is FIND else resume_from
-            init_path = cfg.checkpoint.initial_load_path
             self.tokenizer = build_tokenizer(cfg)
             self.dataloader = build_dataloader(cfg, self.tokenizer, self.dp_rank, self.dp_size)
             self._read_ahead_from: Optional[dict] = None  # see data_state
@@ -224,9 +224,11 @@ class Trainer:
                 self._val_loader = build_dataloader(vcfg, self.tokenizer, self.dp_rank, self.dp_size, fields=fields)
                 self._val_start = self._val_loader.state_dict()  # every validation reads from here
                 val_fit = self._validation_batches_that_fit()  # reads them now: a bad record is a user error now
-            if self.resume_from is not None:  # its data position must belong to this data, and lie inside it
-                check_data_source(self.resume_from, self.dataloader.source, cfg, self.tokenizer)
-                load_data_position(self.resume_from, self)  # (the checkpoint's load below leaves it as it is)
+            if resume.load_data_position:  # it must belong to this data, and lie inside it
+                check_data_source(resume.checkpoint, self.dataloader.source, cfg, self.tokenizer)
+                self.dataloader = load_data_position(  # (the checkpoint's load below leaves it as it is)
+                    resume.checkpoint, cfg, self.dataloader,
+                    lambda num_shards: build_dataloader(cfg, self.tokenizer, self.dp_rank, self.dp_size, num_shards))
         if cfg.validation.enable:
             self._warn_small_validation_data(val_fit)
 
@@ -243,14 +245,11 @@ class Trainer:
         if self.device.type == "cpu":
             check_host_memory(cfg.model.flavor, self.num_params, self.dims, world.world_size)
         with agree_on_user_errors():  # the checkpoint to load holds this model's tensors, with its shapes
-            if cfg.float8.enable:  # float8.filter_fqns names layers of this model, and leaves some in float8
-                self.float8_layers = check_float8_layers(model, cfg.float8, self.dims.tp)
-            check_fits_model(cfg, model, self.model_args, self.resume_from)
+            check_fits_model(cfg, model, self.model_args, resume)
             # The metrics sinks start (wandb may refuse) before anything is written. A resumed run appends to the
             # run's metrics.jsonl (engine.plot reads its segments).
             self.metrics = MetricsLogger(cfg, world.rank, world.world_size, self.num_flops_per_token, self.device,
-                                         fresh=self.resume_from is None,
-                                         first_step=1 if self.resume_from is None else self.resume_from.step + 1)
+                                         fresh=resume.checkpoint is None, first_step=resume.step + 1)
 
         # Every check has passed: from here on the run writes to its dump folder.
         if world.is_main:
@@ -290,11 +289,13 @@ class Trainer:
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.training.steps)
         # The training state so far: a checkpoint of this run, or initial weights, or a fresh start.
         self.step = 0
-        self.checkpointer = Checkpointer(cfg, self)
-        if self.resume_from is not None:
-            self.step = self.checkpointer.load(self.resume_from)  # (its data position: loaded above)
-        elif init_path:
-            self.checkpointer.load_model_only(init_path)
+        self.checkpointer = Checkpointer(cfg, self.model_parts, self.optimizer, self.lr_scheduler, self.data_state,
+                                         self.dataloader.num_shards, self.dims, self.device, self.model_args,
+                                         self.tokenizer.path)
+        if resume.checkpoint is not None:  # (its data position: loaded above)
+            self.step = self.checkpointer.load(resume.checkpoint, resume.load_data_position)
+        elif resume.initial_load_path:
+            self.checkpointer.load_model_only(resume.initial_load_path, resume.initial_from_hf)
 
         if self.bf16_weights:  # from the final weights (initialized or loaded), before the first forward
             self.optimizer.set_low_halves(split_linear_weights(self.model_parts))
@@ -308,7 +309,7 @@ class Trainer:
                 + ("; bf16 autocast" + (" on bf16 weights (fp32 masters split in two)" if self.bf16_weights
                                         else "") if use_bf16 else "")
                 + (f"; float8 {cfg.float8.recipe}{' (emulated)' if cfg.float8.emulate else ''}: "
-                   f"{self.float8_layers[0]} of {self.float8_layers[1]} linear layers" if cfg.float8.enable else ""),
+                   f"{plan.float8_layers[0]} of {plan.float8_layers[1]} linear layers" if cfg.float8.enable else ""),
                 flush=True,
             )
             source = self.dataloader.source
@@ -317,25 +318,10 @@ class Trainer:
                        f"{', ...' if len(source.ignored) > 3 else ''}") if source.ignored else ""
             print(f"data: {source.describe()}{ignored}{self.dataloader.split_note}; tokenizer {self.tokenizer.path} "
                   f"({self.tokenizer.vocab_size:,} tokens)", flush=True)
-            root = checkpoint_root(cfg)
-            saved = [(step, folder) for step, folder, ok in list_steps(root) if ok]
-            newest, newest_folder = saved[-1] if saved else (0, "")
-            if saved and not cfg.checkpoint.enable:
-                print(f"checkpoint: checkpoint.enable is off, so the {len(saved)} checkpoint(s) in {root} (newest: "
-                      f"step {newest}) are not resumed from and this run starts at step 0 (add --checkpoint.enable "
-                      "to resume)", flush=True)
-            elif newest > self.step and cfg.checkpoint.load_step == -1 and \
-                    not cfg.checkpoint.create_seed_checkpoint and is_model_only(newest_folder):  # passed over
-                print(f"checkpoint: step {newest} in {root} holds the model only (no optimizer or data state), so it "
-                      f"is not resumed from and this run starts at step {self.step}; to start from its weights "
-                      "instead, give its folder as checkpoint.initial_load_path in a new job.dump_folder", flush=True)
+            if resume.passed_over:  # checkpoints found and not resumed from
+                print(resume.passed_over, flush=True)
 
     # ----------------------------------------------------------------------------------------------------
-    def rebuild_dataloader(self, num_shards: int) -> None:
-        """The loader over ``num_shards`` logical data shards (a checkpoint's count, to resume on it)."""
-        self.dataloader = build_dataloader(self.cfg, self.tokenizer, self.dp_rank, self.dp_size, num_shards)
-        self._read_ahead_from = None
-
     def data_state(self) -> dict:
         """The data position after the last step trained (what a checkpoint saves): the loader's, unless the
         loop has read the next step's batches ahead (before a log's host sync), then the position before them."""
@@ -353,7 +339,7 @@ class Trainer:
             self.model_parts, self.pp_stage_ids, self.pp_stage_count, self.dims.group("pp"), self.device
         )
         # One schedule step per optimizer step: every gradient-accumulation batch's microbatches go through it.
-        n_microbatches = pp_microbatches(self.cfg, self.dims) * self.grad_accum
+        n_microbatches = self.plan.pp_microbatches * self.grad_accum
         return pipeline.build_schedule(stages, p.pp_schedule, n_microbatches, loss_fn, p.pp_schedule_csv)
 
     def _to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -448,7 +434,7 @@ class Trainer:
         loss = self.forward_backward(microbatches)
         if self.dims.tp_enabled and not self.dims.data_parallel:
             reduce_partial_grads(self.model.parameters())  # once, not in every op that reads them
-        fault_point(self.step, "sigterm")  # tests: a preemption signal arriving mid-step
+        events.point(self.step, "mid_step")
         # With the fused optimizer the clip factor is applied inside its kernel (engine/optim.py), unless
         # ``after_clip`` reads the clipped gradients before it runs.
         grad_norm = clip_grad_norm_(self.model.parameters(), self.cfg.training.max_norm, self.dims.group("pp")
@@ -500,7 +486,7 @@ class Trainer:
         """validation.steps batches of the validation data, the same ones each time."""
         self._val_loader.load_state_dict(self._val_start)
         batches = [next(self._val_loader) for _ in range(self.cfg.validation.steps)]
-        fault_point(self.step, "validation")  # tests: a launcher killed during a validation
+        events.point(self.step, "validation")
         return float(self.evaluate(batches))
 
     def _validation_batches_that_fit(self) -> int:

@@ -50,15 +50,11 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 from torch import nn
 
+from engine.config.errors import ConfigError
+
 RECIPES = ("tensorwise", "rowwise")
 MIN_CAPABILITY = (8, 9)  # Ada and Hopper: the first GPUs with float8 tensor cores
 TORCHAO_PIN = "torchao==0.17.0"
-
-
-def _config_error(message: str) -> Exception:
-    from engine.config import ConfigError
-
-    return ConfigError(message)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -79,7 +75,7 @@ def check_float8_supported(emulate: bool, capability: Optional[tuple[int, int]] 
 
     ``capability``: the GPU's compute capability, None for no GPU, or "detect" to look it up."""
     if importlib.util.find_spec("torchao") is None:
-        raise _config_error(
+        raise ConfigError(
             f"float8.enable: float8 training needs torchao, which is not installed; pip install "
             f"'tessera[float8]' ({TORCHAO_PIN}), or set float8.enable = false"
         )
@@ -88,13 +84,13 @@ def check_float8_supported(emulate: bool, capability: Optional[tuple[int, int]] 
     if capability == "detect":
         capability = cuda_capability()
     if capability is None:
-        raise _config_error(
+        raise ConfigError(
             "float8.enable: this machine has no CUDA GPU and float8 matmuls need one with compute capability "
             ">= 8.9 (H100, L40S, RTX 4090); set float8.emulate = true to emulate them in float32 (float8 "
             "numerics, no speed-up), or float8.enable = false"
         )
     if tuple(capability) < MIN_CAPABILITY:
-        raise _config_error(
+        raise ConfigError(
             f"float8.enable: this GPU (compute capability {capability[0]}.{capability[1]}) has no float8 "
             f"matmuls, which need compute capability >= 8.9 (H100, L40S, RTX 4090); set float8.emulate = true "
             f"to emulate them in float32 (no speed-up), or float8.enable = false"
@@ -168,22 +164,22 @@ def module_filter(skip: Iterable[nn.Module], filter_fqns: Iterable[str], tp: int
     return keep
 
 
-def check_float8_layers(model: nn.Module, f8: Any, tp: int = 1) -> tuple[int, int]:
+def check_float8_layers(model: nn.Module, filter_fqns: Iterable[str], tp: int = 1) -> tuple[int, int]:
     """The float8 section against the whole model (on the meta device, before the pipeline split): every
     float8.filter_fqns entry must name some linear layer (a misspelled one would silently convert it), and at
     least one layer must be left to convert (else float8.enable changes nothing). Returns (layers converted,
     linear layers); raises ConfigError. ``model.output`` is never converted."""
     linears = [fqn for fqn, m in model.named_modules() if isinstance(m, nn.Linear)]
-    for entry in f8.filter_fqns:
+    for entry in filter_fqns:
         if not any(entry in fqn for fqn in linears):
             examples = ", ".join(dict.fromkeys(fqn.split(".", 2)[-1] for fqn in linears[:8]))
-            raise _config_error(f"float8.filter_fqns: '{entry}' names no linear layer of the model (its layers: "
+            raise ConfigError(f"float8.filter_fqns: '{entry}' names no linear layer of the model (its layers: "
                                 f"{examples}, ...); fix or remove it")
-    keep = module_filter([getattr(model, "output", None)], f8.filter_fqns, tp)
+    keep = module_filter([getattr(model, "output", None)], filter_fqns, tp)
     converted = sum(keep(m, fqn) for fqn, m in model.named_modules())
-    if f8.enable and converted == 0:
-        raise _config_error(
-            f"{'float8.filter_fqns' if f8.filter_fqns else 'float8.enable'}: no linear layer would run in float8 "
+    if converted == 0:
+        raise ConfigError(
+            f"{'float8.filter_fqns' if filter_fqns else 'float8.enable'}: no linear layer would run in float8 "
             "(float8.filter_fqns excludes the others, or their "
             f"dimensions{' per TP rank' if tp > 1 else ''} are not multiples of 16), so float8 would change "
             "nothing; narrow float8.filter_fqns or turn float8.enable off")

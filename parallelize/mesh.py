@@ -25,6 +25,8 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from engine.config.errors import ConfigError
+
 DIM_NAMES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 FLAT_VIEWS = {
     "dp": ("dp_replicate", "dp_shard"),
@@ -32,12 +34,6 @@ FLAT_VIEWS = {
     "dp_cp": ("dp_replicate", "dp_shard", "cp"),
     "dp_shard_cp_tp": ("dp_shard", "cp", "tp"),
 }
-
-
-def _config_error(message: str) -> Exception:
-    from engine.config import ConfigError
-
-    return ConfigError(message)
 
 
 @dataclass
@@ -61,18 +57,18 @@ class ParallelDims:
         for name, value in degrees.items():
             if value < 1 and not (name == "dp_shard" and value == -1):
                 allowed = ">= 1, or -1 for the ranks left over" if name == "dp_shard" else ">= 1"
-                raise _config_error(f"parallelism.{name}: must be {allowed}, got {value}")
+                raise ConfigError(f"parallelism.{name}: must be {allowed}, got {value}")
         others = math.prod(v for k, v in degrees.items() if k != "dp_shard")
         if degrees["dp_shard"] == -1:
             if world_size % others:
-                raise _config_error(
+                raise ConfigError(
                     f"parallelism.dp_shard: -1 takes the ranks left over, but the other degrees "
                     f"({_describe(degrees, skip='dp_shard')} = {others}) do not divide the world size {world_size}"
                 )
             degrees["dp_shard"] = world_size // others
         product = math.prod(degrees.values())
         if product != world_size:
-            raise _config_error(
+            raise ConfigError(
                 f"parallelism: the degrees multiply to {product} ({_describe(degrees)}) but the world has "
                 f"{world_size} ranks (NGPU x nodes); make the product equal the world size, or set "
                 f"parallelism.dp_shard = -1"

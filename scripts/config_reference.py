@@ -12,7 +12,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from engine.config import SECTIONS, Config, _field_type, _type_name, field_docs  # noqa: E402
+from engine.config import SECTIONS, Config, field_docs  # noqa: E402
+from engine.config.loading import _field_type, _type_name  # noqa: E402
 
 README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
 START, END = "<!-- config-reference:start -->", "<!-- config-reference:end -->"

@@ -12,6 +12,7 @@ Results (per-step loss and gradient norm, the first step's full gradients) are w
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import os
 import socket
@@ -61,13 +62,14 @@ def _strip(name: str) -> str:
 
 def build_trainer(args: list[str], world_size: int, rank: int, steps: int, dump: str):
     """The Trainer of ``BASE + args`` for ``steps`` steps, as this process's rank of ``world_size`` (CPU)."""
-    from engine.config import parse_args, validate
+    from engine.config import parse_args
+    from engine.config.validation import validate
     from engine.distributed import World
     from engine.trainer import Trainer
 
     cfg = parse_args([*BASE, *args, "--training.steps", str(steps), "--job.dump_folder", dump])
-    validate(cfg, world_size)
-    return Trainer(cfg, World(rank=rank, local_rank=rank, world_size=world_size, device=torch.device("cpu")))
+    plan = validate(cfg, world_size)
+    return Trainer(cfg, World(rank=rank, local_rank=rank, world_size=world_size, device=torch.device("cpu")), plan)
 
 
 def run_layout(args: list[str], world_size: int, rank: int, batches, dump: str,
@@ -314,9 +316,11 @@ def train_job(world_size: int, rank: int, argv: list[str], env: Optional[dict[st
     config unless ``argv`` names another; metrics.jsonl, checkpoints and plots in the run's dump folder.
     ``env`` sets (or, with an empty value, removes) environment variables first: the ranks inherit the
     forkserver's environment, not the test's. Returns what the run printed."""
-    from engine.config import parse_args, validate
-    from engine.checkpoint import agreed_resume_point
+    from engine.config import parse_args
+    from engine.config.validation import validate
+    from engine.checkpoint.resume import plan_resume
     from engine.distributed import init_distributed
+    from engine.faults import install_from_env
     from engine.train import finished_already
     from engine.trainer import Trainer
 
@@ -325,16 +329,17 @@ def train_job(world_size: int, rank: int, argv: list[str], env: Optional[dict[st
             os.environ[key] = value
         else:
             os.environ.pop(key, None)
+    install_from_env()  # as engine.train.main does
     if not any(a == "--config" or a.startswith("--config=") for a in argv):
         argv = ["--config", "train_configs/debug_model.toml", *argv]
     cfg = parse_args(argv)
-    validate(cfg, world_size)
+    plan = validate(cfg, world_size)
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
         world = init_distributed()
-        resume_from = agreed_resume_point(cfg)
-        if not finished_already(cfg, world, resume_from):
-            Trainer(cfg, world, resume_from).train()
+        plan = dataclasses.replace(plan, resume=plan_resume(cfg))
+        if not finished_already(cfg, world, plan.resume):
+            Trainer(cfg, world, plan).train()
     return printed.getvalue()
 
 

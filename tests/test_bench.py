@@ -36,7 +36,7 @@ exit 0
 
 def _check(argv: list[str]) -> dict:
     """engine.train's own checks of one recorded launch, as on a Hopper GPU with that launch's world size."""
-    from engine.config import HOPPER
+    from engine.config.validation import HOPPER
     from engine.train import check
 
     world = 1
@@ -769,7 +769,7 @@ def test_gpu_check_runs_are_valid_on_hopper(tmp_path):
 
 
 def _check_world(run, tmp_path) -> dict:
-    from engine.config import HOPPER
+    from engine.config.validation import HOPPER
     from engine.train import check
 
     old = os.environ.get("WORLD_SIZE")

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from engine import train, trainer
-from engine.checkpoint import step_folder
+from engine.checkpoint.files import step_folder
 from engine.config import Optimizer
 from engine.optim import AdamWWithBf16Weights, build_optimizer, clip_grad_norm_, scales_gradients
 from engine.plot import read_metrics

@@ -3,7 +3,7 @@
 Runs train the debug model with short sequences, as whole Trainer.train runs on ranks forked from the test
 harness's forkserver (tests/parallel_harness.py), and through ./run_train.sh (torchrun on gloo) where the
 launcher itself is under test: SIGTERM forwarding, bad checkpoints (tests/test_launch.py kills launchers).
-Faults are injected with TESSERA_FAULT_AT=<step>:<point> (engine/checkpoint.py), which kills the process
+Faults are injected with TESSERA_FAULT_AT=<step>:<point> (engine/faults.py), which kills the process
 with SIGKILL at that point of the save of that step.
 """
 
@@ -25,7 +25,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from engine.checkpoint import COMMIT_FILE, find_resume_point, inspect_checkpoint, list_steps, read_full
+from engine.checkpoint.files import COMMIT_FILE, inspect_checkpoint, list_steps, read_full
+from engine.checkpoint.resume import find_resume_point
 from engine.config import ConfigError, parse_args
 from engine.data.loader import build_dataloader
 from engine.data.tokenizer import build_tokenizer
@@ -207,7 +208,7 @@ def stdout_of(proc) -> str:
 # kill -9 inside a save
 # ------------------------------------------------------------------------------------------------------------
 
-# Where a save is killed (engine/checkpoint.py also has "begin" and "dcp_data_written"): after the JSON files,
+# Where a save is killed (engine/faults.py also lists "begin" and "dcp_data_written"): after the JSON files,
 # inside DCP's write, after the data but before DCP's metadata, after DCP finished, just before the marker.
 SAVE_POINTS = ["small_files", "dcp_write", "dcp_before_metadata", "dcp_done", "before_commit"]
 
@@ -242,13 +243,13 @@ def test_retention_deletes_in_the_background_and_never_waits_for_it(tmp_path, mo
     """keep_latest_k renames what it lets go at once and one background thread deletes it: a commit never waits
     for the deletion, not even for the one an earlier commit started (a slow shared filesystem)."""
     import threading
-    from types import SimpleNamespace
 
-    import engine.checkpoint
-    from engine.checkpoint import Checkpointer, write_commit_marker
+    import engine.checkpoint.checkpointer
+    from engine.checkpoint.checkpointer import Checkpointer
+    from engine.checkpoint.files import write_commit_marker
 
     cfg = parse_args([*BASE, "--job.dump_folder", str(tmp_path), "--checkpoint.keep_latest_k", "1"])
-    ckpt = Checkpointer(cfg, SimpleNamespace(world=SimpleNamespace(device=torch.device("cpu"))))
+    ckpt = Checkpointer(cfg, [], None, None, dict, 1, None, torch.device("cpu"), None, "")
     root = tmp_path / "checkpoint"
     gate, rmtree = threading.Event(), shutil.rmtree
 
@@ -257,7 +258,7 @@ def test_retention_deletes_in_the_background_and_never_waits_for_it(tmp_path, mo
             assert gate.wait(60)
         return rmtree(path, *args, **kwargs)
 
-    monkeypatch.setattr(engine.checkpoint.shutil, "rmtree", slow_rmtree)
+    monkeypatch.setattr(engine.checkpoint.checkpointer.shutil, "rmtree", slow_rmtree)
 
     def commit(step):
         folder = root / f"step-{step:06d}"
@@ -357,13 +358,12 @@ RESHARD = ["--training.steps", "8", "--checkpoint.interval", "4", "--training.gl
 
 def probe_trainer(argv: list[str], world_size: int):
     """The Trainer of ``argv`` on this rank of a harness job (which has initialized the process group)."""
-    from engine.config import validate
+    from engine.config.validation import validate
     from engine.distributed import init_distributed
     from engine.trainer import Trainer
 
     cfg = parse_args(argv)
-    validate(cfg, world_size)
-    return Trainer(cfg, init_distributed())
+    return Trainer(cfg, init_distributed(), validate(cfg, world_size))
 
 
 def resume_probe_job(world_size: int, rank: int, steps: int, argv: list[str]) -> list[dict]:
@@ -511,7 +511,7 @@ def run_saving_script(script: str, folder: Path) -> None:
 
 ASYNC_ON_ONE_CUDA_RANK = """
 import sys, torch, torch.distributed as dist, torch.distributed.checkpoint as dcp
-from engine.checkpoint import async_save_group
+from engine.checkpoint.checkpointer import async_save_group
 dist.init_process_group("cuda:gloo", store=dist.HashStore(), rank=0, world_size=1)
 future = dcp.async_save({"w": torch.arange(4.0)}, storage_writer=dcp.FileSystemWriter(sys.argv[1]),
                         process_group=async_save_group("async"))
@@ -532,7 +532,7 @@ def test_async_save_on_one_rank_with_a_process_group_has_a_cpu_backend(tmp_path)
 BACKGROUND_WRITER_ON_CUDA = """
 import sys, torch, torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.staging import BlockingAsyncStager
-from engine.checkpoint import step_writer
+from engine.checkpoint.checkpointer import step_writer
 torch.cuda.is_available = lambda: True  # DCP's writer takes its CUDA branch, which this build cannot run
 writer = step_writer(sys.argv[1], 1, background=True)
 dcp.async_save({"w": torch.arange(4.0)}, storage_writer=writer, async_stager=BlockingAsyncStager(),
@@ -731,7 +731,7 @@ def test_a_data_file_that_cannot_be_read_is_not_called_damaged(tmp_path, monkeyp
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from engine.checkpoint import dcp_load
+    from engine.checkpoint.files import dcp_load
 
     folder = tmp_path / "step"
     dcp.save({"w": torch.arange(4.0)}, storage_writer=dcp.FileSystemWriter(str(folder)), no_dist=True)
@@ -817,7 +817,7 @@ def test_data_position_is_loaded_on_another_shard_count_or_names_the_split(refer
     ConfigError naming data.num_shards and the way out (unless the data position is excluded)."""
     from types import SimpleNamespace
 
-    from engine.checkpoint import load_data_position
+    from engine.checkpoint import resume
 
     info = inspect_checkpoint(str(reference / "checkpoint" / "step-000010"), "checkpoint.folder")
     saved = json.loads((reference / "checkpoint" / "step-000010" / "dataloader" / "dp-00000.json").read_text())
@@ -825,9 +825,11 @@ def test_data_position_is_loaded_on_another_shard_count_or_names_the_split(refer
     def trainer(args: list[str], dp: int):
         cfg = parse_args([*BASE, *args])
         tok = build_tokenizer(cfg)
-        t = SimpleNamespace(cfg=cfg, dp_size=dp, dataloader=build_dataloader(cfg, tok, 0, dp))
-        t.rebuild_dataloader = lambda n: setattr(t, "dataloader", build_dataloader(cfg, tok, 0, dp, n))
-        return t
+        return SimpleNamespace(cfg=cfg, dataloader=build_dataloader(cfg, tok, 0, dp),
+                               rebuild=lambda n: build_dataloader(cfg, tok, 0, dp, n))
+
+    def load_data_position(info, t):  # as the trainer does
+        t.dataloader = resume.load_data_position(info, t.cfg, t.dataloader, t.rebuild)
 
     two = trainer(["--data.num_shards", "2"], 1)  # saved with 1 shard: rebuilt with 1
     load_data_position(info, two)
@@ -845,7 +847,7 @@ def test_resuming_with_the_other_data_streaming_setting_names_it(reference):
     """A map-style dataset (data.streaming = false) is read in a seeded order of its own, a stream in the files'
     order: a position in one means nothing in the other, so resuming across them is refused up front, naming
     data.streaming (unless the data position is excluded)."""
-    from engine.checkpoint import check_data_source
+    from engine.checkpoint.resume import check_data_source
     from engine.data.datasets import resolve_source
 
     info = inspect_checkpoint(str(reference / "checkpoint" / "step-000010"), "checkpoint.folder")
@@ -862,7 +864,7 @@ def test_resuming_on_another_split_text_column_or_framing_names_it(reference, tm
     """A data position counts records of one split, and tokens of one text column framed by one BOS/EOS:
     resuming with another data.split, data.text_field, or a tokenizer that frames documents otherwise (here
     without BOS), is refused up front, naming the field. A position saved before these were recorded resumes."""
-    from engine.checkpoint import check_data_source
+    from engine.checkpoint.resume import check_data_source
     from engine.data.datasets import resolve_source
 
     info = inspect_checkpoint(str(reference / "checkpoint" / "step-000010"), "checkpoint.folder")
@@ -942,13 +944,13 @@ def test_a_run_without_checkpoint_enable_says_it_ignores_the_folders_checkpoints
 def resume_view_job(world_size: int, rank: int, dump: str, hidden_on_rank_1: bool) -> str:
     """agreed_resume_point on every rank; with ``hidden_on_rank_1`` rank 1 sees an empty checkpoint folder (as a
     node would whose checkpoint folder is on its own disk). Returns rank 0's answer or error."""
-    import engine.checkpoint
+    import engine.checkpoint.resume
 
     cfg = parse_args([*BASE, "--job.dump_folder", dump])
     if hidden_on_rank_1 and rank == 1:
-        engine.checkpoint.list_steps = lambda root: []
+        engine.checkpoint.resume.list_steps = lambda root: []
     try:
-        info = engine.checkpoint.agreed_resume_point(cfg)
+        info = engine.checkpoint.resume.agreed_resume_point(cfg)
     except ConfigError as e:
         return f"error: {e}"
     return f"step {info.step}"
@@ -990,13 +992,13 @@ def test_hf_export_and_import_start_a_run_from_the_same_weights(reference, tmp_p
 
     import numpy as np
 
-    import engine.checkpoint
     from engine.tools.convert_hf import from_hf, main as convert
 
     step = reference / "checkpoint" / "step-000020"
     assert convert(["to-hf", str(step), str(tmp_path / "hf"), "--dtype", "float32"]) == 0
     assert (tmp_path / "hf" / "config.json").is_file()
-    held, peak, write_tensors = [0], [0], engine.checkpoint.write_tensors
+    converter = sys.modules[from_hf.__module__]
+    held, peak, write_tensors = [0], [0], converter.write_tensors
 
     def observed(folder, shapes, fetch):
         def fetch_observed(name):
@@ -1007,7 +1009,7 @@ def test_hf_export_and_import_start_a_run_from_the_same_weights(reference, tmp_p
             return torch.from_numpy(memory)
         return write_tensors(folder, shapes, fetch_observed)
 
-    monkeypatch.setattr(engine.checkpoint, "write_tensors", observed)
+    monkeypatch.setattr(converter, "write_tensors", observed)
     from_hf(str(tmp_path / "hf"), str(tmp_path / "back"), "debugmodel")
     assert peak[0] <= 2 and held == [0], peak  # the tensor being written and the next one
     # Another flavor than the weights': the error names the command's option, and writes nothing.
@@ -1088,13 +1090,13 @@ def test_hf_initial_weights_are_read_in_shards_on_any_layout(reference, tmp_path
 def test_export_reads_the_checkpoint_one_shard_at_a_time(reference, tmp_path, monkeypatch):
     """to-hf and last_save_hf read a step folder one output shard at a time (never the whole model), and write
     the same files as exporting the whole model from memory."""
-    import engine.checkpoint
+    import engine.hf
     from engine.hf import export_checkpoint_hf, export_hf, model_args_for
 
     step, shard = reference / "checkpoint" / "step-000020", 3 * 2**20
     model = {k[len("model."):]: v for k, v in read_full(str(step), "model.").items()}
-    reads, read_tensors = [], engine.checkpoint.read_tensors
-    monkeypatch.setattr(engine.checkpoint, "read_tensors",
+    reads, read_tensors = [], engine.hf.read_tensors
+    monkeypatch.setattr(engine.hf, "read_tensors",
                         lambda folder, names, info: reads.append(names) or read_tensors(folder, names, info))
     export_checkpoint_hf(str(step), str(tmp_path / "streamed"), torch.float32, max_shard_bytes=shard)
     args = model_args_for("llama3", "debugmodel", model["tok_embeddings.weight"].shape[0])

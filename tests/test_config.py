@@ -11,7 +11,8 @@ if sys.version_info >= (3, 11):
 else:
     import tomli as tomllib
 
-from engine.config import SECTIONS, Config, ConfigError, dump, field_docs, help_text, parse_args, validate
+from engine.config import SECTIONS, Config, ConfigError, dump, field_docs, help_text, parse_args
+from engine.config.validation import validate
 
 
 def test_defaults_validate():
@@ -291,7 +292,7 @@ def test_what_a_short_run_may_keep():
 
 
 def test_global_batch_gives_accumulation():
-    from engine.config import grad_accumulation_steps
+    from engine.config.validation import grad_accumulation_steps
 
     cfg = parse_args(["--training.local_batch_size", "4", "--training.global_batch_size", "16"])
     validate(cfg)

@@ -232,7 +232,7 @@ def test_build_tokenizer_sources_and_errors(tmp_path):
     assert build_tokenizer(cfg).path == BUILTIN_TOKENIZER
     cfg.data.tokenizer = os.path.dirname(BUILTIN_TOKENIZER)  # or a folder holding tokenizer.json
     assert build_tokenizer(cfg).path == os.path.join(os.path.dirname(BUILTIN_TOKENIZER), "tokenizer.json")
-    from engine.config import validate
+    from engine.config.validation import validate
 
     validate(cfg)  # the config's own check takes the folder too (it asked for a file)
     cfg.data.tokenizer = str(tmp_path)  # a folder without one
@@ -449,7 +449,7 @@ def test_resume_on_another_dp_degree_neither_repeats_nor_skips(tmp_path, tok, st
 
 def _steps_by_rank(cfg, tok, dp, num_shards, steps, states=None):
     """``steps`` steps of ``dp`` ranks' loaders (resumed from the saved ``states`` of any degree, gathered as
-    engine/checkpoint.py's _load_dataloader does): per step, each rank's samples in its order as (sample id,
+    engine/checkpoint/resume.py's load_data_position does): per step, each rank's samples in its order as (sample id,
     tokens); and the ranks' states after them."""
     loaders = [build_dataloader(cfg, tok, r, dp, num_shards=num_shards) for r in range(dp)]
     if states is not None:

@@ -21,13 +21,13 @@ BASE = ["--training.seq_len", "32", "--training.local_batch_size", "4", "--train
 def evaluate_job(world_size: int, rank: int, argv: list[str]) -> float:
     """On every rank: build the Trainer for ``argv`` and evaluate (no gradients) the first two batches of every
     data-parallel rank; the loss, the same on every rank."""
-    from engine.config import parse_args, validate
+    from engine.config import parse_args
+    from engine.config.validation import validate
     from engine.distributed import init_distributed
     from engine.trainer import Trainer
 
     cfg = parse_args(argv)
-    validate(cfg, world_size)
-    trainer = Trainer(cfg, init_distributed())
+    trainer = Trainer(cfg, init_distributed(), validate(cfg, world_size))
     batches = iter(trainer.dataloader)
     loss = float(trainer.evaluate([next(batches) for _ in range(2)]))
     trainer.metrics.close()
@@ -97,7 +97,8 @@ def test_validation_is_logged_at_every_step_it_runs(tmp_path):
 def test_validation_data_smaller_than_validation_steps_is_one_warning(tmp_path, capsys):
     """A validation set that holds fewer than validation.steps batches would be read again (the loader loops over
     its epochs): one warning line at start-up says how many batches it holds; that many give no warning."""
-    from engine.config import parse_args, validate
+    from engine.config import parse_args
+    from engine.config.validation import validate
     from engine.distributed import init_distributed
     from engine.trainer import Trainer
 
@@ -109,8 +110,7 @@ def test_validation_data_smaller_than_validation_steps_is_one_warning(tmp_path, 
         cfg = parse_args([*BASE, "--data.num_shards", "1", "--job.dump_folder", str(tmp_path / f"run{steps}"),
                           "--validation.enable", "--validation.freq", "1", "--validation.path", str(data),
                           "--validation.steps", str(steps)])
-        validate(cfg, 1)
-        Trainer(cfg, init_distributed()).metrics.close()
+        Trainer(cfg, init_distributed(), validate(cfg, 1)).metrics.close()
         return "\n".join(line for line in capsys.readouterr().out.splitlines() if line.startswith("warning"))
 
     line = warning(20)
@@ -127,7 +127,8 @@ def test_validation_data_smaller_than_validation_steps_is_one_warning(tmp_path, 
 
 def validation_timeouts_job(world_size: int, rank: int, dump: str) -> dict:
     """Two FSDP ranks validate at steps 2 and 4: the collective timeouts each validation runs under, and after."""
-    from engine.config import parse_args, validate
+    from engine.config import parse_args
+    from engine.config.validation import validate
     from engine.distributed import collective_timeouts, init_distributed
     from engine.trainer import Trainer
 
@@ -135,8 +136,7 @@ def validation_timeouts_job(world_size: int, rank: int, dump: str) -> dict:
                       dump, "--training.steps", "4", "--validation.enable", "--validation.freq", "2",
                       "--validation.steps", "1", "--comm.init_timeout_seconds", "77",
                       "--comm.train_timeout_seconds", "33"])
-    validate(cfg, world_size)
-    trainer = Trainer(cfg, init_distributed(cfg))
+    trainer = Trainer(cfg, init_distributed(cfg), validate(cfg, world_size))
     seen, validate_once = [], trainer._validate
 
     def spy() -> float:

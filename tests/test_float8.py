@@ -21,7 +21,8 @@ import torch
 from torch import nn
 
 from engine import train
-from engine.config import Config, ConfigError, parse_args, validate
+from engine.config import Config, ConfigError, parse_args
+from engine.config.validation import validate
 from parallelize.float8 import (
     check_float8_supported,
     convert_float8,
@@ -183,9 +184,9 @@ def test_scales_are_precomputed_after_each_optimizer_step(tmp_path):
             "--training.seq_len", "64", "--training.local_batch_size", "2", "--training.steps", "2",
             "--lr_scheduler.warmup_steps", "1", "--job.dump_folder", str(tmp_path)]
     cfg = parse_args(args)
-    validate(cfg)
+    plan = validate(cfg)
     try:
-        trainer = Trainer(cfg, World(rank=0, local_rank=0, world_size=1, device=torch.device("cpu")))
+        trainer = Trainer(cfg, World(rank=0, local_rank=0, world_size=1, device=torch.device("cpu")), plan)
         assert all(scale is None for scale, _ in _weight_scales(trainer.model_parts))
         batch = next(iter(trainer.dataloader))
         for _ in range(2):

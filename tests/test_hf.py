@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from engine.data.tokenizer import BUILTIN_TOKENIZER, Tokenizer
 from engine.hf import INDEX_FILE, SINGLE_FILE, export_hf, load_hf
-from models import get_model_spec
+from models.registry import get_model_spec
 from models.llama3 import Llama3HFAdapter, Transformer, TransformerModelArgs, llama3_flavors
 from models.llama3.model import ffn_hidden_dim
 

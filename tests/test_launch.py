@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.checkpoint import find_resume_point, list_steps
+from engine.checkpoint.files import list_steps
+from engine.checkpoint.resume import find_resume_point
 from engine.config import parse_args
 from engine.run_owner import OWNER_FILE, OwnerError, RunOwner, read_owner, this_process
 from tests.test_checkpoint import BASE, FOR_LOOP, FSDP2_TP2, curve, metrics, train

@@ -57,6 +57,7 @@ def test_zero_bubble_refuses_what_cannot_run_twice(tmp_path, capsys, monkeypatch
     model on 2 ranks) and float8 (torchao's matmul node computes both gradients in each pass: twice the backward
     matmuls). On a torch whose split backward cannot pass through a custom autograd function (2.11) they refuse
     the fused loss too; 2.13 runs it (tests/test_parallel.py). The other schedules take all of these."""
+    from engine.config import validation
     from parallelize import pipeline_parallel as pipeline
 
     monkeypatch.setenv("WORLD_SIZE", "2")
@@ -77,9 +78,9 @@ def test_zero_bubble_refuses_what_cannot_run_twice(tmp_path, capsys, monkeypatch
     for schedule in pipeline.SPLIT_BACKWARD_SCHEDULES:
         for feature, key in always:
             refused(schedule, feature, key)
-        monkeypatch.setattr(pipeline, "split_backward_takes_custom_functions", lambda: False)
+        monkeypatch.setattr(validation, "split_backward_takes_custom_functions", lambda: False)
         refused(schedule, fused_loss, "(training.loss_chunk_tokens;")
-        monkeypatch.setattr(pipeline, "split_backward_takes_custom_functions", lambda: True)
+        monkeypatch.setattr(validation, "split_backward_takes_custom_functions", lambda: True)
         train.check([*pp2, "--parallelism.pp_schedule", schedule, *fused_loss])
     assert not (tmp_path / "run").exists()
     for feature in (["--compile.enable", *per_op, *fused_loss], [*ac, "full", *float8], every_2):
@@ -275,7 +276,8 @@ def test_run_train_sh_refuses_impossible_layout(tmp_path):
 
 def test_cpu_offload_needs_cuda_and_fsdp():
     """FSDP does the offloading: refused without CUDA, and on a GPU layout without FSDP (it was ignored there)."""
-    from engine.config import HOPPER, ConfigError, validate
+    from engine.config import ConfigError
+    from engine.config.validation import HOPPER, validate
 
     with pytest.raises(ConfigError, match=r"^parallelism\.fsdp_cpu_offload: offloading to CPU memory needs CUDA"):
         validate(parse_args(["--parallelism.fsdp_cpu_offload"]), 1)

@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import models
-from models import ModelSpec, get_model_spec, model_names
+import models.registry
+from models.registry import ModelSpec, get_model_spec, model_names
 from models.attention import attention, flash_attn_available
 from models.llama3 import Transformer, TransformerModelArgs, llama3_flavors
 from models.llama3.model import count_params, flops_per_token, num_params, precompute_rope_inv_freq
@@ -51,14 +51,15 @@ def test_registry():
     assert spec.pipeline_fn is pipeline_stage and spec.state_dict_adapter is Llama3HFAdapter
     with pytest.raises(ValueError, match="model.name.*llama3"):
         get_model_spec("no_such_model")
-    assert models.get_model_spec is get_model_spec
+    assert models.registry.get_model_spec is get_model_spec
 
 
 def test_a_model_without_a_pipeline_split_refuses_pipeline_parallelism():
-    from engine.config import ConfigError, parse_args, validate
+    from engine.config import ConfigError, parse_args
+    from engine.config.validation import validate
 
     spec = dataclasses.replace(get_model_spec("llama3"), name="llama3_no_pp_split", pipeline_fn=None)
-    models.register_model_spec(spec)
+    models.registry.register_model_spec(spec)
     cfg = parse_args(["--config", "train_configs/debug_model.toml", "--model.name", "llama3_no_pp_split",
                       "--parallelism.pp", "2"])
     with pytest.raises(ConfigError, match=r"^parallelism\.pp: model 'llama3_no_pp_split' has no pipeline split .*"

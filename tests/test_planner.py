@@ -188,7 +188,7 @@ def test_validate_layout_accepts_what_validate_accepts_with_path_fields_set(tmp_
     """The layout check skips the files a layout does not depend on, and nothing more: a config validate() accepts
     with HF initial weights, validation data, assets, data and tokenizer files validates as a layout, also on a
     planning machine that lacks those files (initial_load_hf with a blanked initial_load_path was refused)."""
-    from engine.config import HOPPER, validate
+    from engine.config.validation import HOPPER, validate
 
     hf = tmp_path / "hf"
     hf.mkdir()

@@ -98,7 +98,8 @@ def test_profiling_that_would_trace_no_step_is_refused(tmp_path, capsys, monkeyp
 def timeout_job(world_size: int, rank: int, dump: str) -> dict:
     """The timeouts of every process group after the trainer is built (the mesh's groups among them), while a
     checkpoint commits, and after its first steps."""
-    import engine.checkpoint
+    import engine.checkpoint.checkpointer
+    from engine.config.validation import validate
     from engine.distributed import collective_timeouts, init_distributed
     from engine.trainer import Trainer
 
@@ -106,14 +107,14 @@ def timeout_job(world_size: int, rank: int, dump: str) -> dict:
                       "--training.steps", "3", "--parallelism.dp_shard", "2", "--comm.init_timeout_seconds", "77",
                       "--comm.train_timeout_seconds", "33", "--comm.checkpoint_timeout_seconds", "55",
                       "--checkpoint.enable", "--checkpoint.interval", "2", "--checkpoint.async_mode", "async"])
-    committing, write_commit_marker = [], engine.checkpoint.write_commit_marker
+    committing, write_commit_marker = [], engine.checkpoint.checkpointer.write_commit_marker
 
     def spy(*args, **kwargs):  # rank 0, between the commit's barriers
         committing.append(collective_timeouts())
         return write_commit_marker(*args, **kwargs)
 
-    engine.checkpoint.write_commit_marker = spy
-    trainer = Trainer(cfg, init_distributed(cfg))
+    engine.checkpoint.checkpointer.write_commit_marker = spy
+    trainer = Trainer(cfg, init_distributed(cfg), validate(cfg, 2))
     built = collective_timeouts()
     trainer.train()
     return {"built": built, "committing": committing, "trained": collective_timeouts()}

@@ -253,7 +253,8 @@ def test_unusable_dump_folder_is_one_error_line(tmp_path, capsys):
         rc, out, err = run_main(argv, capsys)
         lines = err.strip().splitlines()
         assert rc == 2 and len(lines) == 1 and message in lines[0], err
-    from engine.config import HOPPER, ConfigError  # memory snapshots need CUDA: checked for a Hopper machine
+    from engine.config import ConfigError
+    from engine.config.validation import HOPPER  # memory snapshots need CUDA: checked for a Hopper machine
 
     with pytest.raises(ConfigError, match="^profiling.save_memory_snapshot_folder: "):
         train.check(["--job.dump_folder", str(tmp_path / "run"), "--profiling.enable_memory_snapshot",
@@ -624,7 +625,7 @@ def test_throughput_window_skips_checkpoint_saves_and_a_resumed_first_step_is_lo
     import types
 
     import engine.trainer as trainer_module
-    from engine.checkpoint import Checkpointer
+    from engine.checkpoint.checkpointer import Checkpointer
 
     jumped = [0.0]  # seconds the trainer's clock is ahead of the real one
     monkeypatch.setattr(trainer_module, "time",

@@ -45,7 +45,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from engine.config import Config, ConfigError, _did_you_mean
+from engine.config import Config, ConfigError, did_you_mean
 
 ASSETS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets")
 BUILTIN_DATASETS = {"tessera_docs": os.path.join(ASSETS_DIR, "tessera_docs.jsonl.gz")}
@@ -184,7 +184,7 @@ def resolve_source(cfg: Config, fields: DataFields = TRAINING_FIELDS) -> DataSou
         return DataSource("builtin", fields.dataset, d.dataset, "json", [path], fields=fields)
     if file_format(d.dataset) is not None or os.path.exists(d.dataset):
         raise ConfigError(f"{fields.dataset}: '{d.dataset}' looks like a local file; set {fields.path} for local data")
-    builtin = _did_you_mean(d.dataset, BUILTIN_DATASETS)
+    builtin = did_you_mean(d.dataset, BUILTIN_DATASETS)
     if builtin and "/" not in d.dataset:  # a typo of a built-in name, not a Hub dataset (owner/name)
         raise ConfigError(f"{fields.dataset}: '{d.dataset}' is not a built-in dataset{builtin}; a Hugging Face "
                           "dataset is named owner/name")

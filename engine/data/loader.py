@@ -367,7 +367,7 @@ class ShardedDataLoader:
     fewest, whatever the degree the first P were read on.
 
     ``state_dict()`` is JSON data: every shard's position. ``load_state_dict`` takes the positions of this
-    rank's shards, wherever they were saved (engine/checkpoint.py gathers them); saved on another degree, the
+    rank's shards, wherever they were saved (engine/checkpoint/resume.py gathers them); saved on another degree, the
     rank's turn comes from those positions (``_turn_from_positions``).
     """
 

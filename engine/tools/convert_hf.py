@@ -18,14 +18,14 @@ from __future__ import annotations
 import os
 import sys
 
+from engine.checkpoint.files import (FORMAT_VERSION, TRAIN_STATE_FILE, inspect_checkpoint, write_commit_marker,
+                                     write_json, write_tensors)
 from engine.hf import EXPORT_DTYPES, export_checkpoint_hf
 from engine.tools import ArgumentParser
 
 
 def recorded_tokenizer(step_folder: str) -> tuple[str, str]:
     """(the tokenizer.json the checkpoint's run trained with, or "", what to tell the user about it)."""
-    from engine.checkpoint import inspect_checkpoint
-
     path = inspect_checkpoint(step_folder, "checkpoint").train_state.get("tokenizer")
     if not isinstance(path, str) or not path:
         return "", "no tokenizer copied: the checkpoint does not name its run's (give --tokenizer FILE)"
@@ -37,7 +37,6 @@ def recorded_tokenizer(step_folder: str) -> tuple[str, str]:
 def check_tokenizer_fits(path: str, step_folder: str) -> None:
     """--tokenizer: a tokenizer.json whose token ids the checkpoint's model has (no more tokens than its
     vocabulary; a vocabulary may be padded past the tokenizer's size)."""
-    from engine.checkpoint import inspect_checkpoint
     from engine.data.tokenizer import Tokenizer
 
     vocab = inspect_checkpoint(step_folder, "checkpoint").tensors["model.tok_embeddings.weight"].size[0]
@@ -67,7 +66,6 @@ def from_hf(hf_folder: str, out: str, flavor: str, model_name: str = "llama3") -
     reading and writing one tensor at a time."""
     import torch
 
-    from engine.checkpoint import FORMAT_VERSION, TRAIN_STATE_FILE, write_commit_marker, write_json, write_tensors
     from engine.config import read_json_object
     from engine.hf import check_new_folder, model_args_for, open_hf
 

@@ -203,12 +203,12 @@ def run(argv: list[str]) -> int:
     from engine.data.tokenizer import build_tokenizer
     from engine.distributed import world_size_from_env
     from engine.train import check
-    from models import get_model_spec
-    from parallelize.mesh import ParallelDims
+    from models.registry import get_model_spec
 
     import os
 
-    from engine.config import HOPPER, parse_args
+    from engine.config import parse_args
+    from engine.config.validation import HOPPER
 
     start = time.perf_counter()
     # A planning machine may lack the tokenizer folder: the flavor then gives the vocabulary. Noted, not fatal.
@@ -220,7 +220,7 @@ def run(argv: list[str]) -> int:
         argv = [*argv, "--model.hf_assets_path="]
     # The launch's own validation, for WORLD_SIZE ranks of the cluster's GPUs (not this machine's): float8,
     # flash_attn, async TP and CPU offload are planned here for Hopper GPUs even on a CPU login node.
-    cfg = check(argv, HOPPER)
+    cfg, plan = check(argv, HOPPER)
     world_size = world_size_from_env()
     gpu_gib = memory.gpu_memory_from_env()
     spec = get_model_spec(cfg.model.name)
@@ -230,7 +230,7 @@ def run(argv: list[str]) -> int:
     with torch.device("meta"):
         model = spec.model_cls(args)
     n_params = sum(p.numel() for p in model.parameters())
-    dims = ParallelDims.from_config(cfg.parallelism, world_size)
+    dims = plan.dims
 
     print(f"dry run: {cfg.model.name}/{cfg.model.flavor} on {world_size:,} simulated ranks (fake process group, "
           f"meta device), validated for CUDA GPUs of compute capability "

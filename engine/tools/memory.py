@@ -277,7 +277,7 @@ def precision_for(param_dtype: str, data_parallel: bool, bf16_weights: bool = Fa
 
 def layout_precision(cfg, dims) -> Precision:
     """The Precision a validated config runs with on CUDA (split bf16 weights as the trainer decides them)."""
-    from engine.config import grad_accumulation_steps
+    from engine.config.validation import grad_accumulation_steps
     from parallelize.bf16_weights import bf16_weights_apply
 
     t = cfg.training
@@ -327,7 +327,7 @@ class RankLayout:
 
 def rank_layout(cfg, dims, pp_rank: int) -> RankLayout:
     """The RankLayout of pipeline rank ``pp_rank`` for a validated config and its ParallelDims."""
-    from engine.config import grad_accumulation_steps, pp_microbatches
+    from engine.config.validation import grad_accumulation_steps, pp_microbatches
     from parallelize.pipeline_parallel import stage_ids
 
     p, t = cfg.parallelism, cfg.training
@@ -685,7 +685,7 @@ def format_table(rows: list[RankRow], gpu_memory_gib: float) -> str:
 
 def describe_layout(cfg, dims) -> str:
     """One line: precision, AC, batch, pipeline."""
-    from engine.config import grad_accumulation_steps, pp_microbatches
+    from engine.config.validation import grad_accumulation_steps, pp_microbatches
 
     t, ac = cfg.training, cfg.activation_checkpoint
     pr = layout_precision(cfg, dims)
@@ -722,19 +722,17 @@ def validate_layout(cfg, world_size: int):
     """``engine.config.validate`` for the cluster's GPUs (Hopper: float8, flash-attn and CUDA-only options are
     allowed, whatever this planning machine has) without looking for the files a layout does not depend on and a
     planning machine may lack (assets, tokenizer, data, validation data, initial weights: ``check_paths=False``;
-    every rule on those fields that is not about the file itself still applies); returns the ParallelDims. Raises
-    ConfigError."""
-    from engine.config import HOPPER, validate
-    from parallelize.mesh import ParallelDims
+    every rule on those fields that is not about the file itself still applies); returns the plan's ParallelDims.
+    Raises ConfigError."""
+    from engine.config.validation import HOPPER, validate
 
-    validate(copy_config(cfg), world_size, HOPPER, check_paths=False)
-    return ParallelDims.from_config(cfg.parallelism, world_size)
+    return validate(copy_config(cfg), world_size, HOPPER, check_paths=False).dims
 
 
 def model_shape(cfg) -> ModelShape:
     """The shape of ``cfg``'s model; the vocabulary from model.vocab_size or the flavor (4,096, the built-in
     tokenizer's size, for a flavor without one)."""
-    from models import get_model_spec
+    from models.registry import get_model_spec
 
     if cfg.model.name != "llama3":
         raise ValueError(f"model.name: the memory estimate knows the llama3 family only, not {cfg.model.name!r}")
@@ -794,7 +792,6 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 0
     try:
         from engine.config import parse_args
-        from engine.train import check_model_layers
 
         world = _positive_number("--ngpu", _take(argv, "--ngpu"), 1, int)
         gpu_gib = _positive_number("--gpu-memory-gib", _take(argv, "--gpu-memory-gib"), gpu_memory_from_env())
@@ -803,7 +800,6 @@ def main(argv: Optional[list[str]] = None) -> int:
                              "train_configs/llama3_8b.toml); its command-line overrides follow it")
         cfg = parse_args(argv)
         dims = validate_layout(cfg, world)
-        check_model_layers(cfg)  # float8.filter_fqns against the model's layers, as a launch checks it
         shape = model_shape(cfg)
         rows = analytic_rows(cfg, dims, shape)
     except ValueError as e:

@@ -195,7 +195,7 @@ def _in_node(stride: int, size: int, gpus_per_node: int) -> bool:
 def step_cost(cfg, dims, shape: memory.ModelShape, flops_per_token: float, rows: list[memory.RankRow],
               model: CostModel) -> tuple[dict[str, float], dict[str, str]]:
     """Seconds per optimizer step by part (see the module docstring), for the busiest pipeline rank."""
-    from engine.config import grad_accumulation_steps, pp_microbatches
+    from engine.config.validation import grad_accumulation_steps, pp_microbatches
 
     t = cfg.training
     gpus = dims.world_size
@@ -284,7 +284,7 @@ def plan(base, gpus: int, seq_len: int, global_batch: int, gpu_memory_gib: float
     """Every layout of ``base``'s model on ``gpus`` GPUs that validates and fits, ranked by step time; a layout
     whose plain loss does not fit is tried with the fused loss (``loss_chunk_tokens``; 0: never)."""
     from engine.config import ConfigError
-    from models import get_model_spec
+    from models.registry import get_model_spec
 
     probe = memory.copy_config(base)
     probe.training.seq_len = seq_len
@@ -351,7 +351,7 @@ def _loss_text(cfg) -> str:
 def format_plan(result: Plan, top: int) -> str:
     header = ["#", "dp_rep", "dp_shard", "cp", "tp", "pp", "schedule", "micro", "lbs", "accum", "AC", "loss",
               "mem GiB", "step s", "tok/s/GPU", "reason"]
-    from engine.config import grad_accumulation_steps
+    from engine.config.validation import grad_accumulation_steps
 
     lines = []
     for i, c in enumerate(result.candidates[:top], 1):
@@ -437,13 +437,13 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _check_args(a) -> None:
-    from engine.config import ConfigError, _did_you_mean
-    from models import get_model_spec
+    from engine.config import ConfigError, did_you_mean
+    from models.registry import get_model_spec
 
     flavors = list(get_model_spec(a.model, field="--model").flavors)
     if a.flavor not in flavors:
         raise ConfigError(f"--flavor: '{a.flavor}' is not a flavor of {a.model}: {', '.join(flavors)}"
-                          f"{_did_you_mean(a.flavor, flavors)}")
+                          f"{did_you_mean(a.flavor, flavors)}")
     for name in ("gpus", "seq_len", "global_batch", "gpus_per_node", "top"):
         if getattr(a, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(a, name)}")

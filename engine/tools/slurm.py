@@ -237,7 +237,7 @@ def check_config(spec: JobSpec) -> None:
     engine.train`` runs it on the batch node) for ``spec``'s world of nodes x gpus_per_node ranks, run in this
     process: in ``spec.workdir``, where the job's relative paths point, and for the cluster's GPUs (Hopper, as
     a dry run plans). Raises ValueError (ConfigError among them) naming the field."""
-    from engine.config import HOPPER
+    from engine.config.validation import HOPPER
     from engine.train import check
 
     argv = ["--config", spec.config]

@@ -72,7 +72,8 @@ def run_configs(base: str, dim: str, values: list[str], overrides: list[str], st
     is written. ``cluster``: the runs go to sbatch, so they are validated for the cluster's GPUs (Hopper), not
     this machine. A value whose run folder already holds a run is refused: its metrics would mix with the new
     run's (and its checkpoints would be resumed)."""
-    from engine.config import HOPPER, ConfigError, parse_args, set_value, to_toml, validate
+    from engine.config import ConfigError, parse_args, set_value, to_toml
+    from engine.config.validation import HOPPER, validate
     from engine.data.datasets import check_data_config
     from parallelize.mesh import ParallelDims
 
