@@ -10,7 +10,7 @@
 #   PYTHON           the interpreter (default: python3 from PATH, e.g. the activated virtual environment)
 #   TESSERA_BACKEND  the process-group backend instead of nccl (CUDA) / gloo (CPU): gloo or nccl
 #   DRY_RUN=1        build for NGPU simulated ranks on the fake backend and meta device, print the mesh and the
-#                    per-rank memory, train nothing (engine/tools/dry_run.py); GPU_MEMORY_GIB: memory per GPU (80)
+#                    per-rank memory, train nothing (tools/dry_run.py); GPU_MEMORY_GIB: memory per GPU (80)
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "$0")" && pwd)
@@ -55,7 +55,7 @@ fi
 if [ "$DRY_RUN" = 1 ]; then
   # Dry run: the real build path for NGPU simulated ranks in this one process (fake process group, meta
   # device): validation, mesh, parallel plan, per-rank memory table. GPU_MEMORY_GIB: memory per GPU (80).
-  WORLD_SIZE=$NGPU exec "$PYTHON" -m engine.tools.dry_run "${args[@]}"
+  WORLD_SIZE=$NGPU exec "$PYTHON" -m tools.dry_run "${args[@]}"
 fi
 
 # NGPU and LOG_RANK, here, in no time: a positive whole number of processes on this node (a whole cluster's world

@@ -1,4 +1,4 @@
-"""Measured peak GPU memory beside engine/tools/memory.py's estimate, for single-GPU configurations.
+"""Measured peak GPU memory beside tools/memory.py's estimate, for single-GPU configurations.
 
     python3 bench/memory_check.py [--steps 8] [--only NAME,...] [--out DIR] [--runs DIR] [--budget S]
                                   [--estimate-only]
@@ -14,7 +14,7 @@ between), with metrics logged every step. Reported per configuration:
 - measured: torch.cuda.max_memory_allocated over the whole run (read before each of the trainer's per-log
   resets of the peak statistics), and the largest ``memory_gib`` of metrics.jsonl (the peak active bytes of
   each logging window, what the trainer reports);
-- estimate: the largest per-rank peak of engine.tools.memory for the same config, and the moment it is at;
+- estimate: the largest per-rank peak of tools.memory for the same config, and the moment it is at;
 - ratio = estimate / measured allocated.
 The table is printed and written to <out>/memory_check.md and .json (two files: the device returns at most 8),
 rewritten after every configuration, so that a call stopped at its time limit still returns the rows done; a
@@ -64,7 +64,7 @@ CONFIGS: dict[str, list[str]] = {
     "8B_L8 seq8192 AC op, fused loss 2048": ["--model.flavor", "8B_L8", "--training.seq_len", "8192",
                                              "--activation_checkpoint.mode", "selective",
                                              "--training.loss_chunk_tokens", "2048"],
-    # compiled (the blocks and the loss): the formulas of their own in engine/tools/memory.py
+    # compiled (the blocks and the loss): the formulas of their own in tools/memory.py
     "8B_L8 seq8192 AC none, compile": ["--model.flavor", "8B_L8", "--training.seq_len", "8192", "--compile.enable"],
     "8B_L8 seq8192 AC op, compile": ["--model.flavor", "8B_L8", "--training.seq_len", "8192", "--compile.enable",
                                      "--activation_checkpoint.mode", "selective"],
@@ -72,9 +72,9 @@ CONFIGS: dict[str, list[str]] = {
 
 
 def estimate(argv: list[str]) -> tuple[int, str]:
-    """(bytes, moment) of engine.tools.memory's largest per-rank peak for this single-GPU config."""
+    """(bytes, moment) of tools.memory's largest per-rank peak for this single-GPU config."""
     from engine.config import parse_args
-    from engine.tools import memory
+    from tools import memory
 
     cfg = parse_args(argv)
     dims = memory.validate_layout(cfg, 1)

@@ -238,7 +238,7 @@ fi
     fi
   fi
   echo
-  echo "=== peak memory of each Tessera run beside engine/tools/memory.py's estimate (issue 7)"
+  echo "=== peak memory of each Tessera run beside tools/memory.py's estimate (issue 7)"
   python3 bench/memory_check.py --from-runs "$RUNS" --labels "$(launched)" --out "$RUNS"   # md/json: in the tarball
   echo "elapsed $((SECONDS - START)) s"
 } | tee "$RET/summary.txt"

@@ -18,7 +18,7 @@ from typing import Optional
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from engine.tools import ArgumentParser
+from engine.config import ArgumentParser
 
 
 class MetricsFileError(ValueError):

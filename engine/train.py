@@ -92,7 +92,7 @@ def finished_already(cfg, world, resume) -> bool:
     elif c.last_save_hf and world.logs:
         print(f"checkpoint.last_save_hf: no Hugging Face folder written: it is made of the step training.steps = "
               f"{cfg.training.steps} ends at, and the newest checkpoint is of step {step} (python -m "
-              "engine.tools.convert_hf to-hf converts any step folder)", flush=True)
+              "tools.convert_hf to-hf converts any step folder)", flush=True)
     return True
 
 

@@ -30,6 +30,9 @@ class ModelSpec:
     """``pipeline_fn(model, stage, n_stages, layers) -> nn.Module``: the pipeline split, a copy of the model (meta
     device) holding only what stage ``stage`` of ``n_stages`` runs (the blocks whose indices are in the range
     ``layers``; the trainer picks the ranges). None: the family has no pipeline split (parallelism.pp must be 1)."""
+    shapes: Optional[Callable[[Any], dict[str, int]]] = None
+    """``shapes(args)``: the sizes the memory estimate reads (dim, n_layers, n_heads, n_kv_heads, head_dim,
+    ffn_hidden, vocab_size). None: tools/memory.py cannot estimate this family."""
     state_dict_adapter: Optional[type] = None
     """Converts between this family's state dict and the Hugging Face checkpoint layout: a class with
     ``to_hf``, ``from_hf``, ``hf_shapes``, ``hf_config`` and ``check_hf_config`` (engine/hf.py uses them)."""

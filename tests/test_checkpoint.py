@@ -693,7 +693,7 @@ def test_a_shard_damaged_after_its_commit_is_one_error_line(reference, tmp_path,
     per-rank tracebacks, nor torch.load's advice to load with weights_only=False), and no file is changed (the
     damage shows only when the data is read, after the run has dumped its config)."""
     from engine import train as train_main
-    from engine.tools.convert_hf import main as convert
+    from tools.convert_hf import main as convert
 
     run = tmp_path / "run"
     step = run / "checkpoint" / "step-000010"
@@ -992,7 +992,7 @@ def test_hf_export_and_import_start_a_run_from_the_same_weights(reference, tmp_p
 
     import numpy as np
 
-    from engine.tools.convert_hf import from_hf, main as convert
+    from tools.convert_hf import from_hf, main as convert
 
     step = reference / "checkpoint" / "step-000020"
     assert convert(["to-hf", str(step), str(tmp_path / "hf"), "--dtype", "float32"]) == 0
@@ -1058,7 +1058,7 @@ def test_hf_initial_weights_are_read_in_shards_on_any_layout(reference, tmp_path
     """A Hugging Face folder given as checkpoint.initial_load_path arrives exactly on FSDP 3 (shards that cut
     through heads, whose wq/wk rows the adapter permutes), FSDP 2 x TP 2 with float8 layers, and PP 2 x FSDP 2;
     each rank reads only the slices it holds: together the ranks read the checkpoint about once, not once each."""
-    from engine.tools.convert_hf import main as convert
+    from tools.convert_hf import main as convert
 
     step = reference / "checkpoint" / "step-000020"
     hf = tmp_path / "hf"
@@ -1169,7 +1169,7 @@ def test_to_hf_copies_the_runs_tokenizer_unless_told_otherwise(reference, tmp_pa
     to-hf copies it, with its BOS/EOS ids in config.json, so that the folder is ready for transformers; a
     tokenizer that is gone, or --no-tokenizer, leaves it out with a note."""
     from engine.data.tokenizer import BUILTIN_TOKENIZER, Tokenizer
-    from engine.tools.convert_hf import from_hf, main as convert
+    from tools.convert_hf import from_hf, main as convert
 
     step = reference / "checkpoint" / "step-000020"
     assert json.loads((step / "train_state.json").read_text())["tokenizer"] == os.path.abspath(BUILTIN_TOKENIZER)
@@ -1248,7 +1248,7 @@ def test_export_describes_the_run_and_names_the_tokenizer_for_transformers(tmp_p
     from transformers import AutoTokenizer
 
     from engine.data.tokenizer import BUILTIN_TOKENIZER
-    from engine.tools.convert_hf import main as convert
+    from tools.convert_hf import main as convert
 
     dump = tmp_path / "run"
     train(dump, "--training.steps", "1", "--training.seq_len", "4096", "--training.local_batch_size", "1",

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from engine.config import parse_args
-from engine.tools import dry_run, memory
+from tools import dry_run, memory
 from models.llama3.flavors import llama3_flavors
 from models.llama3.model import Transformer, TransformerBlock, num_params, precompute_rope_table
 
@@ -397,7 +397,7 @@ def test_shared_empty_fsdp_chunks_give_torch_shapes():
     import torch
     from torch.distributed.fsdp._fully_shard import _fsdp_param
 
-    from engine.tools.dry_run import shared_empty_fsdp_chunks
+    from tools.dry_run import shared_empty_fsdp_chunks
 
     original = _fsdp_param._chunk_with_empty
     meta = torch.empty(5, 3, device="meta")

@@ -80,7 +80,7 @@ def test_validation_is_logged_at_every_step_it_runs(tmp_path):
 
     # The readers of metrics.jsonl: the training records only, the last one's loss the run's last loss.
     from engine.plot import read_metrics
-    from engine.tools.sweep import summarize_run
+    from tools.sweep import summarize_run
 
     train = [r for r in records if "loss" in r]
     assert read_metrics(str(tmp_path / "metrics.jsonl")) == train

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from engine.config import ConfigError, parse_args
-from engine.tools import memory, planner
+from tools import memory, planner
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BASE = os.path.join(ROOT, "train_configs", "llama3_8b.toml")
@@ -170,10 +170,10 @@ def test_cli_errors_are_one_line(capsys):
 
 
 @pytest.mark.parametrize("module, argv", [
-    ("engine.tools.planner", ["--flavor", "8B", "--gpus", "x"]),
-    ("engine.tools.sweep", ["--ngpu", "x"]),
-    ("engine.tools.slurm", ["--nodes", "two"]),
-    ("engine.tools.convert_hf", ["to-hf", "--bogus"]),
+    ("tools.planner", ["--flavor", "8B", "--gpus", "x"]),
+    ("tools.sweep", ["--ngpu", "x"]),
+    ("tools.slurm", ["--nodes", "two"]),
+    ("tools.convert_hf", ["to-hf", "--bogus"]),
     ("engine.plot", []),
 ])
 def test_tool_flag_errors_are_one_line(module, argv):
@@ -212,7 +212,7 @@ def test_validate_layout_accepts_what_validate_accepts_with_path_fields_set(tmp_
     with pytest.raises(ConfigError, match="checkpoint.initial_load_path"):
         memory.validate_layout(parse_args([*argv, "--checkpoint.create_seed_checkpoint"]), 8)
     # The estimator's command line, the finding's reproduction: no false error.
-    proc = subprocess.run([sys.executable, "-m", "engine.tools.memory", "--config", BASE, "--ngpu", "8",
+    proc = subprocess.run([sys.executable, "-m", "tools.memory", "--config", BASE, "--ngpu", "8",
                            "--checkpoint.initial_load_path", str(tmp_path / "missing"), "--checkpoint.initial_load_hf"],
                           cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0 and "fits" in proc.stdout, proc.stderr[-2000:]

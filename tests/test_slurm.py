@@ -6,7 +6,7 @@ import subprocess
 import sys
 import time
 
-from engine.tools import slurm
+from tools import slurm
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -16,7 +16,7 @@ def render_4x8(tmp_path, *train_args, dump_folder: str = ""):
     dump = ["--dump-folder", dump_folder] if dump_folder else []
     with open(out, "w") as f:
         proc = subprocess.run(
-            [sys.executable, "-m", "engine.tools.slurm", "--nodes", "4", "--gpus-per-node", "8", "--config",
+            [sys.executable, "-m", "tools.slurm", "--nodes", "4", "--gpus-per-node", "8", "--config",
              "train_configs/debug_model.toml", "--job-name", "tessera-test", "--partition", "gpu", "--time",
              "02:00:00", *dump, "--", *train_args], cwd=ROOT, stdout=f, stderr=subprocess.PIPE, text=True,
             timeout=600)
@@ -54,7 +54,7 @@ def test_committed_templates_are_the_renderer_output():
     for name, spec in slurm.TEMPLATES.items():
         path = os.path.join(ROOT, "slurm", name)
         with open(path) as f:
-            assert f.read() == slurm.render(spec), f"{path} is stale: python -m engine.tools.slurm --write-templates"
+            assert f.read() == slurm.render(spec), f"{path} is stale: python -m tools.slurm --write-templates"
         assert subprocess.run(["bash", "-n", path], timeout=600).returncode == 0
 
 
@@ -79,10 +79,10 @@ def test_the_renderer_checks_the_config_for_its_world(tmp_path):
                           f"--config {config} --job.dump_folder {tmp_path / 'run'}"],
                          cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert job.returncode == 2 and job.stderr.startswith("error: parallelism: the degrees multiply to 256"), job.stderr
-    render = subprocess.run([sys.executable, "-m", "engine.tools.slurm", "--nodes", "1", "--gpus-per-node", "8",
+    render = subprocess.run([sys.executable, "-m", "tools.slurm", "--nodes", "1", "--gpus-per-node", "8",
                              "--config", str(config)], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert (render.returncode, render.stdout, render.stderr) == (2, "", job.stderr)
-    render = subprocess.run([sys.executable, "-m", "engine.tools.slurm", "--nodes", "32", "--gpus-per-node", "8",
+    render = subprocess.run([sys.executable, "-m", "tools.slurm", "--nodes", "32", "--gpus-per-node", "8",
                              "--config", str(config)], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert render.returncode == 0 and "#SBATCH --nodes=32" in render.stdout, render.stderr
     assert not (tmp_path / "run").exists()

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from engine.tools import sweep
+from tools import sweep
 
 SMALL = ["--training.seq_len", "64", "--training.local_batch_size", "2", "--lr_scheduler.warmup_steps", "1",
          "--metrics.log_freq", "1", "--metrics.peak_flops", "1e11"]

@@ -5,6 +5,7 @@ config.toml.
 
 from __future__ import annotations
 
+import argparse
 import ast
 import dataclasses
 import difflib
@@ -25,7 +26,7 @@ else:  # pragma: no cover - exercised on Python 3.10 only
 from engine.config.errors import ConfigError, did_you_mean
 from engine.config.schema import SECTIONS, Config
 
-__all__ = ["field_docs", "help_text", "TORCHTITAN_NAMES", "PATH_FIELDS", "set_value", "load_toml", "parse_args",
+__all__ = ["ArgumentParser", "field_docs", "help_text", "TORCHTITAN_NAMES", "PATH_FIELDS", "set_value", "load_toml", "parse_args",
            "to_toml", "dump", "tomllib"]
 
 # --------------------------------------------------------------------------------------------------------
@@ -416,3 +417,12 @@ def dump(cfg: Config, folder: str) -> str:
     with open(path, "w") as f:
         f.write(to_toml(cfg))
     return path
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse with Tessera's error contract: a bad flag is one ``error:`` line on stderr and exit status 2
+    (argparse's own usage block above its ``prog: error:`` line is left out; ``--help`` shows the usage)."""
+
+    def error(self, message: str):
+        print(f"error: {message} (see {self.prog} --help)", file=sys.stderr, flush=True)
+        sys.exit(2)

@@ -342,7 +342,7 @@ class Checkpoint:
     <checkpoint.folder>/step-<N>-hf (config.json, safetensors in checkpoint.export_dtype, the run's tokenizer) that
     transformers' from_pretrained loads. The ranks share the output shards (at most 5 GB each, one rank per node
     first); a rank holds one shard and its float32 source in CPU memory at a time. `python -m
-    engine.tools.convert_hf to-hf` does the same in one process. A run resumed after it exists leaves it alone."""
+    tools.convert_hf to-hf` does the same in one process. A run resumed after it exists leaves it alone."""
     create_seed_checkpoint: bool = False
     """Write the initialized model as step-0 (model only, for initial_load_path) and exit without training. Any
     layout writes the same weights (initialization does not depend on the layout), sharded: make a large model's

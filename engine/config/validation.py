@@ -217,7 +217,7 @@ def validate(cfg: Config, world_size: int = 1, machine: Optional[Machine] = None
     if c.initial_load_path and c.create_seed_checkpoint:
         raise ConfigError("checkpoint.initial_load_path: a seed checkpoint (checkpoint.create_seed_checkpoint) is the "
                           "freshly initialized model, not loaded weights; drop one of the two (python -m "
-                          "engine.tools.convert_hf from-hf turns a Hugging Face folder into a checkpoint)")
+                          "tools.convert_hf from-hf turns a Hugging Face folder into a checkpoint)")
     for part in c.exclude_from_loading:
         check_choice("checkpoint.exclude_from_loading", part, ["dataloader"])
     if c.load_step != -1 and not c.enable:

@@ -3,7 +3,8 @@
 from models.llama3.flavors import llama3_flavors
 from models.llama3.hf_adapter import Llama3HFAdapter
 from models.llama3.parallelize import parallelize_llama, pipeline_stage
-from models.llama3.model import Transformer, TransformerModelArgs, count_params, flops_per_token, num_params
+from models.llama3.model import (Transformer, TransformerModelArgs, count_params, flops_per_token, memory_shapes,
+                                 num_params)
 from models.spec import ModelSpec
 
 __all__ = [
@@ -24,5 +25,6 @@ spec = ModelSpec(
     flops_per_token=flops_per_token,
     parallelize_fn=parallelize_llama,
     pipeline_fn=pipeline_stage,
+    shapes=memory_shapes,
     state_dict_adapter=Llama3HFAdapter,
 )

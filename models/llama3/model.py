@@ -262,6 +262,13 @@ def ffn_hidden_dim(dim: int, multiple_of: int, ffn_dim_multiplier: Optional[floa
     return multiple_of * ((hidden + multiple_of - 1) // multiple_of)
 
 
+def memory_shapes(args: TransformerModelArgs) -> dict[str, int]:
+    """The sizes the memory estimate reads (ModelSpec.shapes); ``args.vocab_size`` must be set."""
+    return dict(dim=args.dim, n_layers=args.n_layers, n_heads=args.n_heads, n_kv_heads=args.n_kv_heads,
+                head_dim=args.head_dim, ffn_hidden=ffn_hidden_dim(args.dim, args.multiple_of, args.ffn_dim_multiplier),
+                vocab_size=args.vocab_size)
+
+
 class FeedForward(nn.Module):
     """SwiGLU MLP: ``w2(silu(w1(x)) * w3(x))``."""
 

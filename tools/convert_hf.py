@@ -1,8 +1,8 @@
 """Convert between Tessera checkpoints and Hugging Face folders (safetensors + config.json).
 
-    python -m engine.tools.convert_hf to-hf   CHECKPOINT_STEP_FOLDER OUT_FOLDER [--dtype bfloat16]
+    python -m tools.convert_hf to-hf   CHECKPOINT_STEP_FOLDER OUT_FOLDER [--dtype bfloat16]
                                               [--tokenizer FILE | --no-tokenizer]
-    python -m engine.tools.convert_hf from-hf HF_FOLDER OUT_STEP_FOLDER --flavor FLAVOR [--model llama3]
+    python -m tools.convert_hf from-hf HF_FOLDER OUT_STEP_FOLDER --flavor FLAVOR [--model llama3]
 
 to-hf reads the model of a Tessera step folder (any layout it was saved on; the model name, flavor and
 vocabulary come from the checkpoint) and writes a folder that transformers' LlamaForCausalLM.from_pretrained
@@ -21,7 +21,7 @@ import sys
 from engine.checkpoint.files import (FORMAT_VERSION, TRAIN_STATE_FILE, inspect_checkpoint, write_commit_marker,
                                      write_json, write_tensors)
 from engine.hf import EXPORT_DTYPES, export_checkpoint_hf
-from engine.tools import ArgumentParser
+from engine.config import ArgumentParser
 
 
 def recorded_tokenizer(step_folder: str) -> tuple[str, str]:
@@ -88,7 +88,7 @@ def from_hf(hf_folder: str, out: str, flavor: str, model_name: str = "llama3") -
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = ArgumentParser(prog="python -m engine.tools.convert_hf", description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(prog="python -m tools.convert_hf", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="direction", required=True)
     a = sub.add_parser("to-hf", help="Tessera step folder -> Hugging Face folder")
     a.add_argument("checkpoint", help="a committed step folder (checkpoint/step-NNNNNN), saved on any layout")

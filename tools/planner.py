@@ -1,6 +1,6 @@
 """Layout planner: which parallel layout to train a model with on a given number of GPUs.
 
-    python -m engine.tools.planner --model llama3 --flavor 70B --gpus 256 --gpu-memory-gib 80 \\
+    python -m tools.planner --model llama3 --flavor 70B --gpus 256 --gpu-memory-gib 80 \\
         --seq-len 8192 --global-batch 256 [--gpus-per-node 8] [--out best.toml] [--top 15]
 
 Enumerates layouts: degrees (dp_replicate, dp_shard, cp, tp, pp), activation checkpointing (none, selective
@@ -9,8 +9,8 @@ Interleaved1F1B with 2 stages per rank) and its microbatches, and the fused outp
 (training.loss_chunk_tokens = ``--loss-chunk-tokens``, default 2048) where the plain loss's logits do not
 fit: the same FLOPs, so it is tried only for a candidate that would otherwise not fit. Each candidate is a full Config (the model's
 train_configs TOML with the layout's fields overridden); it is dropped when ``engine.config.validate`` rejects
-it (engine.tools.memory.validate_layout: every launch rule, without the tokenizer/data files) or when the
-largest per-rank peak of engine/tools/memory.py exceeds the usable memory (``--gpu-memory-gib`` minus
+it (tools.memory.validate_layout: every launch rule, without the tokenizer/data files) or when the
+largest per-rank peak of tools/memory.py exceeds the usable memory (``--gpu-memory-gib`` minus
 ``--memory-margin``, default 10%, left to the allocator's fragmentation, the CUDA context and NCCL). The rest
 are ranked by the step time of this cost model (per GPU, per optimizer step):
 
@@ -58,9 +58,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
-from engine.tools import ArgumentParser, memory
+from engine.config import ArgumentParser
+from tools import memory
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 AC_MODES = (("none", "op"), ("selective", "op"), ("full", "op"))
 RECOMPUTE = {"none": 0.0, "selective": 0.07, "full": 1.0 / 3.0}
 SCHEDULES = ("1F1B", "Interleaved1F1B")
@@ -411,7 +412,7 @@ def write_toml(best: Candidate, base_path: Optional[str], path: str, summary: st
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = ArgumentParser(prog="python -m engine.tools.planner", description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(prog="python -m tools.planner", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="llama3", help="model.name (default llama3)")
     p.add_argument("--flavor", required=True, help="model.flavor, e.g. 8B, 70B, 405B")
     p.add_argument("--gpus", type=int, required=True, help="GPUs in the job")
@@ -489,7 +490,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(format_plan(result, a.top))
     if result.candidates and a.out:
         best = result.candidates[0]
-        summary = (f"Planned by engine.tools.planner for {a.gpus} GPUs ({a.gpus_per_node} per node, "
+        summary = (f"Planned by tools.planner for {a.gpus} GPUs ({a.gpus_per_node} per node, "
                    f"{a.gpu_memory_gib:g} GiB): {best.dims.describe()}, AC {_ac_text(best.cfg)}, "
                    f"{_loss_text(best.cfg)} loss; estimated peak "
                    f"{best.peak_gib:.1f} GiB,\nstep {best.step_s:.2f} s, {best.tokens_per_s_per_gpu:,.0f} tokens/s/GPU "

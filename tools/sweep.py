@@ -1,8 +1,8 @@
 """Scaling experiments: one dimension at a time, one run per value, one CSV and PNG plots.
 
-    python -m engine.tools.sweep --config base.toml --dim parallelism.tp --values 1,2,4 --ngpu 4 \\
+    python -m tools.sweep --config base.toml --dim parallelism.tp --values 1,2,4 --ngpu 4 \\
         [--launcher local|sbatch] [--nodes N] [--steps N] [--warmup K] [--out folder] [--section.key value ...]
-    python -m engine.tools.sweep --collect --out folder      # gather finished runs again (after sbatch)
+    python -m tools.sweep --collect --out folder      # gather finished runs again (after sbatch)
 
 For each value the tool writes ``<out>/configs/<value>.toml``: the base config with the ``--section.key
 value`` overrides, ``--dim`` set to the value, ``parallelism.dp_shard = -1`` (when the dimension is another
@@ -15,7 +15,7 @@ refused, since every run would share it (and resume the previous run's checkpoin
 Launchers:
 - local: ``NGPU=<ngpu> ./run_train.sh --config <out>/configs/<value>.toml`` for each value in turn (its output
   in ``<out>/logs/<value>.log``);
-- sbatch: renders ``<out>/sbatch/<value>.sbatch`` (engine/tools/slurm.py; ``--nodes`` x ``--ngpu``) and submits
+- sbatch: renders ``<out>/sbatch/<value>.sbatch`` (tools/slurm.py; ``--nodes`` x ``--ngpu``) and submits
   it; run ``--collect`` when the jobs are done. ``sbatch`` must be on PATH (checked before anything is written).
 
 Then it reads each run's metrics.jsonl (keys step, loss, tps, tps_per_gpu, tflops, mfu, memory_gib, as
@@ -38,9 +38,9 @@ import sys
 from dataclasses import dataclass
 from typing import Optional
 
-from engine.tools import ArgumentParser
+from engine.config import ArgumentParser
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEGREES = ("dp_replicate", "dp_shard", "cp", "tp", "pp")
 CSV_FIELDS = ["dim", "value", "status", "world_size", "layout", "steps_measured", "tps", "tps_per_gpu", "tflops",
               "mfu", "memory_gib", "last_loss", "run_folder"]
@@ -93,7 +93,7 @@ def run_configs(base: str, dim: str, values: list[str], overrides: list[str], st
         _refuse_shared_run_folders(cfg)
         if os.path.isdir(cfg.job.dump_folder) and os.listdir(cfg.job.dump_folder):
             raise ConfigError(f"--out: {cfg.job.dump_folder} holds an earlier run; give another --out, or remove it "
-                              "(python -m engine.tools.sweep --collect --out ... reads what is there)")
+                              "(python -m tools.sweep --collect --out ... reads what is there)")
         try:
             validate(cfg, world_size, HOPPER if cluster else None)
             check_data_config(cfg)
@@ -169,7 +169,7 @@ def launch_local(run: Run, ngpu: int, out: str) -> None:
 
 def launch_sbatch(run: Run, nodes: int, ngpu: int, out: str, job_name: str) -> None:
     """Render the multi-node sbatch script for this run and submit it."""
-    from engine.tools.slurm import JobSpec, render
+    from tools.slurm import JobSpec, render
 
     folder = os.path.join(out, "sbatch")
     os.makedirs(folder, exist_ok=True)
@@ -286,7 +286,7 @@ def collect(out: str, warmup: Optional[int]) -> tuple[list[dict], list[str]]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = ArgumentParser(prog="python -m engine.tools.sweep", description=__doc__.split("\n\n")[0],
+    p = ArgumentParser(prog="python -m tools.sweep", description=__doc__.split("\n\n")[0],
                        allow_abbrev=False,
                        epilog="Other --section.key value arguments override the base config for every run.")
     p.add_argument("--config", default="", help="base TOML (default: the built-in defaults)")
@@ -346,7 +346,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     with open(os.path.join(out, "sweep.json"), "w") as f:
         json.dump({"dim": args.dim, "runs": [vars(r) for r in runs]}, f, indent=1)
     if args.launcher == "sbatch":
-        print(f"submitted; when the jobs are done: python -m engine.tools.sweep --collect --out {out}")
+        print(f"submitted; when the jobs are done: python -m tools.sweep --collect --out {out}")
         return 0
     rows, paths = collect(out, args.warmup)
     _report(rows, paths, out)

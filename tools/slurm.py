@@ -1,6 +1,6 @@
 """sbatch scripts for Tessera: one node or many, torchrun with a c10d rendezvous on the job's first node.
 
-    python -m engine.tools.slurm --nodes 4 --gpus-per-node 8 --config train_configs/llama3_70b.toml \\
+    python -m tools.slurm --nodes 4 --gpus-per-node 8 --config train_configs/llama3_70b.toml \\
         --job-name llama70b [--partition P] [--account A] [--time 48:00:00] [--dump-folder DIR] \\
         [-- --section.key value ...] > job.sbatch
     sbatch job.sbatch
@@ -48,9 +48,9 @@ import sys
 from dataclasses import dataclass, field
 from typing import Optional
 
-from engine.tools import ArgumentParser
+from engine.config import ArgumentParser
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @dataclass
@@ -90,8 +90,8 @@ def render(spec: JobSpec) -> str:
     q = shlex.quote
     header = [
         "#!/bin/bash",
-        f"# Tessera training on {spec.nodes} node(s) x {spec.gpus_per_node} GPU(s); rendered by engine.tools.slurm",
-        "# (python -m engine.tools.slurm --help). Submit from the Tessera checkout: sbatch THIS_FILE [--section.key value ...]",
+        f"# Tessera training on {spec.nodes} node(s) x {spec.gpus_per_node} GPU(s); rendered by tools.slurm",
+        "# (python -m tools.slurm --help). Submit from the Tessera checkout: sbatch THIS_FILE [--section.key value ...]",
         f"#SBATCH --job-name={spec.job_name}",
         f"#SBATCH --nodes={spec.nodes}",
         "#SBATCH --ntasks-per-node=1",
@@ -283,7 +283,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if "--" in argv:
         i = argv.index("--")
         argv, train_args = argv[:i], argv[i + 1:]
-    p = ArgumentParser(prog="python -m engine.tools.slurm",
+    p = ArgumentParser(prog="python -m tools.slurm",
                        description="Render an sbatch script for Tessera (see the module docstring).")
     p.add_argument("--nodes", type=int, default=1)
     p.add_argument("--gpus-per-node", type=int, default=8)

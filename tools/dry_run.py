@@ -1,7 +1,7 @@
 """Dry run: the real build path for a world of W ranks, in one CPU process, without GPUs or memory.
 
     DRY_RUN=1 NGPU=W ./run_train.sh --config FILE [--section.key value ...]
-    (= WORLD_SIZE=W python -m engine.tools.dry_run --config FILE ...)
+    (= WORLD_SIZE=W python -m tools.dry_run --config FILE ...)
 
 Steps, as a real launch takes them:
 1. parse and validate the configuration for W ranks (engine.train.check: the same ``error:`` line and exit
@@ -11,7 +11,7 @@ Steps, as a real launch takes them:
 3. build the model on the meta device and apply the real plan (engine.trainer.build_model_parts: pipeline
    split, TP, CP, AC, compile, FSDP2) without allocating it;
 4. read each parameter's local shard shape (DTensor ``to_local()``, on meta) and estimate the rank's memory
-   with engine/tools/memory.py.
+   with tools/memory.py.
 
 Ranks of one pipeline stage are symmetric, so the plan is built once per pipeline rank, on the rank at that
 pp coordinate and 0 in every other dimension (the rank holding the largest FSDP shard when sizes do not
@@ -32,7 +32,7 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
-from engine.tools import memory
+from tools import memory
 
 
 def init_fake_world(rank: int, world_size: int) -> None:
@@ -259,7 +259,7 @@ def run(argv: list[str]) -> int:
     print(memory.describe_layout(cfg, dims))
     if cfg.compile.enable:
         print("compile.enable: blocks wrapped for torch.compile (lazy: nothing is traced in a dry run); activations "
-              "estimated as compiled (engine/tools/memory.py)")
+              "estimated as compiled (tools/memory.py)")
     def sizes(stage: memory.StageParams) -> tuple:  # a stage of no layers has no block to measure
         return stage.layers, stage.block if stage.layers else None, stage.embedding, stage.final
 
@@ -276,7 +276,7 @@ def run(argv: list[str]) -> int:
         rows.append(memory.RankRow(pp_rank, rank, stages,
                                    memory.estimate(shape, stages, memory.rank_layout(cfg, dims, pp_rank))))
     print("per-rank memory (GiB; params, grads and optimizer state from the built shards; the peak is the "
-          "largest moment of a step, see engine/tools/memory.py):")
+          "largest moment of a step, see tools/memory.py):")
     print(memory.format_table(rows, gpu_gib))
     built = {b.rank: b for b in builds.values()}
     print(f"built {len(built)} distinct pipeline rank(s) (global ranks {', '.join(map(str, sorted(built)))}) in "
