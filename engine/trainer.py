@@ -12,7 +12,6 @@ import gc
 import math
 import os
 import time
-from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
@@ -24,6 +23,7 @@ from engine import events
 from engine.checkpoint.checkpointer import Checkpointer
 from engine.checkpoint.resume import check_data_source, check_fits_model, load_data_position, plan_resume
 from engine.config import Config, dump, to_toml
+from engine.build import build_model_parts, check_host_memory
 from engine.config.validation import Plan
 from engine.data.datasets import DataError, validation_data
 from engine.data.loader import build_dataloader
@@ -43,40 +43,7 @@ from parallelize.compile import compile_loss, tag_compile_caches
 from parallelize.context_parallel import shard_sequence
 from parallelize.fsdp import gradient_divide_factor, set_replica_all_reduce
 from parallelize.float8 import float8_after_optimizer_step
-from parallelize.init import materialize
-from parallelize.mesh import ParallelDims
 from parallelize.tensor_parallel import loss_context, reduce_partial_grads, to_local_scalar
-
-
-def host_memory_available() -> int | None:
-    """Bytes of memory this machine can still give (MemAvailable of /proc/meminfo); None where unknown."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
-def check_host_memory(flavor: str, num_params: int, dims: ParallelDims, world_size: int) -> None:
-    """A run on CPU keeps float32 weights, gradients and AdamW's two moments: 16 bytes per parameter, held once per
-    data-parallel replica and split over the other dimensions. A model whose state alone exceeds the memory
-    this machine has available (its share of the ranks: LOCAL_WORLD_SIZE) is refused before it is allocated,
-    rather than killed by the kernel mid-build."""
-    available = host_memory_available()
-    if available is None:
-        return
-    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    need = 16 * num_params * dims.dp_replicate * local_ranks / world_size
-    if need > available:
-        gib = 1024**3
-        raise ValueError(
-            f"model.flavor: {flavor} ({num_params / 1e9:.2f}B parameters) needs at least {need / gib:.1f} GiB of host "
-            f"memory on CPU (float32 weights, gradients and AdamW state) and this machine has {available / gib:.1f} "
-            "GiB available; train a smaller model.flavor (debugmodel) here, or this one on GPUs"
-        )
 
 
 @contextlib.contextmanager
@@ -133,56 +100,6 @@ def check_finite(step: int, loss: float, grad_norm: float, nonfinite: float) -> 
             "this step is not saved. Restart from the last checkpoint with a lower optimizer.lr, more "
             "lr_scheduler.warmup_steps or a smaller training.max_norm"
         )
-
-
-@dataclass
-class ModelParts:
-    """This rank's share of the model: its pipeline stages (the whole model without PP), parallelized."""
-
-    parts: list[nn.Module]
-    stage_ids: list[int]
-    """Global indices of this rank's stages ([0] without PP)."""
-    stage_count: int
-    """Stages of the whole pipeline (1 without PP)."""
-
-    @property
-    def has_first(self) -> bool:
-        return 0 in self.stage_ids
-
-    @property
-    def has_last(self) -> bool:
-        return self.stage_count - 1 in self.stage_ids
-
-
-def build_model_parts(cfg: Config, dims: ParallelDims, spec, model: nn.Module, device: torch.device,
-                      materialize_weights: bool = True) -> ModelParts:
-    """Split ``model`` (on the meta device) into this rank's pipeline stages and apply the model's parallel
-    plan to each. With ``materialize_weights`` the parts are then allocated on ``device`` and initialized:
-    every layout gets the weights a single process would draw (parallelize/init.py; each unit of the model
-    is seeded by its name, whatever stage holds it). Without it they stay on the meta device (dry runs)."""
-    p = cfg.parallelism
-    if dims.pp_enabled:
-        pp_rank, pp = dims.coordinate("pp")
-        stage_count = pipeline.num_stages(pp, p.pp_schedule, p.pp_virtual_stages)
-        stage_ids = pipeline.stage_ids(pp_rank, pp, p.pp_schedule, p.pp_virtual_stages)
-        layers = pipeline.split_layers(model.n_layers, stage_count, p.pp_layers_per_stage or None)
-        parts = [spec.pipeline_fn(model, i, stage_count, layers[i]) for i in stage_ids]
-    else:
-        stage_count, stage_ids, parts = 1, [0], [model]
-    # FSDP's CPU offload wants its parameters in CPU memory (it moves each unit's to the GPU for its forward and
-    # backward); the buffers (the RoPE table) stay on the GPU.
-    offload = p.fsdp_cpu_offload and dims.data_parallel
-    for part in parts:
-        if cfg.training.loss_chunk_tokens:
-            part.loss_chunk_tokens = cfg.training.loss_chunk_tokens
-        spec.parallelize_fn(part, dims, cfg, device.type)
-        if materialize_weights:
-            part.to_empty(device=torch.device("cpu") if offload else device)
-            with torch.no_grad():
-                part.init_weights(buffer_device=device if offload else None, materialize=materialize,
-                                  seed=cfg.debug.seed)
-        part.train()
-    return ModelParts(parts, stage_ids, stage_count)
 
 
 class Trainer:

@@ -21,7 +21,7 @@ LAYERS = [
     ("data", ["engine.data", "engine.data.*"]),
     ("optimizer, checkpoint, metrics", ["engine.optim", "engine.checkpoint", "engine.checkpoint.*", "engine.hf",
                                         "engine.metrics", "engine.plot", "engine.profiling"]),
-    ("trainer", ["engine.trainer"]),
+    ("trainer", ["engine.build", "engine.trainer"]),
     ("entry point", ["engine.train", "engine.launch", "engine.run_owner", "engine.faults"]),
     ("tools", ["tools", "tools.*"]),
 ]

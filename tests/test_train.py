@@ -93,10 +93,10 @@ def test_bad_input_gives_one_error_line(argv, field, tmp_path, capsys, monkeypat
 def test_model_too_large_for_host_memory_is_one_error_line(tmp_path, capsys, monkeypatch):
     """On CPU the 8B flavor's float32 state (16 bytes per parameter, 120 GiB) is refused before it is
     allocated when the machine has less available (here made 20 GiB), not killed later by the kernel."""
-    from engine import trainer
+    from engine import build
 
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    monkeypatch.setattr(trainer, "host_memory_available", lambda: 20 * 1024**3)
+    monkeypatch.setattr(build, "host_memory_available", lambda: 20 * 1024**3)
     dump = tmp_path / "run"
     rc, out, err = run_main(["--job.dump_folder", str(dump), "--model.flavor", "8B"], capsys)
     lines = err.strip().splitlines()
@@ -110,7 +110,7 @@ def test_model_too_large_for_host_memory_is_one_error_line(tmp_path, capsys, mon
 
     dims = ParallelDims(dp_replicate=1, dp_shard=32, cp=1, tp=1, pp=1, world_size=32)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
-    trainer.check_host_memory("8B", 8_030_261_248, dims, 32)
+    build.check_host_memory("8B", 8_030_261_248, dims, 32)
 
 
 def test_bad_data_contents_give_one_error_line(tmp_path, capsys, jsonl_data):

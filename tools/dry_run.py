@@ -8,7 +8,7 @@ Steps, as a real launch takes them:
    status 2 for a user error), and load the tokenizer for the vocabulary size (no data is read);
 2. join torch's fake process group as one rank of W (collectives do nothing), build the device mesh and its
    named views (parallelize/mesh.py);
-3. build the model on the meta device and apply the real plan (engine.trainer.build_model_parts: pipeline
+3. build the model on the meta device and apply the real plan (engine.build.build_model_parts: pipeline
    split, TP, CP, AC, compile, FSDP2) without allocating it;
 4. read each parameter's local shard shape (DTensor ``to_local()``, on meta) and estimate the rank's memory
    with tools/memory.py.
@@ -164,7 +164,7 @@ def build_rank(cfg, world_size: int, rank: int, spec, model) -> Build:
     """Join the fake world as ``rank``, build the mesh and this rank's parallelized stages on meta."""
     import torch
 
-    from engine.trainer import build_model_parts
+    from engine.build import build_model_parts
     from parallelize.mesh import ParallelDims
 
     start = time.perf_counter()
