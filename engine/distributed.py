@@ -17,6 +17,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from engine.config import ConfigError, check_choice
+
 
 @dataclass
 class World:
@@ -61,8 +63,6 @@ def backend_from_env(cuda: bool) -> Optional[str]:
     """TESSERA_BACKEND, the process-group backend chosen instead of process_group_backend's (gloo lets several ranks
     share one GPU, which NCCL refuses: a check of CUDA code paths); None when unset. ``cuda``: CUDA GPUs are
     present. A ConfigError naming it when it is not a backend this machine has."""
-    from engine.config import ConfigError, check_choice
-
     backend = os.environ.get("TESSERA_BACKEND") or None
     if backend is not None:
         check_choice("TESSERA_BACKEND", backend, ["gloo", "nccl"])

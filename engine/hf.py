@@ -33,6 +33,7 @@ from torch import Tensor
 
 from engine.checkpoint.files import COMMIT_FILE, inspect_checkpoint, read_tensors
 from engine.config import read_json_object
+from engine.data.tokenizer import Tokenizer
 from models.registry import get_model_spec, model_names
 
 __all__ = ["export_hf", "export_checkpoint_hf", "load_hf", "load_hf_into", "open_hf", "model_args_for",
@@ -238,8 +239,6 @@ def _export(
     bos_id = eos_id = None
     tokenizer_files: dict[str, str] = {}  # name in the folder -> the file copied there
     if tokenizer_path is not None:
-        from engine.data.tokenizer import Tokenizer
-
         tokenizer = Tokenizer(tokenizer_path)
         bos_id, eos_id = tokenizer.bos_id, tokenizer.eos_id
         tokenizer_files["tokenizer.json"] = tokenizer_path  # the name from_pretrained reads, whatever the file's

@@ -259,9 +259,9 @@ def clip_grad_norm_(parameters, max_norm: float, pp_group=None,
     With a fused Adam/AdamW ``optimizer`` (``scales_gradients``) the gradients are not scaled here: the
     optimizer's kernel divides each one by ``optimizer.grad_scale`` (set here to the inverse of the clip
     factor) as it reads it for the update (torch's fused kernels also write the clipped gradient back;
-    ``AdamWWithBf16Weights`` does not). That saves a read and a write of every gradient per step (on 8B_L8,
-    11 GB of fp32 gradients: about 4 ms on an H100). The gradients are then clipped only once the optimizer
-    has stepped: ``scale_in_optimizer=False`` scales them here, for a caller that reads them in between.
+    ``AdamWWithBf16Weights`` does not). That saves a read and a write of every gradient per step. The gradients
+    are then clipped only once the optimizer has stepped: ``scale_in_optimizer=False`` scales them here, for a
+    caller that reads them in between.
     """
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor

@@ -19,12 +19,14 @@ import sys
 import tempfile
 
 from engine.config import ConfigError, help_text, parse_args
-from engine.config.validation import Machine, validate
+
+# The other imports sit in the functions that need them: --help answers before torch is loaded.
 
 
 def check(argv: list[str] | None = None, machine=None):
     """Parse and validate the configuration for this world (and ``machine``, an engine.config.validation.Machine:
     by default this one's); returns the config and its resolved Plan; raises ConfigError."""
+    from engine.config.validation import Machine, validate
     from engine.data.datasets import check_data_config
     from engine.distributed import backend_from_env, world_size_from_env
 

@@ -1,45 +1,33 @@
 """bf16 matmul weights whose fp32 masters are kept as a bf16 high half and a 16-bit low half (one GPU).
 
-Without FSDP, bf16 compute on CUDA is autocast: every ``nn.Linear`` weight is fp32, and autocast casts it to
-bf16 wherever a matmul reads it (in each forward, and again in each recomputation under activation
-checkpointing); the matmul's bf16 weight gradient is then cast back up to fp32 in the backward. At Llama-3-8B
-layer shapes that is 6 bytes read and written per weight element three times per step, some 35 GB per step on
-8B_L8 (10-15 ms on an H100), for casts whose results the optimizer could have written once.
+Without FSDP, bf16 compute on CUDA is autocast: every fp32 ``nn.Linear`` weight is cast to bf16 wherever a
+matmul reads it (each forward, each recomputation) and its bf16 gradient is cast back to fp32: casts whose
+results the optimizer could have written once (their cost: docs/performance.md).
 
 ``split_linear_weights`` stores each linear layer's weight (``nn.Linear`` and its subclasses, torchao's
-``Float8Linear`` included) as what the matmuls read: the parameter becomes the bf16 rounding (round to nearest
-even, as autocast's cast) of the fp32 weight, and a 16-bit buffer ``weight_low`` keeps the rest, so the
-parameter and the buffer hold the fp32 weight exactly (``master_weight``) in the same 4 bytes per element.
-The matmuls read the parameter with no cast, their gradient stays bf16 (the parameter's ``.grad``), and the
-optimizer (``engine.optim.AdamWWithBf16Weights``) rebuilds each fp32 weight, updates it in fp32 and writes
-both halves back, in one pass.
+``Float8Linear`` included) as its bf16 rounding (round to nearest even, as autocast's cast), with a 16-bit
+buffer ``weight_low`` holding the rest: together the fp32 weight exactly (``master_weight``), in the same 4
+bytes per element. The matmuls read the parameter with no cast, its gradient stays bf16, and the optimizer
+(``engine.optim.AdamWWithBf16Weights``) rebuilds each fp32 weight, updates it and writes both halves back in
+one pass.
 
 What does not change:
 
-- The numbers, in bf16: autocast's matmul reads the bf16 rounding of the fp32 weight and its gradient is the bf16
-  result cast up, exactly what the parameter and its gradient hold here; the update is computed on the fp32
-  weight, so losses and updates are those of autocast. One exception, 1 fp32 ulp: a weight whose low 16 bits
-  are exactly half a bf16 step (a tie that rounds down to an even high half) would need a low half of +2^15,
-  one past int16's range; it is stored 1 fp32 ulp lower (about 1 element in 130,000 per update), which leaves
-  its bf16 value as it was. Under float8 each weight is cast to float8 from its bf16 value, as under FSDP's
-  bf16 mixed precision (not from the fp32 weight directly).
-- The state: the module's state dict gives the fp32 weight (a hook rebuilds it; loading one splits it again),
-  the optimizer's state is torch's AdamW's, so checkpoints and Hugging Face exports are those of a run without
-  split weights, and either kind of run resumes the other's checkpoints. A state dict (a save, a load's
-  destinations) builds the fp32 weights for the moment, 4 bytes per element: on the GPU while they fit in its
-  free memory with 1 GiB to spare, on the CPU after that, so a save never runs out of the memory training had
-  (at short sequences the activations freed before a save are smaller than the fp32 weights).
-- Autocast itself stays on: it casts the activations (the residual stream stays fp32) and finds the weights
-  already in bf16.
+- The numbers: autocast's. One exception: a weight whose low 16 bits are exactly half a bf16 step would need a
+  low half of +2^15, one past int16's range; it is stored 1 fp32 ulp lower, which keeps its bf16 value. Under
+  float8 each weight is cast to float8 from its bf16 value, as under FSDP's bf16 mixed precision.
+- The state: the state dict gives the fp32 weight (a hook rebuilds it; loading splits it again) and the
+  optimizer's state is AdamW's, so checkpoints and exports are those of a run without split weights and either
+  kind of run resumes the other's. A state dict builds the fp32 weights on the GPU while they fit in its free
+  memory with 1 GiB to spare, then on the CPU, so a save never runs out of the memory training had.
+- Autocast stays on: it casts the activations (the residual stream stays fp32) and finds the weights in bf16.
 
-Memory: 4 bytes per weight element as before (2 + 2), no bf16 copies in flight (autocast keeps one per
-matmul weight from the forward to its backward outside checkpointed blocks, and one per recomputed block),
-and bf16 gradients (2 bytes instead of 4: 4.2 GiB less at the end of the backward on 8B_L8).
+Memory: 4 bytes per weight element as before (2 + 2), no bf16 copies in flight, bf16 gradients (half the bytes).
 
-Where (``bf16_weights_apply``): under bf16 autocast (CUDA, ``training.mixed_precision_param = bfloat16``, no
-FSDP), on one rank, without gradient accumulation. FSDP2 casts each weight once per all-gather already; a
-pipeline's microbatches and gradient accumulation would add the gradients up in bf16; tensor-parallel weights
-are DTensors. Those layouts keep plain autocast, as does ``training.bf16_weights = false``.
+Where (``bf16_weights_apply``): bf16 autocast on CUDA, no FSDP, one rank, no gradient accumulation. FSDP2 casts
+each weight once per all-gather already; a pipeline's microbatches and gradient accumulation would add the
+gradients up in bf16; tensor-parallel weights are DTensors. Those layouts keep plain autocast, as does
+``training.bf16_weights = false``.
 """
 
 from __future__ import annotations

@@ -56,6 +56,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
+from models.attention import dense_causal_mask
+
 __all__ = [
     "ROTATE_METHODS",
     "shard_sequence",
@@ -505,8 +507,6 @@ def context_attention(
     if size == 1:
         if doc_ids is None:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
-        from models.attention import dense_causal_mask  # models imports this module: not at the top
-
         mask = dense_causal_mask(doc_ids, q.shape[2], q.device)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     group = cp_group if cp_group is not None else dist.group.WORLD

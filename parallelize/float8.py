@@ -51,6 +51,7 @@ import torch
 from torch import nn
 
 from engine.config.errors import ConfigError
+from parallelize.compile import set_inductor_option
 
 RECIPES = ("tensorwise", "rowwise")
 MIN_CAPABILITY = (8, 9)  # Ada and Hopper: the first GPUs with float8 tensor cores
@@ -203,8 +204,6 @@ def convert_float8(
     if recipe == "rowwise":
         # Compiled rowwise scaling with activation checkpointing can recompute a float8 cast with other rounding
         # than the forward's (NaNs seen in torchtitan, pytorch/pytorch#150859): make inductor round as eager does.
-        from parallelize.compile import set_inductor_option
-
         set_inductor_option("emulate_precision_casts", True)
     converted: list[str] = []
 

@@ -37,10 +37,9 @@ class Model:
     """Attention mask: causal, or block_causal (causal within each packed document; needs attn = flex; with
     context parallelism the ring attention applies it)."""
     sdpa_backend: str = "auto"
-    """With attn = sdpa: the kernel scaled_dot_product_attention may use: auto (torch's choice; flash on
-    Hopper), flash, cudnn or efficient (CUDA; for efficient, which lacks grouped-query support, K/V are repeated
-    to the query heads, and for cudnn too unless a one-step probe at start-up shows that it takes grouped-query
-    attention), or math. Not with context parallelism (its ring calls its kernels directly)."""
+    """With attn = sdpa: the kernel scaled_dot_product_attention may use: auto (torch's choice; flash on Hopper),
+    flash, cudnn, efficient (CUDA; K/V repeated to the query heads where the kernel lacks grouped-query support) or
+    math. Not with context parallelism (its ring calls its kernels directly)."""
     hf_assets_path: str = ""
     """Folder with a Hugging Face tokenizer.json (and config.json); its tokenizer is used when
     data.tokenizer is empty."""
@@ -69,11 +68,9 @@ class Data:
     """Path to a Hugging Face tokenizer.json (or a folder holding one); empty uses model.hf_assets_path, else the
     built-in tokenizer."""
     num_shards: int = -1
-    """Logical shards the dataset is split into; each data-parallel rank reads its shards in turn. -1 means
-    one per data-parallel rank; it must be a multiple of the data-parallel degree (every rank reads as many
-    shards). A checkpoint keeps its shard count, so a run can resume on another data-parallel degree that
-    divides num_shards without repeating or skipping samples: set it to a multiple of every dp degree you may
-    resume on (e.g. 64)."""
+    """Logical shards the dataset is split into, read in turn by each data-parallel rank; -1 = one per rank, else a
+    multiple of the dp degree. A checkpoint keeps it, so a run resumes exactly on any dp degree that divides it:
+    set it to a multiple of every dp degree you may resume on (e.g. 64)."""
 
 
 @dataclass
@@ -95,22 +92,17 @@ class Training:
     mixed_precision_reduce: str = "float32"
     """On CUDA: dtype of gradient reductions across data-parallel ranks."""
     bf16_weights: bool = True
-    """On one CUDA GPU with bfloat16 compute (autocast: no FSDP, no other parallelism) and no gradient
-    accumulation: store the linear layers' weights in bf16, each fp32 weight kept exactly as its bf16 value plus
-    a 16-bit low half that the optimizer updates with it, instead of autocast casting every fp32 weight in each
-    forward, recomputation and backward: no casts, bf16 gradients, the same memory for weights, autocast's
-    numbers and the same (fp32) checkpoints (parallelize/bf16_weights.py). false = plain autocast."""
+    """On one CUDA GPU with bf16 autocast, no FSDP or other parallelism, no gradient accumulation: keep the linear
+    weights in bf16 plus a 16-bit low half (exactly the fp32 weight) instead of casting them in every pass; same
+    numbers, memory and fp32 checkpoints (parallelize/bf16_weights.py). false = plain autocast."""
     loss_chunk_tokens: int = 0
-    """Fuse the output projection with the cross-entropy over chunks of this many tokens: each chunk's logits,
-    loss and gradients are computed in the forward and the [tokens, vocabulary] logits never exist whole
-    (GiBs less peak memory at a 128k vocabulary, the same FLOPs). 0 = off (logits, then the loss). Under
-    tensor parallelism each rank computes its vocabulary slice of every chunk; under pipeline parallelism the
-    last stage does."""
+    """Fuse the output projection with the cross-entropy over chunks of this many tokens, so the [tokens,
+    vocabulary] logits never exist whole (GiBs less peak memory at a 128k vocabulary, the same FLOPs); works with
+    TP and PP. 0 = off (logits, then the loss)."""
     empty_cache_after_first_step: bool = True
-    """On CUDA: after a run's first step (compilation, Inductor's autotuning, the optimizer's state created), hand
-    the caching allocator's free blocks back to the GPU once (torch.cuda.empty_cache), so that memory only that
-    step used is not held, reserved and idle, for the rest of the run (NCCL's and cuBLAS's own buffers, and other
-    processes, cannot use it). The first step's logged peak still counts it. false: keep it reserved."""
+    """On CUDA: after the first step (compilation, autotuning, optimizer state created), return the caching
+    allocator's free blocks to the GPU once (torch.cuda.empty_cache), so memory only that step used is not held
+    idle for the rest of the run. false: keep it reserved."""
     gc_freq: int = 50
     """Python's garbage collector runs between steps, every this many steps, instead of whenever its allocation
     counters say (a collection in the middle of a step on one rank holds up every other rank at the next
@@ -131,17 +123,15 @@ class Parallelism:
     """Pipeline-parallel degree: the layers are split into stages on pp ranks."""
     pp_schedule: str = "1F1B"
     """Pipeline schedule: GPipe, 1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble or
-    DualPipeV. The zero-bubble ones (the last three) split each backward into input and weight passes: they
-    take no compiled blocks, no activation checkpointing and no float8 layers (each would rerun its forward
-    or its whole backward per pass), and torch 2.11 cannot run them through the fused loss (2.13 can)."""
+    DualPipeV. The zero-bubble ones (the last three) take no compile, activation checkpointing or float8 layers,
+    and on torch 2.11 no fused loss (training.loss_chunk_tokens)."""
     pp_schedule_csv: str = ""
     """A CSV file with a custom schedule (torch.distributed.pipelining's format); overrides pp_schedule's
     actions (pp_schedule still names the stage placement)."""
     pp_microbatches: int = -1
     """Microbatches each local batch is split into for the pipeline; -1 = the number of stages. With gradient
-    accumulation one schedule step runs the microbatches of all the step's local batches (pp_microbatches x
-    accumulation steps), so the pipeline fills and drains once per optimizer step (GPipe then holds the
-    activations of all of them at once; the 1F1B family at most a few per stage)."""
+    accumulation one schedule step runs all of the optimizer step's microbatches (pp_microbatches x accumulation
+    steps), so the pipeline fills and drains once per optimizer step."""
     pp_virtual_stages: int = 2
     """Stages per pp rank for the looped schedules (Interleaved1F1B, LoopedBFS, InterleavedZeroBubble);
     the V schedules always use 2, the others 1."""
@@ -176,10 +166,8 @@ class ActivationCheckpoint:
     an integer N (at most the model's number of layers) checkpoints every N-th block fully, from the first one
     (blocks 0, N, 2N, ...), counted within each pipeline stage (as torchtitan counts)."""
     op_matmuls: str = "all"
-    """For selective_option = op: the matmul outputs kept, all (the least recompute) or alternate (torchtitan's
-    per-op policy: every other matmul of a block, so wk, wo and w3 are recomputed in backward, about 9% more
-    compute for a third less activation memory; under float8 every float8 matmul is recomputed, as torchtitan
-    does)."""
+    """For selective_option = op: the matmul outputs kept: all (the least recompute) or alternate (torchtitan's
+    per-op policy: every other matmul of a block, about 9% more compute for a third less activation memory)."""
 
 
 @dataclass
@@ -187,12 +175,9 @@ class Compile:
     enable: bool = False
     """torch.compile each transformer block (fullgraph) and the loss."""
     autotune: bool = True
-    """Inductor benchmarks launch configurations of each elementwise kernel (two) and reduction kernel (several)
-    at its first launch and keeps the fastest; it runs them on clones of the tensors the kernel writes, which can
-    leave the first step's memory reserved for the rest of the run. false: one configuration per kernel
-    (Inductor's default block size for elementwise kernels, the one its deterministic mode picks for
-    reductions), no clones (needs compile.enable; the split bf16 weights' optimizer update runs with one
-    configuration always)."""
+    """Inductor benchmarks several launch configurations of each kernel at its first launch (on clones of its
+    outputs, which can leave the first step's memory reserved) and keeps the fastest. false: one configuration
+    per kernel, no clones (needs compile.enable)."""
 
 
 @dataclass
@@ -268,10 +253,9 @@ class Metrics:
     """Weights & Biases mode: online, offline (no network needed; sync later), disabled, or auto: the WANDB_MODE
     environment variable where set, else online."""
     wandb_rewind: bool = False
-    """A run resumed from a checkpoint older than the last logged step (a crash or kill between checkpoints)
-    retrains steps the wandb run already has, and wandb drops steps at or below its last one (a warning names
-    them). True rewinds the wandb run to the checkpoint's step instead (wandb.init(resume_from=...): W&B's rewind,
-    a preview feature your W&B account must have), so the retrained steps replace the abandoned ones."""
+    """On resuming from a checkpoint older than the last logged step, rewind the wandb run to the checkpoint's step
+    (wandb.init(resume_from=...), a W&B preview feature) so the retrained steps replace the abandoned ones. false:
+    wandb drops the retrained steps (a warning names them)."""
     save_for_all_ranks: bool = False
     """Every rank writes metrics (metrics_rank<N>.jsonl; a fresh run sets an earlier run's aside as
     metrics_rank<N>.<n>.jsonl); otherwise rank 0 only."""
@@ -340,9 +324,7 @@ class Checkpoint:
     last_save_hf: bool = False
     """Once the last step's checkpoint is committed, also write it as a Hugging Face folder
     <checkpoint.folder>/step-<N>-hf (config.json, safetensors in checkpoint.export_dtype, the run's tokenizer) that
-    transformers' from_pretrained loads. The ranks share the output shards (at most 5 GB each, one rank per node
-    first); a rank holds one shard and its float32 source in CPU memory at a time. `python -m
-    tools.convert_hf to-hf` does the same in one process. A run resumed after it exists leaves it alone."""
+    transformers' from_pretrained loads; the ranks share the work. A resumed run leaves an existing one alone."""
     create_seed_checkpoint: bool = False
     """Write the initialized model as step-0 (model only, for initial_load_path) and exit without training. Any
     layout writes the same weights (initialization does not depend on the layout), sharded: make a large model's

@@ -386,8 +386,8 @@ def _validate_float8(cfg: Config, machine: Machine) -> None:
 def _check_split_backward(cfg: Config) -> None:
     """A zero-bubble schedule runs each stage's backward in two passes (input gradients, later the weights'),
     both through the same autograd graph, the weight pass as one ``autograd.grad`` call per group of weights.
-    Features that cannot run their part of that graph again, or would redo their whole backward in each call
-    (measured on 2 CPU ranks, ZBVZeroBubble, debug model), are refused."""
+    Features that cannot run their part of that graph again, or would redo their whole backward in each call,
+    are refused."""
 
     p, ac = cfg.parallelism, cfg.activation_checkpoint
     field = "parallelism.pp_schedule_csv" if p.pp_schedule_csv else "parallelism.pp_schedule"

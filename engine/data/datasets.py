@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from engine.config import Config, ConfigError, did_you_mean
+from engine.data.tokenizer import check_tokenizer_config
 
 ASSETS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets")
 BUILTIN_DATASETS = {"tessera_docs": os.path.join(ASSETS_DIR, "tessera_docs.jsonl.gz")}
@@ -288,8 +289,6 @@ def check_data_config(cfg: Config) -> DataSource:
     the text column of the first record, tokenizer file), for the training data and, when validation.enable, the
     validation data; raises ConfigError naming the field. Cheap: the entry point calls it before building
     anything. Returns the training data's source."""
-    from engine.data.tokenizer import check_tokenizer_config
-
     source = check_dataset_config(cfg)
     if cfg.validation.enable:
         check_dataset_config(*validation_data(cfg))
