@@ -1,7 +1,7 @@
-"""Write the configuration reference (every field, type, default, docstring) into README.md.
+"""Write the configuration reference (every field, type, default, docstring) into docs/configuration.md.
 
-    python scripts/config_reference.py          # rewrite README.md between the markers
-    python scripts/config_reference.py --check  # exit 1 if README.md is out of date (the tests run this)
+    python scripts/config_reference.py          # rewrite docs/configuration.md between the markers
+    python scripts/config_reference.py --check  # exit 1 if docs/configuration.md is out of date (the tests run this)
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from engine.config import SECTIONS, Config, field_docs  # noqa: E402
 from engine.config.loading import _field_type, _type_name  # noqa: E402
 
-README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
+DOC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "configuration.md")
 START, END = "<!-- config-reference:start -->", "<!-- config-reference:end -->"
 
 
@@ -40,15 +40,15 @@ def render(text: str) -> str:
 
 
 def main() -> int:
-    with open(README) as f:
+    with open(DOC) as f:
         text = f.read()
     new = render(text)
     if "--check" in sys.argv:
         if new != text:
-            print("README.md's config reference is out of date: run python scripts/config_reference.py")
+            print("docs/configuration.md's config reference is out of date: run python scripts/config_reference.py")
             return 1
         return 0
-    with open(README, "w") as f:
+    with open(DOC, "w") as f:
         f.write(new)
     return 0
 

@@ -26,6 +26,23 @@ def test_every_field_has_a_docstring():
             assert docs.get(f.name), f"{section}.{f.name} has no docstring"
 
 
+def test_field_docstrings_are_at_most_three_lines():
+    import ast
+    import inspect
+
+    from engine.config import schema
+
+    source = inspect.getsource(schema)
+    lines = source.splitlines()
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.ClassDef):
+            for field_node, doc in zip(node.body, node.body[1:]):
+                if isinstance(field_node, ast.AnnAssign) and isinstance(doc, ast.Expr):
+                    name = f"{node.name}.{field_node.target.id}"
+                    assert doc.end_lineno - doc.lineno < 3, f"{name}: docstring over three lines"
+                    assert all(len(line) <= 120 for line in lines[doc.lineno - 1:doc.end_lineno]), name
+
+
 def test_help_lists_every_field():
     text = help_text()
     for section, cls in SECTIONS.items():
@@ -319,7 +336,8 @@ def test_shipped_configs_parse():
         parse_args(["--config", path])
 
 
-def test_readme_config_reference_is_current():
+def test_config_reference_doc_is_current():
+    """docs/configuration.md's tables are what scripts/config_reference.py generates from the schema."""
     import subprocess
 
     proc = subprocess.run([sys.executable, "scripts/config_reference.py", "--check"], capture_output=True, text=True,

@@ -3,86 +3,9 @@
 tools/memory.py adds them up per pipeline rank (its command line prints the table); the dry run
 (tools/dry_run.py) prints the same table with the parameter shard sizes read from the real parallelized model on
 the meta device, and the planner (tools/planner.py) ranks layouts with it. The shapes come from the model
-family's ModelSpec (``shapes``); the activation formulas follow the Llama 3 block.
-
-What is counted (bytes per rank; the target is a CUDA GPU with ``training.mixed_precision_param``)
-------------------------------------------------------------------------------------------------
-- params: the fp32 master weights this rank stores (after TP and FSDP sharding): 4 bytes per element.
-- grads: fp32 gradients of those elements: 4 bytes per element (FSDP keeps them sharded); 2 for the matmul
-  weights stored in bf16 (``training.bf16_weights`` on one GPU: parallelize/bf16_weights.py).
-- optimizer: AdamW/Adam's two fp32 moments: 8 bytes per element.
-- working params: the compute copies alive at the peak. FSDP2 with bf16 mixed precision all-gathers bf16
-  blocks: the root module (embedding, final norm, output; never resharded after forward by default) and two
-  blocks (the one kept for backward and the prefetched next one) at the loss; every block with
-  ``fsdp_reshard_after_forward = never``. Without FSDP, bf16 autocast casts each matmul weight to bf16 once
-  per forward and autograd keeps the copy until that matmul's backward; under pipeline parallelism the step's
-  one autocast region caches a copy of every matmul weight for the whole step (measured on CPU: a
-  checkpointed block's bf16 copy lives until the autocast region ends). With split bf16 weights (one GPU) the
-  matmul weights are bf16 themselves (their fp32 masters 2 + 2 bytes) and nothing is cast. Under pipeline
-  parallelism with FSDP, torch's pipeline stages keep the whole stage unsharded (bf16) with fp32 unsharded
-  gradient accumulators between microbatches.
-
-Activations (the formula)
--------------------------
-T = tokens of one microbatch on this rank = (local_batch_size / pipeline microbatches) x seq_len / cp;
-t = tp; d = dim; hq = n_heads x head_dim; hkv = n_kv_heads x head_dim; H = n_heads; f = FFN hidden size;
-V = vocabulary; c = bytes of the compute dtype (2 for bf16); r = bytes of the residual stream (4 under
-autocast, whose residual stays fp32; 2 under FSDP bf16; 4 in fp32). Bytes saved for backward per token and
-block (every tensor an op keeps for its backward, as in the llama3 model):
-
-    none:  (2 r d + 8) / t             block input and attention residual, and the two RMSNorm rstd
-         + (a_attn + a_mlp) c d        inputs of wq/wk/wv and w1/w3 (whole sequence: sequence parallelism
-                                       all-gathers them); autocast casts the fp32 norm output once per
-                                       projection (a_attn = 3, a_mlp = 2), otherwise one shared tensor (1, 1)
-         + (2 c hq + 2 c hkv + 4 H) / t   RoPE'd q, k, v, attention output and its log-sum-exp
-         + 4 c f / t                   w1 and w3 outputs, silu(w1), and the product fed to w2
-    full:  r d / t                     only the block input; the block is recomputed in backward
-    op:    r d / t + c (2 hq + 2 hkv) / t + 4 H / t + 2 c f / t + 2 c d (+ 2 c d / t with tp > 1)
-                                       block input, outputs of every matmul and of attention (the policy in
-                                       parallelize/activation_checkpoint.py), and the TP reduce-scatter outputs;
-                                       op_matmuls = alternate keeps every other matmul's output: minus wk's,
-                                       wo's and w3's, c hkv / t + c d + c f / t (compiled too)
-Compiled blocks (compile.enable) keep less, as inductor's partitioner chooses (measured on CPU against autograd,
-tests/test_dry_run.py): the casts happen once, the attention residual, silu(w1) and the outputs of wo/w2 that
-backward does not read are recomputed or never kept, the attention output is kept twice (as the kernel wrote it
-and laid out for wo):
-    none:  (r d + 8) / t + 2 c d + (3 c hq + 2 c hkv + 4 H) / t + 3 c f / t
-    op:    r d / t + 2 c d + (c hq + 2 c hkv + 4 H) / t + 2 c f / t (+ 2 c d / t with tp > 1)
-    selective N: blocks 0, N, 2N, ... of each stage as full, the others as none.
-Outside the blocks: the embedding keeps its token ids (8 T); the last stage keeps the final norm's input and
-rstd ((r d + 4) / t) and the output's input (c d, whole sequence). The loss peaks at the start of backward:
-the fp32 log-softmax output, the incoming gradient and the result, 12 bytes x T x V (/ t with loss parallel,
-whose sharded log-softmax backward holds one more fp32 buffer: 16 / t); compiled (without loss parallel) it
-keeps the logits and per-token log-sum-exp and writes their gradient in one kernel, 2 c T V + 8 T; fused with
-the output projection (training.loss_chunk_tokens = k), k V (4 + c) for one chunk + c d T + the output
-weight's gradient (V d, fp32 under autocast, else in the weight's dtype) instead, with V / t under TP (each
-rank its vocabulary slice).
-A block's backward adds about (3 c f / t + c d + 2 r d / t) T bytes of gradients in flight; a checkpointed
-block is first recomputed (its "none" bytes, less what it kept).
-
-Pipeline parallelism multiplies the saved bytes by the microbatches in flight on this rank, where m counts
-the microbatches of the whole optimizer step (pp_microbatches x gradient accumulation: one schedule step runs
-them all): GPipe all m;
-1F1B min(m, pp - pp_rank); Interleaved1F1B/InterleavedZeroBubble min(m v, (v - 1) pp + 2 (pp - 1 - pp_rank) + 1)
-stage-chunks; LoopedBFS m v; the V schedules 2 pp chunks (an approximation); a CSV schedule m v. Gradient
-accumulation (and pipeline microbatches without FSDP) keeps the gradients alive during later forwards.
-
-The peak is the largest of these moments (each adds the static params + optimizer state):
-    loss:       working params + saved activations + the loss buffers (last stage)
-    forward:    (autocast only) every bf16 weight copy (compiled blocks: those the blocks without AC keep)
-                + saved activations + the bf16 logits
-    recompute:  (checkpointed blocks) the gradients so far + remaining saved activations + one recomputed
-                block (what it did not keep) and its backward, at the first and at the last recomputed
-                block; autocast's weight copies of the blocks not yet through their backward (the output
-                projection's is gone by then)
-    backward end: all gradients; under FSDP the root's reduce-scatter: its unsharded gradients and the fp32
-                input they are copied into, then that input and the output (the root's sharded gradients)
-
-Assumptions: CUDA with the configured mixed precision (on CPU everything runs in fp32, which this does not
-model); fused AdamW (no step temporaries); the flash/cuDNN SDPA kernels (no S x S score matrix); what is
-outside the blocks and the loss (embedding, final norm, output projection) runs eager; the caching allocator's
-fragmentation, CUDA context and NCCL buffers are not counted (compare with torch.cuda.max_memory_allocated,
-not nvidia-smi). bench/memory_check.py compares it with peaks measured on a GPU (results in docs/scale.md).
+family's ModelSpec (``shapes``); the activation formulas follow the Llama 3 block. What is counted, the formulas
+and their assumptions (CUDA with the configured mixed precision; active memory, not the allocator's reserve) are
+written out in docs/scale.md ("The formulas").
 """
 
 from __future__ import annotations
@@ -352,7 +275,7 @@ def rank_layout(cfg, dims, pp_rank: int) -> RankLayout:
 
 
 def block_bytes_per_token(shape: ModelShape, lay: RankLayout, kind: str) -> float:
-    """Bytes one block keeps for backward per token of T (see the module docstring): kind none/full/op."""
+    """Bytes one block keeps for backward per token of T (docs/scale.md): kind none/full/op."""
     c, r, t = lay.precision.compute, lay.precision.residual, lay.tp
     d, hq, hkv, h, f = shape.dim, shape.hq, shape.hkv, shape.n_heads, shape.ffn_hidden
     if kind == "full":
@@ -425,7 +348,7 @@ def loss_bytes(shape: ModelShape, lay: RankLayout, tokens: int) -> float:
 
 
 def in_flight_chunks(lay: RankLayout) -> int:
-    """Microbatch-stage chunks whose activations this pp rank holds at once (see the module docstring)."""
+    """Microbatch-stage chunks whose activations this pp rank holds at once (docs/scale.md)."""
     m, p, v, rank = lay.microbatches, lay.pp, lay.virtual_stages, lay.pp_rank
     if p == 1:
         return 1

@@ -16,9 +16,8 @@ are ranked by the step time of this cost model (per GPU, per optimizer step):
 
     compute   = FLOPs per token x tokens per step / GPUs x (1 + recompute) / (peak FLOP/s x MFU)
                 FLOPs per token: the model spec's count (6 N + 12 L H D S, as the metrics' MFU); recompute:
-                full AC 1/3 (the forward again), selective op 0.07 (the anchor's measured no-AC/op-AC ratio);
-                MFU: --mfu (default 0.40: 43.5% was measured for 8B_L8 bf16 eager with op AC on one H100, see
-                ../shared/bench/anchor; multi-GPU runs rarely do better); peak: --peak-tflops (989, H100 bf16)
+                full AC 1/3 (the forward again), selective op 0.07; MFU: --mfu (default 0.40); peak:
+                --peak-tflops (989, H100 bf16). docs/scale.md gives the measurements behind these defaults
     bubble    = compute x (pp - 1) / (microbatches x accumulation x stages per rank)   pipeline fill and
                 drain, once per optimizer step (one schedule step runs every accumulation batch)
     tp        = per block and pass, 4 all-gathers/reduce-scatters of the T x d activations forward and 4 in

@@ -201,10 +201,8 @@ def rope_real(xq: Tensor, xk: Tensor, rope_table: Tensor) -> tuple[Tensor, Tenso
 def apply_rotary_emb(xq: Tensor, xk: Tensor, rope_table: Tensor) -> tuple[Tensor, Tensor]:
     """Rotate ``xq [B, S, Hq, D]`` and ``xk [B, S, Hkv, D]`` by ``rope_table [S, D/2, 2]`` (Meta's interleaved
     layout): each pair ``(a, b) = (x[2i], x[2i+1])`` becomes ``(a cos - b sin, a sin + b cos)`` in fp32. Traced
-    by torch.compile in real arithmetic (``rope_real``), else as a complex product (``rope_complex``): on the
-    H100, one 8B layer's forward and backward took 0.45 ms compiled in real arithmetic against 1.17 ms for the
-    compiled complex product, and 0.81 ms eagerly as a complex product against 2.64 ms in real arithmetic
-    (bench/hopper_levers.py rope, 2026-11-26)."""
+    by torch.compile in real arithmetic (``rope_real``, which inductor fuses; it has no code generation for complex
+    operators), else as a complex product (``rope_complex``, faster eagerly; figures in docs/performance.md)."""
     return (rope_real if torch.compiler.is_compiling() else rope_complex)(xq, xk, rope_table)
 
 
