@@ -13,8 +13,8 @@ PACKAGES = ("engine", "parallelize", "models", "tools")
 LAYERS = [
     ("config", ["engine", "engine.config", "engine.config.errors", "engine.config.schema", "engine.config.loading"]),
     ("distributed world and mesh", ["engine.distributed", "engine.events", "parallelize.mesh"]),
-    ("model layers", ["models", "models.attention", "models.loss", "models.spec", "models.*.model", "models.*.flavors",
-                      "models.*.hf_adapter"]),
+    ("model layers", ["models", "models.attention", "models.loss", "models.moe", "models.spec", "models.*.model",
+                      "models.*.flavors", "models.*.hf_adapter"]),
     ("parallel techniques", ["parallelize", "parallelize.*"]),
     ("models and their plans", ["models.*.parallelize", "models.*", "models.registry"]),
     ("validation: the resolved plan", ["engine.config.validation"]),

@@ -1,0 +1,199 @@
+"""Mixture-of-Experts feed-forward layer that any model family can use.
+
+Token-choice top-k routing: a linear router scores every expert for every token (softmax, or sigmoid as in
+DeepSeek-V3); each token goes to its ``top_k`` experts, weighted by their scores (renormalized to sum to 1 when
+``route_norm``). Routing is dropless: every expert takes every token routed to it. The experts run as one grouped
+GEMM over the tokens sorted by expert (``torch._grouped_mm``; a loop of per-expert matmuls, the same arithmetic,
+where it is missing). Optional shared experts see every token.
+
+Load balancing, both optional:
+- the auxiliary loss of Switch/GShard, ``E * sum_e f_e * P_e`` (f_e: the fraction of tokens routed to expert e,
+  so that the f_e add up to top_k; P_e: its mean router probability), as transformers' load_balancing_loss_func
+  computes it, so that a Hugging Face config's router_aux_loss_coef means the same here; kept in ``aux_loss``
+  for the trainer to add with its coefficient;
+- DeepSeek-V3's auxiliary-loss-free balancing: an ``expert_bias`` added to the scores for the choice of experts
+  only (not to the weights), moved after each optimizer step towards the under-loaded experts
+  (``update_expert_bias``, from the tokens each expert received over the step, ``tokens_per_expert``).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+SCORE_FUNCS = ("softmax", "sigmoid")
+
+
+@dataclass
+class MoEArgs:
+    """Hyperparameters of a MoE layer."""
+
+    num_experts: int = 8
+    """Routed experts."""
+    top_k: int = 2
+    """Experts each token is routed to."""
+    hidden_dim: int = 512
+    """SwiGLU hidden size of one expert."""
+    num_shared_experts: int = 0
+    """Experts every token goes through (one SwiGLU of num_shared_experts x hidden_dim)."""
+    score_func: str = "softmax"
+    """Router scores: softmax over the experts, or an independent sigmoid per expert."""
+    route_norm: bool = False
+    """Renormalize each token's top-k weights to sum to 1."""
+    route_scale: float = 1.0
+    """Factor on the routed experts' weights."""
+    load_balance_coeff: Optional[float] = None
+    """Step of the auxiliary-loss-free expert bias update; None: no bias."""
+
+    def __post_init__(self) -> None:
+        if self.score_func not in SCORE_FUNCS:
+            raise ValueError(f"score_func: {self.score_func!r} is not one of {', '.join(SCORE_FUNCS)}")
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(f"top_k: {self.top_k} must be between 1 and the {self.num_experts} experts")
+
+
+@functools.lru_cache(maxsize=None)
+def grouped_mm_works(device_type: str, dtype: torch.dtype) -> bool:
+    """Whether ``torch._grouped_mm`` runs (forward and backward) on this device type and dtype in this torch."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    try:
+        x = torch.ones(4, 16, device=device_type, dtype=dtype, requires_grad=True)
+        w = torch.ones(2, 16, 16, device=device_type, dtype=dtype, requires_grad=True)
+        offs = torch.tensor([2, 4], device=device_type, dtype=torch.int32)
+        torch._grouped_mm(x, w, offs=offs).mul(2).sum().backward()
+        return True
+    except (RuntimeError, NotImplementedError):
+        return False
+
+
+def grouped_matmul(x: Tensor, w: Tensor, counts: Tensor) -> Tensor:
+    """``x [T, in]`` (rows sorted by group) times each group's ``w [G, out, in]`` transposed: rows of group g are
+    ``x[offset_g : offset_g + counts[g]] @ w[g].T``. One grouped GEMM where torch has it for this device and dtype
+    (on CUDA, bf16 on compute capability >= 9.0), else a loop over the groups."""
+    use_grouped = grouped_mm_works(x.device.type, x.dtype) and (
+        x.device.type != "cuda" or (x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (9, 0)))
+    if use_grouped:
+        offsets = torch.cumsum(counts, 0, dtype=torch.int32)
+        return torch._grouped_mm(x, w.transpose(-2, -1), offs=offsets)
+    outs = [chunk @ w[g].T for g, chunk in enumerate(torch.split(x, counts.tolist()))]
+    return torch.cat(outs) if outs else x.new_empty(0, w.shape[1])
+
+
+class GroupedExperts(nn.Module):
+    """``num_experts`` SwiGLU MLPs with stacked weights: w1 (gate) and w3 (up) ``[E, hidden, dim]``, w2 (down)
+    ``[E, dim, hidden]``, each expert's slice laid out as an ``nn.Linear`` weight."""
+
+    def __init__(self, dim: int, hidden_dim: int, num_experts: int):
+        super().__init__()
+        self.num_experts = num_experts
+        self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
+        self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+
+    def init_weights(self, init_std: float) -> None:
+        nn.init.trunc_normal_(self.w1, mean=0.0, std=0.02)
+        for w in (self.w2, self.w3):
+            nn.init.trunc_normal_(w, mean=0.0, std=init_std)
+
+    def forward(self, x: Tensor, counts: Tensor) -> Tensor:
+        """``x [T, dim]``, its rows sorted by expert, ``counts [E]`` rows per expert -> ``[T, dim]``."""
+        h = F.silu(grouped_matmul(x, self.w1, counts)) * grouped_matmul(x, self.w3, counts)
+        return grouped_matmul(h, self.w2, counts)
+
+
+class TokenChoiceRouter(nn.Module):
+    """Scores every expert for every token and picks each token's ``top_k``."""
+
+    def __init__(self, dim: int, args: MoEArgs):
+        super().__init__()
+        self.args = args
+        self.gate = nn.Linear(dim, args.num_experts, bias=False)
+
+    def init_weights(self, init_std: float) -> None:
+        nn.init.trunc_normal_(self.gate.weight, mean=0.0, std=init_std)
+
+    def forward(self, x: Tensor, expert_bias: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
+        """``x [T, dim]`` -> (weights ``[T, k]`` fp32, experts ``[T, k]``, fp32 probabilities ``[T, E]`` for the
+        auxiliary loss)."""
+        a = self.args
+        logits = self.gate(x).float()
+        scores = torch.softmax(logits, dim=-1) if a.score_func == "softmax" else torch.sigmoid(logits)
+        choice = scores if expert_bias is None else scores + expert_bias
+        _, experts = torch.topk(choice, a.top_k, dim=-1)
+        weights = scores.gather(-1, experts)
+        if a.route_norm:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        probs = scores if a.score_func == "softmax" else scores / scores.sum(dim=-1, keepdim=True)
+        return weights * a.route_scale, experts, probs
+
+
+class MoE(nn.Module):
+    """The MoE feed-forward layer: ``x [B, S, dim] -> [B, S, dim]``. After a forward, ``aux_loss`` holds the
+    layer's auxiliary load-balancing loss and ``tokens_per_expert`` has the tokens routed to each expert added."""
+
+    def __init__(self, dim: int, args: MoEArgs):
+        super().__init__()
+        self.args = args
+        self.router = TokenChoiceRouter(dim, args)
+        self.experts = GroupedExperts(dim, args.hidden_dim, args.num_experts)
+        self.shared_experts = (GroupedExperts(dim, args.hidden_dim * args.num_shared_experts, 1)
+                               if args.num_shared_experts else None)
+        # The choice bias is training state (checkpointed); the counts are the current step's, summed over its
+        # microbatches until update_expert_bias (the trainer all-reduces them over the ranks first).
+        self.register_buffer("expert_bias", torch.zeros(args.num_experts) if args.load_balance_coeff is not None
+                             else None, persistent=True)
+        self.register_buffer("tokens_per_expert", torch.zeros(args.num_experts), persistent=False)
+        self.aux_loss: Optional[Tensor] = None
+
+    def init_weights(self, init_std: float, buffer_device: Optional[torch.device] = None) -> None:
+        self.router.init_weights(init_std)
+        self.experts.init_weights(init_std)
+        if self.shared_experts is not None:
+            self.shared_experts.init_weights(init_std)
+        device = buffer_device if buffer_device is not None else self.tokens_per_expert.device
+        if self.expert_bias is not None:
+            self.expert_bias = torch.zeros(self.args.num_experts, device=device)
+        self.tokens_per_expert = torch.zeros(self.args.num_experts, device=device)
+
+    def forward(self, x: Tensor) -> Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        a = self.args
+        weights, experts, probs = self.router(x, self.expert_bias)
+        flat = experts.reshape(-1)
+        counts = torch.bincount(flat, minlength=a.num_experts)
+        with torch.no_grad():
+            self.tokens_per_expert.add_(counts.to(self.tokens_per_expert.dtype))
+        # f_e: the fraction of tokens routed to expert e; P_e: its mean probability.
+        self.aux_loss = a.num_experts * torch.sum(counts.float() / x.shape[0] * probs.mean(dim=0))
+        # Dispatch: the token-expert pairs sorted by expert (a stable sort keeps each expert's tokens in order).
+        order = torch.argsort(flat, stable=True)
+        token = order // a.top_k
+        routed = self.experts(x[token], counts)
+        routed = routed * weights.reshape(-1)[order, None].to(routed.dtype)
+        out = torch.zeros_like(x).index_add_(0, token, routed.to(x.dtype))
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x, torch.tensor([x.shape[0]], device=x.device))
+        return out.reshape(shape)
+
+    @torch.no_grad()
+    def update_expert_bias(self) -> None:
+        """After an optimizer step: move the choice bias by ``load_balance_coeff`` towards the experts that got
+        fewer tokens than the mean (sign of the difference, centred), and start counting the next step."""
+        if self.expert_bias is not None:
+            load = self.tokens_per_expert
+            delta = self.args.load_balance_coeff * torch.sign(load.mean() - load)
+            self.expert_bias.add_(delta - delta.mean())
+        self.tokens_per_expert.zero_()
+
+    def expert_load(self) -> float:
+        """The busiest expert's tokens over the mean (1.0 is perfect balance), from ``tokens_per_expert``."""
+        load = self.tokens_per_expert
+        mean = load.mean()
+        return float(load.max() / mean) if mean > 0 else 0.0
