@@ -1,6 +1,6 @@
 """float8 against high precision on the debug model: train the default debug config twice, the same data and
-seed, once plain and once with float8, and print both loss curves' ends and the relative gap (issue 6,
-acceptance 3: within 1% after 200 steps).
+seed, once plain and once with float8, and print both loss curves' ends and the relative gap (the target:
+within 1% after 200 steps).
 
     python bench/float8_loss.py [--steps 200] [--out DIR] [--only plain|float8] [-- EXTRA TRAIN ARGS...]
 

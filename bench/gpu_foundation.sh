@@ -1,9 +1,8 @@
 #!/usr/bin/env bash
-# The foundation's GPU check, in one device call on the Hopper machine, an H100 or H200 (issue 2, acceptance 7):
-# Llama-3-8B layer shapes with 8 layers (flavor 8B_L8), seq_len 8192, local batch 1, bf16 autocast, sdpa,
-# 20 steps; prints median tps, TFLOP/s, MFU and peak memory after warm-up (the windows after step 10).
-#
-#   device run (carry .whl):  bash bench/gpu_foundation.sh   (bench/README.md: after perf_vs_reference.sh's runs)
+# The profiler and the allocator history on CUDA, in one device call (carry .whl):  bash bench/gpu_foundation.sh
+# First Llama-3-8B layer shapes with 8 layers (flavor 8B_L8), seq_len 8192, local batch 1, bf16 autocast, sdpa,
+# eager without AC for 20 steps (median tps, TFLOP/s, MFU and peak memory after step 10); then an 8B_L2 run
+# with a profiler trace and a memory snapshot of step 10, from which it prints the attention kernels that ran.
 #
 # The machine has torch but not datasets, tomli_w or torchao: fill .whl/ as bench/README.md says (one version of
 # each wheel: two stop the install).

@@ -1,33 +1,27 @@
 #!/usr/bin/env bash
-# The mesh issue's GPU checks, in one device call on the Hopper machine, an H100 or H200 (issue 3, acceptance 4):
-#  1. one rank, 8B layer shapes with 8 layers (8B_L8), seq 8192, batch 1: FSDP2 on the one rank + compile +
-#     per-op AC (the acceptance item): median tps, TFLOP/s, MFU and peak memory after warm-up. (The same
-#     without FSDP, and the eager, no-AC and full-AC runs, are perf_vs_reference.sh's.)
-#  2. CUDA paths of FSDP and TP: 2 processes sharing the GPU over gloo (NCCL refuses two ranks on one GPU),
-#     debug model in fp32, FSDP 2 and TP 2, loss curves printed beside the single-rank CUDA run's (TP 2 reads
-#     the same batches and must match it; FSDP 2's ranks read their own shards of the data), TP 2 with the
-#     vocabulary-parallel fused loss (must match too), and CP 2 with cp_rotate = allgather (same batches as
-#     one rank: its curve must match too); FSDP 2 also saves asynchronously (the checkpoint votes on CUDA).
+# The CUDA paths of the parallel techniques, in one device call (carry .whl):  bash bench/gpu_parallel.sh
+#  1. FSDP and TP: 2 processes sharing the GPU over gloo (NCCL refuses two ranks on one GPU), debug model in
+#     fp32, FSDP 2 and TP 2, loss curves printed beside the single-rank CUDA run's (TP 2 reads the same batches
+#     and must match it; FSDP 2's ranks read their own shards of the data), TP 2 with the vocabulary-parallel
+#     fused loss (must match too), and CP 2 with cp_rotate = allgather (same batches as one rank: its curve must
+#     match too); FSDP 2 also saves asynchronously (the checkpoint votes on CUDA).
 #     Then FSDP on one rank with CPU offload (parameters, gradients and AdamW in host memory, the process group
 #     cuda:nccl,cpu:gloo): its curve must match the single-rank one. "Match": the same logged steps, every one
 #     of the run's, each loss within CURVE_RTOL (default 1e-3) of the one-rank run's, relative; FSDP 2's curve
 #     is printed, not compared (other data), but it must log every step too. Each check prints PASS or FAIL;
 #     the script exits 1 at its end, after every check ran, if any failed.
-#  3. bench/cuda_cp_check.py: ring attention's CUDA kernels (bf16 flash, fp32 matmul, bf16 document-masked) against full SDPA.
+#  2. bench/cuda_cp_check.py: ring attention's CUDA kernels (bf16 flash, fp32 matmul, bf16 document-masked)
+#     against full SDPA.
+# Speed and memory on one GPU (FSDP2 on the one rank included) are bench/run.py's.
 #
-# Every launch has a time limit (LIMIT seconds, default 150, RUN_LIMIT 300 for the 8B_L8 run; collectives time out
-# after 60 s), and none goes past the script's deadline (BUDGET, bench/common.sh), so that a hang in one check
-# cannot take the device call's 10 minutes and with them every result.
-#
-#   device run (carry .whl):  bash bench/gpu_parallel.sh   (bench/README.md: after perf_vs_reference.sh's runs)
+# Every launch has a time limit (LIMIT seconds, default 150; collectives time out after 60 s), and none goes
+# past the script's deadline (BUDGET, bench/common.sh), so that a hang in one check cannot take the device
+# call's 10 minutes and with them every result.
 set -uo pipefail
 source "$(dirname "$0")/common.sh"
 CURVE_RTOL=${CURVE_RTOL:-1e-3}
 FAILED=""  # the checks that failed
 
-L8=(--model.flavor 8B_L8 --training.seq_len 8192 --training.local_batch_size 1)
-run 8b_l8_fsdp_compile_ac_op "${L8[@]}" --parallelism.fsdp_single_rank --compile.enable \
-  --activation_checkpoint.mode selective
 LIMIT=${LIMIT:-150}
 
 # CUDA paths of FSDP2 and TP: gloo over CUDA tensors, two ranks on one GPU.
@@ -95,8 +89,6 @@ compare_to_one fsdp_cpu_offload
 
 timeout "$(limit "$LIMIT")" python3 bench/cuda_cp_check.py \
   || { echo "cuda_cp_check: exit $?"; FAILED+=" cuda_cp_check"; }
-# the 8B_L8 run's peak beside the estimate (the others: the debug model, or two ranks)
-python3 bench/memory_check.py --from-runs "$RUNS" --labels "$(launched)" --out "$RUNS"
 pack gpu_parallel
 if [ -n "$FAILED" ]; then echo "FAILED:$FAILED"; exit 1; fi
 echo "every check passed"

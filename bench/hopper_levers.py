@@ -24,7 +24,7 @@ warm-up) and peak memory above the inputs.
    and backward under autocast: fp32 weights cast in the forward and their gradients cast back, or bf16 weights
    read as they are), and the clip with the optimizer step over 8B_L8's parameters (fused AdamW on fp32 weights
    and gradients, or the compiled update of the split weights from bf16 gradients, with one launch
-   configuration per kernel as the trainer compiles it, or autotuned as it was before 2026-11-26).
+   configuration per kernel as the trainer compiles it, or with Inductor's default autotuning).
 Needs a CUDA GPU; on a CPU it says so and exits 0 (tests call the rope, clip and bf16 levers on CPU, small).
 """
 
@@ -305,7 +305,7 @@ def lever_bf16(reps: int, device: str = "cuda", flavor: str = "8B_L8", tokens: i
                     holder.weight = p
                     lows.update(split_linear_weights([holder]))
             opt.set_low_halves(lows)
-        if autotune:  # the update as compiled before 2026-11-26: Inductor's default options
+        if autotune:  # the update with Inductor's default options (pointwise autotuning on)
             from engine.optim import _adam_update
 
             opt._update = torch.compile(_adam_update, fullgraph=True, dynamic=False)

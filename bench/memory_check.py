@@ -4,7 +4,7 @@
                                   [--estimate-only]
     python3 bench/memory_check.py --from-runs DIR [--labels NAME,...] [--out DIR]
 
-On the H100 machine (one device call; .whl carried for the packages it lacks, see bench/common.sh):
+On the GPU machine (one device call; .whl carried for the packages it lacks, see bench/common.sh):
 
     source bench/common.sh && python3 bench/memory_check.py --out "$OUT"
 
@@ -22,7 +22,7 @@ configuration that would start after ``--budget`` seconds is skipped and named. 
 ``--runs`` and stay on the machine. ``--estimate-only`` prints the estimates without training (no GPU needed).
 
 ``--from-runs DIR`` trains nothing: for every single-GPU run folder under DIR (its config.toml and
-metrics.jsonl, e.g. bench/perf_vs_reference.sh's runs) it sets the largest logged ``memory_gib`` (the peak
+metrics.jsonl, e.g. bench/run.py's runs) it sets the largest logged ``memory_gib`` (the peak
 active bytes of each logging window, the first step's included) beside the estimate for that run's config, and
 writes <out>/memory_runs.md and .json (runs that peaked under 1 GiB, the debug model's, are left out). So every
 benchmark run is also a memory check, at no device time. ``--labels`` names the run folders to read, in order

@@ -1,11 +1,12 @@
-"""The GPU benchmark scripts, checked on CPU before a device call spends the H100's time on them.
+"""The GPU benchmark scripts, checked on CPU before a device call spends the GPU's time on them.
 
-The bench/*.sh scripts run on the H100 machine only (CI has no GPU), so a misspelled flag or a layout that
-validation rejects would show up there, one 10-minute device call too late. Here each script runs with a
-stand-in ``python3`` on PATH: every ``python3 -m engine.train`` (alone or under ``torch.distributed.run``)
-is parsed and validated as on a Hopper GPU (engine.train.check with engine.config.HOPPER and the run's world
-size) and recorded; every other python3 call does nothing. The scripts' own shell code runs for real.
-The reference trainer is left out (ANCHOR=""), and so are the wheel installs (no .whl in the copy).
+bench/run.py and the bench/*.sh scripts run on the Hopper machine only (CI has no GPU), so a misspelled flag or
+a layout that validation rejects would show up there, one 10-minute device call too late. Here each runs with a
+stand-in ``python3`` on PATH: every ``python3 -m engine.train`` (alone, through ./run_train.sh, or under
+``torch.distributed.run``) is recorded and then parsed and validated as on a Hopper GPU (engine.train.check
+with engine.config.validation.HOPPER and the run's world size). The scripts' own code runs for real, and so
+does bench/summarize.py; the reference kit is a stand-in that writes a log, and the wheel installs are left
+out (no .whl in the copy).
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ def _copy_repo(dst: str) -> str:
     repo = os.path.join(dst, "repo")
     for name in ("bench", "train_configs"):
         shutil.copytree(os.path.join(ROOT, name), os.path.join(repo, name))
+    shutil.copy(os.path.join(ROOT, "run_train.sh"), repo)
     return repo
 
 
@@ -105,15 +107,13 @@ def test_gpu_foundation_configs_are_valid_on_hopper(tmp_path):
 
 def test_gpu_parallel_configs_are_valid_on_hopper(tmp_path):
     rows = _run_script(tmp_path, "gpu_parallel.sh", {})
-    # the single-GPU 8B_L8 run with FSDP on one rank, the one-rank debug run, four two-rank layouts over gloo,
-    # then CPU offload
-    assert [r["world"] for r in rows] == [1] * 2 + [2] * 4 + [1], rows
-    assert "--parallelism.fsdp_single_rank" in rows[0]["argv"] and "8B_L8" in rows[0]["argv"]
-    two_rank = [" ".join(r["argv"]) for r in rows[2:6]]
+    # the one-rank debug run, four two-rank layouts over gloo, then CPU offload
+    assert [r["world"] for r in rows] == [1] + [2] * 4 + [1], rows
+    two_rank = [" ".join(r["argv"]) for r in rows[1:5]]
     assert any("--parallelism.cp 2" in a for a in two_rank)
     assert any("--training.loss_chunk_tokens" in a and "--parallelism.tp 2" in a for a in two_rank)
     assert all("--comm.init_timeout_seconds 60" in a for a in two_rank)  # a hang ends inside the call
-    assert "--parallelism.fsdp_cpu_offload" in rows[6]["argv"]
+    assert "--parallelism.fsdp_cpu_offload" in rows[5]["argv"]
 
 
 def _compare_to_one(tmp_path, one: list[float] | None, run: list[float] | None, mode: str = "losses"):
@@ -160,7 +160,7 @@ def test_gpu_parallel_compares_whole_curves_and_says_pass_or_fail(tmp_path):
 
 def test_gpu_parallel_runs_every_check_and_then_exits_non_zero_if_one_failed(tmp_path):
     """The two TP 2 curves fail (the stand-in python3 says so): the script still runs the rest (CPU offload,
-    cuda_cp_check.py, the memory table, the tarball), names the failures and exits 1."""
+    cuda_cp_check.py, the tarball), names the failures and exits 1."""
     repo = _copy_repo(str(tmp_path))
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
@@ -180,155 +180,269 @@ def test_gpu_parallel_runs_every_check_and_then_exits_non_zero_if_one_failed(tmp
     assert proc.stdout.count("  PASS ") == 3 and proc.stdout.count("  FAIL ") == 2, proc.stdout
     failed = proc.stdout.strip().splitlines()[-1]
     assert failed.startswith("FAILED:") and failed.count("tp2") == 2, failed
-    assert len(list(record.iterdir())) == 7  # every launch ran, CPU offload the last
+    assert len(list(record.iterdir())) == 6  # every launch ran, CPU offload the last
     assert "packed " in proc.stdout and (tmp_path / "out" / "gpu_parallel.tar.gz").exists()
 
 
-def test_perf_vs_reference_configs_are_valid_on_hopper(tmp_path):
-    """Every configuration the script defines runs (none left out of its run order) and passes the trainer's
-    checks as on a Hopper GPU."""
-    with open(os.path.join(ROOT, "bench", "perf_vs_reference.sh")) as f:
-        script = f.read()
-    table = script[script.index("declare -A TESSERA=("):script.index("declare -A REFERENCE=(")]
-    only = " ".join(re.findall(r"^  \[(\w+)\]=", table, flags=re.M))
-    assert len(only.split()) == 16 and "bf16_autocast" in only and "bf16_snapshot" in only
-    rows = _run_script(tmp_path, "perf_vs_reference.sh", {"ONLY": only, "ANCHOR": "", "BUDGET": "100000"})
-    assert len(rows) == len(only.split()), rows
-    assert sum("--training.no-bf16_weights" in r["argv"] for r in rows) == 2
-    for r in rows:  # the reference kit's shapes, every one
+# bench/run.py on CPU: a stand-in python3 on PATH answers every launch (engine.train's through ./run_train.sh
+# records its arguments and writes made-up metrics; memory_check.py says what it was asked; anything else does
+# nothing), and a stand-in reference kit writes a torchtitan log for each reference run asked for. The runner's
+# own code and bench/summarize.py run for real.
+TRAINER_STUB = """#!{python}
+import json, os, sys
+args = sys.argv[1:]
+if args[:2] == ["-m", "engine.train"]:
+    record = {record!r}
+    with open(os.path.join(record, "%04d" % len(os.listdir(record))), "w") as f:
+        f.write("\\0".join(args) + "\\0")
+    run = args[args.index("--job.dump_folder") + 1]
+    label = os.path.basename(run)
+    print("launched:", " ".join(args))
+    if label in os.environ.get("STUB_FAIL", "").split(","):
+        print("died at start-up")
+        sys.exit(1)
+    os.makedirs(run, exist_ok=True)
+    reserved = json.loads(os.environ.get("STUB_RESERVED", "{{}}"))
+    tps = float(os.environ.get("STUB_TPS", "32000"))
+    with open(os.path.join(run, "metrics.jsonl"), "w") as f:
+        for step in (1, 5, 10, 15, 20, 25):
+            f.write(json.dumps({{"step": step, "loss": 7.0, "tps": tps, "tps_per_gpu": tps, "tflops": 500.0,
+                                "mfu": 50.0, "memory_gib": 40.0,
+                                "memory_reserved_gib": reserved.get(label, 41.0)}}) + "\\n")
+elif "bench/memory_check.py" in args:
+    print("memory_check:", " ".join(args))
+sys.exit(0)
+"""
+ANCHOR_STUB = r"""for spec in "$@"; do
+  label=${spec%%|*}
+  echo "reference asked: $label"
+  for s in 5 10 15 20 25; do
+    echo "[titan] step: $s  loss:  7.1  memory: 42.00GiB(55.00%)  tps: 29,500  tflops: 496.00  mfu: 50.00%"
+  done > "$ANCHOR_LOGS/anchor_$label.log"
+done
+"""
+MATRIX_CONFIGS = ["bf16_compile_ac_op", "fp8_compile_ac_op", "bf16_autocast", "fp8_autocast", "eager_ac_op",
+                  "fsdp1_compile_ac_op", "noac_compile", "fullac_compile", "bf16_compile_ac_alt",
+                  "fp8_compile_ac_alt", "fused_loss", "cudnn_sdpa", "fused_loss_cudnn", "bf16_snapshot",
+                  "bf16_noautotune", "fp8_noautotune"]
+
+
+def _runner(tmp_path, *args, anchor: bool = True, **env_extra) -> tuple[subprocess.CompletedProcess, list[list[str]]]:
+    """bench/run.py ARGS in a copy of the repository (made once per tmp_path) with the stand-ins; its output and
+    the arguments of each engine.train launch, in order (a fresh record per call)."""
+    repo = tmp_path / "repo"
+    if not repo.exists():
+        _copy_repo(str(tmp_path))
+        if anchor:
+            (repo / ".anchor").mkdir()
+            (repo / ".anchor" / "run_anchor.sh").write_text(ANCHOR_STUB)
+        (tmp_path / "bin").mkdir()
+        (tmp_path / "bin" / "nvidia-smi").write_text(
+            "#!/usr/bin/env bash\necho 'NVIDIA H100 80GB HBM3, 81559 MiB, 0'\n")
+    record = tmp_path / "launches"
+    shutil.rmtree(record, ignore_errors=True)
+    record.mkdir()
+    (tmp_path / "bin" / "python3").write_text(TRAINER_STUB.format(python=sys.executable, record=str(record)))
+    for name in ("python3", "nvidia-smi"):
+        (tmp_path / "bin" / name).chmod(0o755)
+    env = dict(os.environ, PATH=f"{tmp_path / 'bin'}:{os.environ['PATH']}", **env_extra)
+    env.pop("OUT", None)
+    proc = subprocess.run([sys.executable, str(repo / "bench" / "run.py"), "--out", str(tmp_path / "out"),
+                           "--runs", str(tmp_path / "runs"), *args], env=env, capture_output=True, text=True,
+                          timeout=300)
+    launches = [p.read_text().split("\0")[:-1] for p in sorted(record.iterdir())]
+    return proc, launches
+
+
+def _ran(proc) -> list[str]:
+    return re.findall(r"^=== Tessera (\w+): ", proc.stdout, re.MULTILINE)
+
+
+def _asked(proc) -> list[str]:
+    return [line.split(": ", 1)[1] for line in proc.stdout.splitlines() if line.startswith("reference asked: ")]
+
+
+def _table(proc) -> dict[str, str]:
+    """The summary table's rows by configuration."""
+    rows = {}
+    for line in proc.stdout[proc.stdout.index("=== Tessera / reference"):].splitlines()[3:]:
+        if line.startswith(("skipped for the time budget", "elapsed")):
+            return rows
+        rows[line.split()[0]] = line
+    return rows
+
+
+def test_matrix_configurations_are_valid_on_hopper(tmp_path):
+    """Every configuration of bench/matrix.toml runs once (none left out of the run order) through ./run_train.sh
+    and passes the trainer's checks as on a Hopper GPU, with the reference kit's shapes and protocol; what comes
+    back from the device fits its limits."""
+    run = _bench_module("run")
+    matrix = run.summarize.load_matrix()
+    assert list(matrix["config"]) == MATRIX_CONFIGS and run.matrix_errors(matrix) == []
+    proc, launches = _runner(tmp_path, "--only", ",".join(MATRIX_CONFIGS), "--no-reference", "--no-follow-ups",
+                             "--budget", "100000", anchor=False)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert _ran(proc) == MATRIX_CONFIGS
+    rows = [_check(["engine.train"] + argv[2:]) for argv in launches]
+    assert len(rows) == len(MATRIX_CONFIGS)
+    errors = [f"{' '.join(r['argv'])}: {r['error']}" for r in rows if "error" in r]
+    assert not errors, "\n".join(errors)
+    for r in rows:  # the reference's shapes and protocol: 25 steps logged every 5 (one host sync per log)
         argv = " ".join(r["argv"])
-        assert "--model.flavor 8B_L8 --training.seq_len 8192 --training.local_batch_size 1" in argv, argv
+        assert ("--model.flavor 8B_L8 --training.seq_len 8192 --training.local_batch_size 1 --training.steps 25 "
+                "--metrics.log_freq 5") in argv, argv
     assert sum("--float8.enable" in r["argv"] for r in rows) == 4
     assert sum("alternate" in r["argv"] for r in rows) == 2
-    for r in rows:  # the reference's protocol: 25 steps logged every 5 (one host sync per log, not per step)
-        argv = " ".join(r["argv"])
-        assert "--training.steps 25 --metrics.log_freq 5" in argv, argv
+    assert sum("--training.no-bf16_weights" in r["argv"] for r in rows) == 2
+    assert sum("--compile.no-autotune" in r["argv"] for r in rows) == 2
+    # the reference runs take the same shapes, each with its own overrides
+    for ref in matrix["reference"]:
+        spec = run.reference_command(matrix, ref)[-1]
+        assert spec.startswith(f"{ref}|--model.flavor 8B_L8 --training.seq_len 8192 --training.local_batch_size 1 "
+                               "--training.steps 25 --metrics.log_freq 5"), spec
+    # What the device returns: at most 8 files from $OUT, none more than 2 folders down.
+    import datetime
+
+    today = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
+    returned = [p.relative_to(tmp_path / "out") for p in (tmp_path / "out").rglob("*") if p.is_file()]
+    assert {str(p) for p in returned} == {"runs.tar.gz", "summary.json", "summary.txt", f"{today}-h100.csv"}
 
 
-@pytest.mark.parametrize("only, anchor", [
-    ("bf16_compile_ac_op fp8_compile_ac_op eager_ac_op", "bf16_compile fp8_compile"),
-    ("fused_loss cudnn_sdpa bf16_compile_ac_alt", "bf16_compile"),  # a second call's levers keep their reference
-    ("fp8_compile_ac_alt", "fp8_compile"),
+@pytest.mark.parametrize("only, references", [
+    ("bf16_compile_ac_op,fp8_compile_ac_op,eager_ac_op", ["bf16_compile", "fp8_compile", "eager"]),
+    ("fused_loss,cudnn_sdpa,bf16_compile_ac_alt", ["bf16_compile"]),  # a lever call keeps its reference run
+    ("fp8_compile_ac_alt,fsdp1_compile_ac_op,fp8_compile_ac_op", ["fp8_compile", "bf16_compile"]),
+    ("fullac_compile", []),
 ])
-def test_perf_vs_reference_runs_the_reference_its_runs_are_compared_with(tmp_path, only, anchor):
-    """Without ANCHOR, the reference runs are those ONLY's runs are compared with (bf16 and float8 compiled:
-    the eager and no-AC reference figures are the kit README's)."""
-    repo = _copy_repo(str(tmp_path))
-    os.makedirs(os.path.join(repo, ".anchor"))
-    # A stand-in reference kit that only says which runs it was asked for.
-    with open(os.path.join(repo, ".anchor", "run_anchor.sh"), "w") as f:
-        f.write('for spec in "$@"; do echo "reference asked: ${spec%%|*}"; done\n')
-    env = dict(os.environ, PATH=f"{_stub_bin(tmp_path)}:{os.environ['PATH']}", OUT=str(tmp_path / "out"),
-               RUNS=str(tmp_path / "runs"), ONLY=only, BUDGET="100000")
-    env.pop("ANCHOR", None)
-    proc = subprocess.run(["bash", os.path.join(repo, "bench", "perf_vs_reference.sh")], env=env,
-                          capture_output=True, text=True, timeout=300)
+def test_run_runs_each_reference_its_configurations_are_compared_with_once(tmp_path, only, references):
+    """The reference runs are those of the configurations run, each once, right before the first configuration
+    compared with it; --no-reference runs none."""
+    proc, _ = _runner(tmp_path, "--only", only, "--budget", "100000")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    asked = [line.split(": ", 1)[1] for line in proc.stdout.splitlines() if line.startswith("reference asked: ")]
-    assert asked == anchor.split(), proc.stdout[-2000:]
+    assert _asked(proc) == references, proc.stdout[-3000:]
+    matrix = _bench_module("summarize").load_matrix()
+    events = re.findall(r"^(?:reference asked: (\w+)|=== Tessera (\w+): )", proc.stdout, re.MULTILINE)
+    for i, (_, name) in enumerate(events):  # each configuration's reference run came before it
+        if name and matrix["config"][name].get("reference"):
+            assert (matrix["config"][name]["reference"], "") in events[:i], events
+    table = _table(proc)
+    assert list(table) == [n for n in _bench_module("run").run_order(matrix) if n in only.split(",")]
+    for name, line in table.items():  # compared with the reference's 29,500 tps
+        assert ("1.085" in line) == bool(matrix["config"][name].get("reference")), line
+    proc, _ = _runner(tmp_path, "--only", only, "--budget", "100000", "--no-reference")
+    assert proc.returncode == 0 and _asked(proc) == [] and _ran(proc) == list(table), proc.stdout[-2000:]
 
 
-def test_perf_vs_reference_ends_with_the_command_that_runs_what_its_budget_skipped(tmp_path):
-    """The session's one call runs the acceptance pairs first; a budget too short for a reference run (estimated
-    130 s) skips it and the Tessera run compared with it. The summary ends with the environment that runs the
-    skipped ones, which the script takes as it is (the next session lent a GPU starts there)."""
+def test_run_ends_with_the_command_that_runs_what_its_budget_skipped(tmp_path):
+    """A budget too short for a reference run (estimated 130 s) skips it and the configurations compared with it;
+    the summary ends with the command that runs the skipped ones, which runs them (with their reference runs)."""
     import shlex
 
-    repo = _copy_repo(str(tmp_path))
-    os.makedirs(os.path.join(repo, ".anchor"))
-    with open(os.path.join(repo, ".anchor", "run_anchor.sh"), "w") as f:
-        f.write('for spec in "$@"; do echo "reference asked: ${spec%%|*}"; done\n')
-    env = dict(os.environ, PATH=f"{_stub_bin(tmp_path)}:{os.environ['PATH']}", OUT=str(tmp_path / "out"),
-               RUNS=str(tmp_path / "runs"), BUDGET="120")
-    for name in ("ONLY", "ANCHOR", "CP_CHECK"):
-        env.pop(name, None)
-    proc = subprocess.run(["bash", os.path.join(repo, "bench", "perf_vs_reference.sh")], env=env,
-                          capture_output=True, text=True, timeout=300)
+    proc, _ = _runner(tmp_path, "--budget", "120")  # the default selection
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    ran = re.findall(r"^=== Tessera (\w+): ", proc.stdout, re.MULTILINE)
-    assert ran == ["eager_ac_op", "fsdp1_compile_ac_op", "noac_compile", "fullac_compile"], proc.stdout[-3000:]
-    assert "=== bench/cuda_cp_check.py" in proc.stdout and "reference asked" not in proc.stdout
+    assert _ran(proc) == ["fullac_compile"], proc.stdout[-3000:]
+    assert "=== python3 bench/cuda_cp_check.py" in proc.stdout and _asked(proc) == []
     lines = proc.stdout.splitlines()
     command = lines[lines.index("skipped for the time budget; the next call runs them with:") + 1].strip()
-    assert command == ('ONLY="bf16_compile_ac_op fp8_compile_ac_op" ANCHOR="bf16_compile fp8_compile" CP_CHECK=0 '
-                       'ANCHOR_LOGS=$OUT bash bench/perf_vs_reference.sh'), command
-    again = dict(word.split("=", 1) for word in shlex.split(command) if "=" in word and "$" not in word)
-    rows = _run_script(tmp_path / "again", "perf_vs_reference.sh", {**again, "BUDGET": "100000"})
-    assert ["--float8.enable" in r["argv"] for r in rows] == [False, True], rows
-    # A reference run skipped beside no Tessera run of ONLY is named too (with a Tessera run it pairs with).
-    env.update(ONLY="fullac_compile", ANCHOR="bf16_compile", BUDGET="120")
-    proc = subprocess.run(["bash", os.path.join(repo, "bench", "perf_vs_reference.sh")], env=env,
-                          capture_output=True, text=True, timeout=300)
+    skipped = ["bf16_compile_ac_op", "fp8_compile_ac_op", "eager_ac_op", "fsdp1_compile_ac_op", "noac_compile"]
+    assert command == f"python3 bench/run.py --only {','.join(skipped)}", command
+    table = _table(proc)
+    assert all("no result" in table[name] for name in skipped) and "32,000" in table["fullac_compile"], table
+    argv = shlex.split(command)
+    assert argv[:2] == ["python3", "bench/run.py"]
+    proc, _ = _runner(tmp_path, *argv[2:], "--budget", "100000")
+    assert _ran(proc) == skipped and _asked(proc) == ["bf16_compile", "fp8_compile", "eager", "noac_compile"]
+    assert "skipped for the time budget" not in proc.stdout
+    # a check that does not fit is named too, with the flags the call had
+    proc, _ = _runner(tmp_path, "--only", "eager_ac_op,cuda_cp_check,hopper_levers", "--budget", "50",
+                      "--no-reference")
+    assert _ran(proc) == ["eager_ac_op"] and "=== skip hopper_levers (budget)" in proc.stdout, proc.stdout
     lines = proc.stdout.splitlines()
     command = lines[lines.index("skipped for the time budget; the next call runs them with:") + 1].strip()
-    assert command.startswith('ONLY="bf16_compile_ac_op" ANCHOR="bf16_compile" CP_CHECK=0 '), command
+    assert command == "python3 bench/run.py --only hopper_levers --no-reference", command
 
 
-def test_perf_vs_reference_refuses_an_unknown_configuration(tmp_path):
-    repo = _copy_repo(str(tmp_path))
-    proc = subprocess.run(["bash", os.path.join(repo, "bench", "perf_vs_reference.sh")],
-                          env=dict(os.environ, ONLY="bf16_compile_ac_op fused_los", OUT=str(tmp_path / "out"),
-                                   RUNS=str(tmp_path / "runs"), PATH=f"{_stub_bin(tmp_path)}:{os.environ['PATH']}"),
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 2 and "ONLY: unknown configuration 'fused_los'" in proc.stdout, proc.stdout
+def test_run_refuses_an_unknown_configuration(tmp_path):
+    """A typo in --only, or in the matrix, is one error line naming it, before anything runs."""
+    proc, launches = _runner(tmp_path, "--only", "bf16_compile_ac_op,fused_los")
+    assert proc.returncode == 2 and not launches and not proc.stdout, proc.stdout
+    (line,) = proc.stderr.splitlines()
+    assert line.startswith("error: --only: unknown configuration 'fused_los'; choose from: bf16_compile_ac_op,"), line
+    with open(os.path.join(ROOT, "bench", "matrix.toml")) as f:
+        text = f.read()
+    bad = tmp_path / "matrix.toml"
+    bad.write_text(text.replace('reference = "eager"', 'referenc = "eager"')
+                   .replace('reference = "noac_compile"', 'reference = "noac"'))
+    proc, launches = _runner(tmp_path, "--matrix", str(bad))
+    assert proc.returncode == 2 and not launches and not proc.stdout, proc.stdout
+    (line,) = proc.stderr.splitlines()
+    assert line.startswith("error: ") and "[config.eager_ac_op] has no key referenc" in line, line
+    assert "[config.noac_compile] reference 'noac' is no [reference.*]" in line, line
 
 
 @pytest.mark.parametrize("pair_above, fix_holds", [(None, None), ("bf16", True), ("bf16", False), ("fp8", True)])
-def test_perf_vs_reference_tries_the_fix_and_records_the_allocators_history_when_a_pair_reserves_more(
+def test_run_tries_the_fix_and_records_the_allocators_history_when_a_pair_reserves_more(
         tmp_path, pair_above, fix_holds):
-    """When bf16_compile_ac_op's or fp8_compile_ac_op's reserved memory is above its reference run's
-    (compare_reference.py --memory-above), the same call runs bf16_noautotune right after the two pairs; if that
-    one's memory holds, fp8_noautotune (both pairs with the fix in one call), else bf16_snapshot; the table
-    compares the runs without autotuning with the reference too. Otherwise none of them runs. The stand-in
-    python3 writes each launch's metrics file, answers --memory-above as told for each run and prints the table's
-    labels."""
+    """When bf16_compile_ac_op's or fp8_compile_ac_op's reserved memory is above its reference run's (42 GiB
+    here), the call runs their declared follow-up bf16_noautotune right after both pairs; if its memory holds,
+    fp8_noautotune (both pairs with the fix in one call), else bf16_snapshot; each once, in the table beside the
+    others. Otherwise none of them runs, and --no-follow-ups never runs them."""
     above = pair_above is not None
-    repo = _copy_repo(str(tmp_path))
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "python3").write_text(f"""#!/usr/bin/env bash
-case " $* " in
-  *" --memory-above "*)
-    case " $* " in *" --labels bf16_noautotune "*) echo "asked: fix" >&2; exit {1 if fix_holds else 0} ;; esac
-    case " $* " in *" --labels {pair_above}_compile_ac_op "*) echo "asked: memory above" >&2; exit 0 ;; esac
-    echo "asked: memory above" >&2; exit 1 ;;
-  *" bench/compare_reference.py "*" --json "*) echo "table: $*" ;;
-  *" -m engine.train "*)
-    args=("$@")
-    for i in "${{!args[@]}}"; do
-      [ "${{args[$i]}}" = --job.dump_folder ] && mkdir -p "${{args[$((i + 1))]}}" \
-        && touch "${{args[$((i + 1))]}}/metrics.jsonl"
-    done
-    echo "launched: $*" >&2 ;;
-esac
-exit 0
-""")
-    (bin_dir / "python3").chmod(0o755)
-    (bin_dir / "nvidia-smi").write_text("#!/usr/bin/env bash\nexit 0\n")
-    (bin_dir / "nvidia-smi").chmod(0o755)
-    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", OUT=str(tmp_path / "out"),
-               RUNS=str(tmp_path / "runs"), ONLY="bf16_compile_ac_op fp8_compile_ac_op eager_ac_op", ANCHOR="",
-               CP_CHECK="0", BUDGET="100000")
-    proc = subprocess.run(["bash", os.path.join(repo, "bench", "perf_vs_reference.sh")], env=env,
-                          capture_output=True, text=True, timeout=300)
+    reserved = {f"{pair_above}_compile_ac_op": 43.0} if above else {}
+    reserved["bf16_noautotune"] = 41.0 if fix_holds else 43.0
+    only = "bf16_compile_ac_op,fp8_compile_ac_op,eager_ac_op"
+    proc, launches = _runner(tmp_path, "--only", only, "--budget", "100000", STUB_RESERVED=json.dumps(reserved))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    ran = re.findall(r"^=== Tessera (\w+): ", proc.stdout, re.MULTILINE)
     auto = ["bf16_noautotune", "fp8_noautotune" if fix_holds else "bf16_snapshot"] if above else []
-    assert ran == ["bf16_compile_ac_op", "fp8_compile_ac_op", *auto, "eager_ac_op"], proc.stdout[-3000:]
-    labels = "bf16_compile_ac_op,fp8_compile_ac_op,eager_ac_op" + \
-        (",bf16_noautotune" if above else "") + (",fp8_noautotune" if fix_holds else "")
-    assert f"--labels {labels} " in proc.stdout, proc.stdout[-3000:]
-    assert "asked: memory above" in proc.stderr and ("asked: fix" in proc.stderr) == above
-    snapshot_log = tmp_path / "runs" / "bf16_snapshot.log"  # the launch's output goes to its run's log
+    assert _ran(proc) == ["bf16_compile_ac_op", "fp8_compile_ac_op", *auto, "eager_ac_op"], proc.stdout[-3000:]
+    assert list(_table(proc)) == ["bf16_compile_ac_op", "fp8_compile_ac_op", *auto, "eager_ac_op"]
+    assert _asked(proc) == ["bf16_compile", "fp8_compile", "eager"]  # fp8_noautotune's reference: already run
+    snapshot_log = tmp_path / "runs" / "tessera" / "bf16_snapshot.log"  # the launch's output: its run's log
     assert snapshot_log.exists() == (above and not fix_holds)
     assert not snapshot_log.exists() or "--profiling.enable_memory_snapshot" in snapshot_log.read_text()
-    fp8_log = tmp_path / "runs" / "fp8_noautotune.log"
+    fp8_log = tmp_path / "runs" / "tessera" / "fp8_noautotune.log"
     assert not fix_holds or "--float8.enable --compile.no-autotune" in fp8_log.read_text()
-    # AUTO_MEMORY=0 never asks
-    proc = subprocess.run(["bash", os.path.join(repo, "bench", "perf_vs_reference.sh")],
-                          env=dict(env, AUTO_MEMORY="0", RUNS=str(tmp_path / "runs2")),
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0 and "asked: memory above" not in proc.stderr, proc.stderr[-2000:]
+    proc, _ = _runner(tmp_path, "--only", only, "--budget", "100000", "--no-follow-ups",
+                      STUB_RESERVED=json.dumps(reserved))
+    assert proc.returncode == 0 and _ran(proc) == ["bf16_compile_ac_op", "fp8_compile_ac_op", "eager_ac_op"]
+
+
+def test_run_never_reports_an_earlier_calls_run_as_this_ones(tmp_path):
+    """The run folders outlive a call on a warm machine. Here an earlier call left a folder and metrics for every
+    configuration asked for, with 99,999 tps, and a reference log. Now bf16_compile_ac_op is skipped (its
+    reference run does not fit the budget), fullac_compile fails before its first log and bf16_snapshot runs:
+    the table gives the first two "no result" and the third its own figures, the reference log is gone, and the
+    memory check is asked for this call's launches only. Other folders stay (the tarball)."""
+    runs = tmp_path / "runs"
+    for label in ("bf16_compile_ac_op", "fullac_compile", "bf16_snapshot", "earlier_only"):
+        folder = runs / "tessera" / label
+        folder.mkdir(parents=True)
+        with open(folder / "metrics.jsonl", "w") as f:
+            for step in (1, 5, 10, 15, 20, 25):
+                f.write(json.dumps({"step": step, "loss": 7.0, "tps": 99_999, "tps_per_gpu": 99_999, "tflops": 500.0,
+                                    "mfu": 50.0, "memory_gib": 40.0, "memory_reserved_gib": 42.0}) + "\n")
+        (runs / "tessera" / f"{label}.log").write_text("the earlier call's log\n")
+    (runs / "reference").mkdir()
+    (runs / "reference" / "anchor_bf16_compile.log").write_text("".join(
+        ANCHOR_LOG.format(step=s, mem=42.0, tps=29_500) for s in (5, 10, 15, 20, 25)))
+    proc, _ = _runner(tmp_path, "--only", "bf16_compile_ac_op,fullac_compile,bf16_snapshot", "--budget", "120",
+                      STUB_FAIL="fullac_compile", STUB_TPS="12345")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert _ran(proc) == ["fullac_compile", "bf16_snapshot"]
+    table = _table(proc)
+    assert list(table) == ["bf16_compile_ac_op", "fullac_compile", "bf16_snapshot"], table
+    assert "99,999" not in proc.stdout[proc.stdout.index("=== Tessera / reference"):], table
+    assert "no result" in table["bf16_compile_ac_op"] and "no result" in table["fullac_compile"], table
+    assert "12,345" in table["bf16_snapshot"], table
+    assert not (runs / "reference" / "anchor_bf16_compile.log").exists()  # its reference run was skipped: none
+    assert not (runs / "tessera" / "bf16_compile_ac_op").exists()
+    assert not (runs / "tessera" / "bf16_compile_ac_op.log").exists()
+    assert "died at start-up" in (runs / "tessera" / "fullac_compile.log").read_text()
+    assert (runs / "tessera" / "earlier_only" / "metrics.jsonl").exists()  # not this call's: left for the tarball
+    (asked,) = [line for line in proc.stdout.splitlines() if line.startswith("memory_check: ")]
+    assert " --labels fullac_compile,bf16_snapshot " in asked, asked
+    rows = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert [r["config"] for r in rows] == list(table) and rows[2]["tps"] == 12345
 
 
 def _stub_bin(tmp_path) -> str:
@@ -373,198 +487,151 @@ def _bench_module(name: str):
         sys.path.pop(0)
 
 
-def test_compare_reference_reads_both_trainers(tmp_path):
-    compare_reference = _bench_module("compare_reference")
-    anchor = tmp_path / "anchor"
-    anchor.mkdir()
+def _tessera_metrics(folder, steps=(1, 5, 10, 15, 20, 25), tps=32_000, reserved=41.0, first_reserved=None):
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / "metrics.jsonl", "w") as f:
+        for step in steps:
+            f.write(json.dumps({"step": step, "loss": 8.0 - step / 10, "grad_norm": 1.0, "lr": 3e-4,
+                                "tps": 10_000 if step <= 5 else tps, "tps_per_gpu": 10_000 if step <= 5 else tps,
+                                "tflops": 546.0, "mfu": 55.2, "memory_gib": 39.0,
+                                "memory_reserved_gib": first_reserved if step == 1 and first_reserved else reserved})
+                    + "\n")
+
+
+def test_summarize_reads_both_trainers(tmp_path):
+    summarize = _bench_module("summarize")
+    runs = tmp_path / "runs"
+    (runs / "reference").mkdir(parents=True)
     log = "".join(ANCHOR_LOG.format(step=s, mem=40.0 + s / 10, tps=t)
                   for s, t in ((1, 600), (5, 10_000), (10, 29_000), (15, 29_400), (20, 29_600)))
-    (anchor / "anchor_bf16_compile.log").write_text(log + VALIDATE)
-    ref = compare_reference.summarize_anchor(str(anchor / "anchor_bf16_compile.log"), skip=10)
-    assert ref["steps"] == "15-20"
+    (runs / "reference" / "anchor_bf16_compile.log").write_text(log + VALIDATE)
+    ref = summarize.reference_run(str(runs / "reference" / "anchor_bf16_compile.log"), skip=10)
+    assert ref["steps"] == "15-20" and ref["last_loss"] == pytest.approx(7.12345)
     assert ref["tps"] == 29_500 and ref["mfu"] == pytest.approx(50.16)
-    assert ref["peak_reserved_gib"] == pytest.approx(42.0)  # the validation line's 70 GiB is not a step
-    assert ref["run_peak_reserved_gib"] == pytest.approx(42.0)  # its first step reserved less (40.1 GiB)
-
-    def tessera_run(first_step_reserved):
-        """Logged at the reference's steps (1, 5, 10, 15, 20), 41 GiB reserved after the first step, which
-        reserved ``first_step_reserved``."""
-        run = tmp_path / "tessera" / "bf16_compile_ac_op"
-        run.mkdir(parents=True, exist_ok=True)
-        with open(run / "metrics.jsonl", "w") as f:
-            for step in (1, 5, 10, 15, 20):
-                f.write(json.dumps({"step": step, "loss": 8.0 - step / 10, "grad_norm": 1.0, "lr": 3e-4,
-                                    "tps": 10_000 if step <= 5 else 32_450,
-                                    "tps_per_gpu": 10_000 if step <= 5 else 32_450, "tflops": 546.0, "mfu": 55.2,
-                                    "memory_gib": 39.0,
-                                    "memory_reserved_gib": first_step_reserved if step == 1 else 41.0}) + "\n")
-
-    tessera_run(first_step_reserved=40.5)
+    assert ref["reserved_gib"] == pytest.approx(42.0)  # the validation line's 70 GiB is not a step
+    assert ref["run_reserved_gib"] == pytest.approx(42.0)  # its first step reserved less (40.1 GiB)
+    # Tessera logged at the reference's steps, 41 GiB reserved after the first step (which reserved 40.5)
+    _tessera_metrics(runs / "tessera" / "bf16_compile_ac_op", steps=(1, 5, 10, 15, 20), tps=32_450,
+                     first_reserved=40.5)
     out = tmp_path / "summary.json"
-    assert compare_reference.main(["--tessera", str(tmp_path / "tessera"), "--anchor", str(anchor),
-                                   "--pairs", "bf16_compile_ac_op=bf16_compile", "--json", str(out)]) == 0
-    (result,) = json.loads(out.read_text())
-    # the defaults: both trainers' medians over the same windows, those after step 10 (the script's protocol)
-    assert result["tessera"]["steps"] == result["reference"]["steps"] == "15-20", result
-    assert result["tps_ratio"] == pytest.approx(32_450 / 29_500)
-    assert result["memory_ratio"] == pytest.approx(41.0 / 42.0)
-    assert result["run_memory_ratio"] == pytest.approx(41.0 / 42.0)
-    # --anchor-skip follows --skip unless given
-    assert compare_reference.main(["--tessera", str(tmp_path / "tessera"), "--anchor", str(anchor), "--skip", "5",
-                                   "--pairs", "bf16_compile_ac_op=bf16_compile", "--json", str(out)]) == 0
-    (result,) = json.loads(out.read_text())
-    assert result["tessera"]["steps"] == result["reference"]["steps"] == "10-20", result
-    assert result["tps_ratio"] == pytest.approx(32_450 / 29_400)
-    # --memory-above: the exit status says whether a pair's memory ratio is above the bound
-    pair = ["--tessera", str(tmp_path / "tessera"), "--anchor", str(anchor),
-            "--pairs", "bf16_compile_ac_op=bf16_compile"]
-    assert compare_reference.main(pair + ["--memory-above", "1.0"]) == 1
-    assert compare_reference.main(pair + ["--memory-above", "0.97"]) == 0
+    pair = [str(runs), "--steps", "20"]
+    assert summarize.main(pair + ["--json", str(out)]) == 0
+    (row,) = json.loads(out.read_text())
+    # the defaults: both trainers' medians over the same windows, those after step 10 (the matrix's protocol)
+    assert row["config"] == "bf16_compile_ac_op" and row["reference"] == "bf16_compile"
+    assert row["steps"] == row["ref_steps"] == "15-20", row
+    assert row["tps_ratio"] == pytest.approx(32_450 / 29_500)
+    assert row["memory_ratio"] == pytest.approx(41.0 / 42.0)
+    assert row["run_memory_ratio"] == pytest.approx(41.0 / 42.0)
+    assert row["active_gib"] == 39.0 and row["last_loss"] == pytest.approx(6.0)
+    # --skip for both trainers
+    assert summarize.main(pair + ["--skip", "5", "--json", str(out)]) == 0
+    (row,) = json.loads(out.read_text())
+    assert row["steps"] == row["ref_steps"] == "10-20", row
+    assert row["tps_ratio"] == pytest.approx(32_450 / 29_400)
+    # --memory-above: the exit status says whether a run's memory ratio is above the bound
+    assert summarize.main(pair + ["--memory-above", "1.0"]) == 1
+    assert summarize.main(pair + ["--memory-above", "0.97"]) == 0
     # a first step that reserved more than the reference ever did: within bounds after warm-up, not over the
     # whole run, and --memory-above says so
-    tessera_run(first_step_reserved=43.0)
-    assert compare_reference.main(pair + ["--json", str(out)]) == 0
-    (result,) = json.loads(out.read_text())
-    assert result["memory_ratio"] == pytest.approx(41.0 / 42.0)
-    assert result["run_memory_ratio"] == pytest.approx(43.0 / 42.0)
-    assert compare_reference.main(pair + ["--memory-above", "1.0"]) == 0
+    _tessera_metrics(runs / "tessera" / "bf16_compile_ac_op", steps=(1, 5, 10, 15, 20), tps=32_450,
+                     first_reserved=43.0)
+    assert summarize.main(pair + ["--json", str(out)]) == 0
+    (row,) = json.loads(out.read_text())
+    assert row["memory_ratio"] == pytest.approx(41.0 / 42.0)
+    assert row["run_memory_ratio"] == pytest.approx(43.0 / 42.0)
+    assert summarize.main(pair + ["--memory-above", "1.0"]) == 0
 
 
-def test_compare_reference_gives_no_ratio_for_a_run_that_stopped_early(tmp_path):
-    """A run cut by the time budget (or out of memory) has medians over fewer windows: marked, no ratio."""
-    compare_reference = _bench_module("compare_reference")
-    anchor = tmp_path / "anchor"
-    anchor.mkdir()
-    (anchor / "anchor_bf16_compile.log").write_text("".join(
-        ANCHOR_LOG.format(step=s, mem=42.0, tps=29_500) for s in (5, 10, 15, 20, 25)))
-    for label, last in (("bf16_compile_ac_op", 25), ("fp8_compile_ac_op", 15)):
-        run = tmp_path / "tessera" / label
-        run.mkdir(parents=True)
-        with open(run / "metrics.jsonl", "w") as f:
-            for step in (1, 5, 10, 15, 20, 25):
-                if step <= last:
-                    f.write(json.dumps({"step": step, "loss": 7.0, "tps": 32_000, "tps_per_gpu": 32_000,
-                                        "tflops": 540.0, "mfu": 54.6, "memory_gib": 39.0,
-                                        "memory_reserved_gib": 41.0}) + "\n")
-    out = tmp_path / "summary.json"
-    assert compare_reference.main(["--tessera", str(tmp_path / "tessera"), "--anchor", str(anchor), "--pairs",
-                                   "bf16_compile_ac_op=bf16_compile,fp8_compile_ac_op=bf16_compile", "--skip", "10",
-                                   "--steps", "25", "--json", str(out)]) == 0
-    by_label = {r["label"]: r for r in json.loads(out.read_text())}
-    assert by_label["bf16_compile_ac_op"]["tps_ratio"] == pytest.approx(32_000 / 29_500)
-    assert by_label["fp8_compile_ac_op"]["tessera"]["partial"] and by_label["fp8_compile_ac_op"]["tps_ratio"] is None
-
-
-def test_compare_reference_and_summarize_say_no_result_for_a_run_without_metrics(tmp_path, capsys):
-    """A label the script asked for whose run was skipped or failed before its first log (bench/common.sh's
-    ``fresh`` removed what an earlier call left of it) is a row "no result", not a crash, and not left out."""
-    compare_reference = _bench_module("compare_reference")
+def test_summarize_gives_no_ratio_for_a_run_that_stopped_early(tmp_path):
+    """A run cut by the time budget (or out of memory) has medians over fewer windows: marked, no ratio; the
+    same for a reference run that stopped early."""
     summarize = _bench_module("summarize")
-    anchor = tmp_path / "anchor"
-    anchor.mkdir()
-    (anchor / "anchor_bf16_compile.log").write_text("".join(
+    runs = tmp_path / "runs"
+    (runs / "reference").mkdir(parents=True)
+    for ref, last in (("bf16_compile", 25), ("fp8_compile", 25), ("eager", 20)):
+        (runs / "reference" / f"anchor_{ref}.log").write_text("".join(
+            ANCHOR_LOG.format(step=s, mem=42.0, tps=29_500) for s in (5, 10, 15, 20, 25) if s <= last))
+    for label, last in (("bf16_compile_ac_op", 25), ("fp8_compile_ac_op", 15), ("eager_ac_op", 25)):
+        _tessera_metrics(runs / "tessera" / label, steps=[s for s in (1, 5, 10, 15, 20, 25) if s <= last])
+    out = tmp_path / "summary.json"
+    assert summarize.main([str(runs), "--json", str(out)]) == 0
+    rows = {r["config"]: r for r in json.loads(out.read_text())}
+    assert list(rows) == ["bf16_compile_ac_op", "fp8_compile_ac_op", "eager_ac_op"]  # the matrix's order
+    assert rows["bf16_compile_ac_op"]["tps_ratio"] == pytest.approx(32_000 / 29_500)
+    assert rows["fp8_compile_ac_op"]["partial"] and rows["fp8_compile_ac_op"].get("tps_ratio") is None
+    assert rows["fp8_compile_ac_op"]["note"] == "partial: stopped early"
+    assert rows["eager_ac_op"]["ref_partial"] and rows["eager_ac_op"].get("tps_ratio") is None
+    assert rows["eager_ac_op"]["note"] == "reference partial: stopped early"
+
+
+def test_summarize_says_no_result_for_a_run_without_metrics(tmp_path, capsys):
+    """A configuration the runner asked for whose run was skipped or failed before its first log is a row
+    "no result", not a crash, and not left out; a lone run folder likewise, with exit status 1."""
+    summarize = _bench_module("summarize")
+    runs = tmp_path / "runs"
+    (runs / "reference").mkdir(parents=True)
+    (runs / "reference" / "anchor_bf16_compile.log").write_text("".join(
         ANCHOR_LOG.format(step=s, mem=42.0, tps=29_500) for s in (5, 10, 15, 20, 25)))
-    run = tmp_path / "tessera" / "bf16_compile_ac_op"
-    run.mkdir(parents=True)
-    with open(run / "metrics.jsonl", "w") as f:
-        for step in (1, 5, 10, 15, 20, 25):
-            f.write(json.dumps({"step": step, "loss": 7.0, "tps": 32_000, "tps_per_gpu": 32_000, "tflops": 540.0,
-                                "mfu": 54.6, "memory_gib": 39.0, "memory_reserved_gib": 41.0}) + "\n")
-    (tmp_path / "tessera" / "fp8_compile_ac_op").mkdir()  # launched, died before its first log
+    _tessera_metrics(runs / "tessera" / "bf16_compile_ac_op")
+    (runs / "tessera" / "fp8_compile_ac_op").mkdir()  # launched, died before its first log
     out = tmp_path / "summary.json"
     capsys.readouterr()
-    assert compare_reference.main(["--tessera", str(tmp_path / "tessera"), "--anchor", str(anchor), "--labels",
-                                   "bf16_compile_ac_op,fp8_compile_ac_op,eager_ac_op", "--pairs",
-                                   "bf16_compile_ac_op=bf16_compile,fp8_compile_ac_op=fp8_compile",
-                                   "--steps", "25", "--json", str(out)]) == 0
+    assert summarize.main([str(runs), "--only", "bf16_compile_ac_op,fp8_compile_ac_op,eager_ac_op", "--json",
+                           str(out)]) == 0
     table = capsys.readouterr().out.splitlines()
     rows = {line.split()[0]: line for line in table[2:]}
     assert list(rows) == ["bf16_compile_ac_op", "fp8_compile_ac_op", "eager_ac_op"], table
     for label in ("fp8_compile_ac_op", "eager_ac_op"):
-        assert "no result (no metrics.jsonl: skipped, or stopped before its first log)" in rows[label], table
-    by_label = {r["label"]: r for r in json.loads(out.read_text())}
+        assert rows[label].endswith("no result (no metrics.jsonl: skipped, or stopped before its first log)"), table
+    by_label = {r["config"]: r for r in json.loads(out.read_text())}
     assert by_label["bf16_compile_ac_op"]["tps_ratio"] == pytest.approx(32_000 / 29_500)
-    assert "error" in by_label["eager_ac_op"] and "tessera" not in by_label["eager_ac_op"]
+    assert "no result" in by_label["eager_ac_op"]["note"] and "tps" not in by_label["eager_ac_op"]
     # --memory-above: a run with no result is not above anything
-    assert compare_reference.main(["--tessera", str(tmp_path / "tessera"), "--anchor", str(anchor), "--labels",
-                                   "fp8_compile_ac_op", "--memory-above", "0.5"]) == 1
-    # summarize.py alone: "no result" and exit status 1, for a missing file and for one with no step after warm-up
+    assert summarize.main([str(runs), "--only", "fp8_compile_ac_op", "--memory-above", "0.5"]) == 1
+    # one run folder alone: "no result" and exit status 1, for a missing file and for no step after warm-up
     capsys.readouterr()
-    assert summarize.main([str(tmp_path / "tessera" / "eager_ac_op"), "--skip", "10"]) == 1
-    assert summarize.main([str(run), "--skip", "25"]) == 1
+    assert summarize.main([str(runs / "tessera" / "eager_ac_op"), "--skip", "10"]) == 1
+    assert summarize.main([str(runs / "tessera" / "bf16_compile_ac_op"), "--skip", "25"]) == 1
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].endswith("eager_ac_op: no result (no metrics.jsonl: skipped, or stopped before its first log)")
-    assert lines[1].endswith("no result (no logged steps after the first 25)"), lines
+    assert lines[2] == "eager_ac_op            no result (no metrics.jsonl: skipped, or stopped before its first log)"
+    assert lines[5].endswith("no result (no logged steps after the first 25)"), lines
+    assert summarize.main([str(runs / "tessera" / "bf16_compile_ac_op"), "--steps", "25"]) == 0
 
 
-def test_perf_vs_reference_never_reports_an_earlier_calls_run_as_this_ones(tmp_path):
-    """RUNS (and ANCHOR_LOGS) outlive a call on a warm machine. Here an earlier call left a folder and metrics
-    for every run of ONLY, with 99,999 tps, and a reference log. Now bf16_compile_ac_op is skipped (its reference
-    run does not fit the budget), eager_ac_op fails before its first log and noac_compile runs: the table
-    (compare_reference.py, for real) gives the first two "no result" and the third its own figures, the reference
-    log is gone, and the memory table is asked for this call's launches only. Other folders stay (the tarball)."""
-    repo = _copy_repo(str(tmp_path))
-    os.makedirs(os.path.join(repo, ".anchor"))
-    with open(os.path.join(repo, ".anchor", "run_anchor.sh"), "w") as f:
-        f.write('for spec in "$@"; do echo "reference asked: ${spec%%|*}"; done\n')
-    runs, logs = tmp_path / "runs", tmp_path / "anchor_logs"
+def test_summarize_writes_a_csv_row_per_run(tmp_path):
+    """--csv appends a row per run (the header once): when its last log was written, the machine and torch
+    given, the figures and ratios; the committed results are such files, one per measured day, and small."""
+    import csv
 
-    def metrics(folder, tps):
-        folder.mkdir(parents=True, exist_ok=True)
-        with open(folder / "metrics.jsonl", "w") as f:
-            for step in (1, 5, 10, 15, 20, 25):
-                f.write(json.dumps({"step": step, "loss": 7.0, "tps": tps, "tps_per_gpu": tps, "tflops": 500.0,
-                                    "mfu": 50.0, "memory_gib": 40.0, "memory_reserved_gib": 42.0}) + "\n")
-
-    for label in ("bf16_compile_ac_op", "eager_ac_op", "noac_compile", "earlier_only"):  # the earlier call's
-        metrics(runs / label, 99_999)
-        (runs / f"{label}.log").write_text("the earlier call's log\n")
-    logs.mkdir()
-    (logs / "anchor_bf16_compile.log").write_text("".join(
+    summarize = _bench_module("summarize")
+    runs = tmp_path / "runs"
+    (runs / "reference").mkdir(parents=True)
+    (runs / "reference" / "anchor_fp8_compile.log").write_text("".join(
         ANCHOR_LOG.format(step=s, mem=42.0, tps=29_500) for s in (5, 10, 15, 20, 25)))
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    # python3: the bench scripts that read results run for real; a launch writes 12,345 tps, eager_ac_op's fails
-    # first; memory_check.py says what it was asked.
-    (bin_dir / "python3").write_text(f"""#!/usr/bin/env bash
-case " $* " in
-  *" bench/compare_reference.py "*|*" bench/summarize.py "*) exec {sys.executable} "$@" ;;
-  *" bench/memory_check.py "*) echo "memory_check: $*" ;;
-  *" -m engine.train "*)
-    args=("$@")
-    for i in "${{!args[@]}}"; do [ "${{args[$i]}}" = --job.dump_folder ] && run=${{args[$((i + 1))]}}; done
-    [ "$(basename "$run")" = eager_ac_op ] && {{ echo "died at start-up"; exit 1; }}
-    mkdir -p "$run"
-    for step in 1 5 10 15 20 25; do
-      echo '{{"step": '$step', "loss": 7.0, "tps": 12345, "tps_per_gpu": 12345, "tflops": 100.0, "mfu": 10.0, \
-"memory_gib": 40.0, "memory_reserved_gib": 42.0}}' >> "$run/metrics.jsonl"
-    done ;;
-esac
-exit 0
-""")
-    (bin_dir / "python3").chmod(0o755)
-    (bin_dir / "nvidia-smi").write_text("#!/usr/bin/env bash\necho 'NVIDIA H100 80GB HBM3'\n")
-    (bin_dir / "nvidia-smi").chmod(0o755)
-    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", OUT=str(tmp_path / "out"), RUNS=str(runs),
-               ANCHOR_LOGS=str(logs), ONLY="bf16_compile_ac_op eager_ac_op noac_compile", BUDGET="120",
-               CP_CHECK="0")
-    env.pop("ANCHOR", None)
-    proc = subprocess.run(["bash", os.path.join(repo, "bench", "perf_vs_reference.sh")], env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert re.findall(r"^=== Tessera (\w+): ", proc.stdout, re.MULTILINE) == ["eager_ac_op", "noac_compile"]
-    table = proc.stdout[proc.stdout.index("Tessera config"):proc.stdout.index("skipped for the time budget")]
-    rows = {line.split()[0]: line for line in table.splitlines()[2:] if line.strip()}
-    assert list(rows) == ["bf16_compile_ac_op", "eager_ac_op", "noac_compile"], table
-    assert "99,999" not in table, table
-    assert "no result" in rows["bf16_compile_ac_op"] and "no result" in rows["eager_ac_op"], table
-    assert "12,345" in rows["noac_compile"], table
-    assert not (logs / "anchor_bf16_compile.log").exists()  # its reference run was skipped: none
-    assert not (runs / "bf16_compile_ac_op").exists() and not (runs / "bf16_compile_ac_op.log").exists()
-    assert "died at start-up" in (runs / "eager_ac_op.log").read_text()
-    assert (runs / "earlier_only" / "metrics.jsonl").exists()  # not this call's: left for the tarball
-    (asked,) = [line for line in proc.stdout.splitlines() if line.startswith("memory_check: ")]
-    assert " --labels eager_ac_op,noac_compile " in asked, asked
+    _tessera_metrics(runs / "tessera" / "fp8_compile_ac_op")
+    os.utime(runs / "tessera" / "fp8_compile_ac_op" / "metrics.jsonl", (1_795_773_600, 1_795_773_600))
+    (runs / "memory_runs.json").write_text(json.dumps([{"name": "fp8_compile_ac_op", "estimate_gib": 41.75}]))
+    path = tmp_path / "day.csv"
+    for _ in range(2):
+        assert summarize.main([str(runs), "--csv", str(path), "--machine", "NVIDIA H200", "--torch", "2.11.0"]) == 0
+    with open(path) as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 2 and list(rows[0]) == list(summarize.CSV_COLUMNS)
+    row = rows[0]
+    assert (row["date"], row["time"], row["machine"], row["torch"]) == ("2026-11-27", "10:00", "NVIDIA H200", "2.11.0")
+    assert (row["config"], row["reference"], row["tps"], row["ref_tps"]) == ("fp8_compile_ac_op", "fp8_compile",
+                                                                          "32000", "29500")
+    assert (row["tps_ratio"], row["memory_ratio"], row["estimate_gib"]) == ("1.085", "0.976", "41.75")
+    results = os.path.join(ROOT, "bench", "results")
+    names = sorted(os.listdir(results))
+    assert names and all(re.fullmatch(r"\d{4}-\d\d-\d\d-h\d00\.csv", n) for n in names), names
+    assert sum(os.path.getsize(os.path.join(results, n)) for n in names) < 20_000
+    for name in names:
+        with open(os.path.join(results, name)) as f:
+            committed = list(csv.DictReader(f))
+        assert committed and list(committed[0]) == list(summarize.CSV_COLUMNS), name
+        assert all(r["date"] == name[:10] and r["config"] for r in committed), name
 
 
 def test_memory_check_from_runs_sets_each_single_gpu_runs_peak_beside_its_estimate(tmp_path, monkeypatch):
@@ -746,6 +813,7 @@ def test_prepare_device_fills_what_the_calls_carry(tmp_path):
         imported = re.search(r'python3 -c "import ([\w, ]+)"', f.read()).group(1).split(", ")
     downloaded = {a.split("==")[0].replace("-", "_") for a in args if "==" in a}
     assert set(imported) <= downloaded, (imported, downloaded)
+    assert set(_bench_module("run").NEEDED) <= downloaded, downloaded  # bench/run.py's check of the same
 
 
 def _gpu_check():

@@ -342,7 +342,7 @@ def test_fsdp_estimate_ends_with_the_roots_reduce_scatter():
     """FSDP2 frees the root's unsharded params before its reduce-scatter, and the reduce-scatter's output is the
     root's sharded gradient: the end of backward holds the other gradients and the larger of (unsharded
     gradients + fp32 input) and (input + output). FSDP2 on the one H100 (8B_L8, seq 8192, compile, per-op AC)
-    logged 45.70 GiB of peak active memory on 2026-11-25 (bench/results/2026-11-25-h100)."""
+    logged 45.70 GiB of peak active memory (bench/results/2026-11-25-h100.csv)."""
     argv = ["--config", "train_configs/debug_model.toml", "--model.flavor", "8B_L8", "--training.seq_len", "8192",
             "--training.local_batch_size", "1", "--compile.enable", "--activation_checkpoint.mode", "selective",
             "--parallelism.fsdp_single_rank"]
