@@ -532,6 +532,10 @@ class MetricsLogger:
             f"memory: {mem}",
             f"data_wait: {_fmt(r.get('data_wait_pct'), '.1f', '%')}",
         ]
+        if r.get("expert_load_max") is not None:  # a MoE model: the busiest expert over the mean, worst layer
+            parts.append(f"expert_load: {r['expert_load_max']:.2f}")
+        if r.get("moe_aux_loss") is not None:
+            parts.append(f"aux_loss: {r['moe_aux_loss']:.4f}")
         return "  ".join(parts)
 
     # ----------------------------------------------------------------------------------------------------

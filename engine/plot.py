@@ -129,7 +129,8 @@ def _save(fig: Figure, path: str) -> str:
 
 
 def plot_metrics(jsonl_path: str, out_dir: str) -> list[str]:
-    """Draw loss.png and throughput.png from ``jsonl_path`` into ``out_dir``; return the PNG paths."""
+    """Draw loss.png and throughput.png (and experts.png for a MoE model) from ``jsonl_path`` into ``out_dir``;
+    return the PNG paths."""
     records, validation = read_run_metrics(jsonl_path)
     os.makedirs(out_dir, exist_ok=True)
     title = os.path.basename(os.path.dirname(os.path.abspath(jsonl_path))) or jsonl_path
@@ -158,6 +159,15 @@ def plot_metrics(jsonl_path: str, out_dir: str) -> list[str]:
     axes[-1].set_xlabel("step")
     fig.suptitle(f"{title}: throughput")
     paths.append(_save(fig, os.path.join(out_dir, "throughput.png")))
+
+    if _has(records, "expert_load_max"):  # a Mixture-of-Experts model
+        fig = Figure(figsize=(8, 6))
+        axes = fig.subplots(2, 1, sharex=True)
+        _panel(axes[0], [(records, "expert_load_max", "busiest expert / mean (worst layer)")], "expert load")
+        _panel(axes[1], [(records, "moe_aux_loss", "auxiliary loss")], "auxiliary loss")
+        axes[-1].set_xlabel("step")
+        fig.suptitle(f"{title}: experts")
+        paths.append(_save(fig, os.path.join(out_dir, "experts.png")))
     return paths
 
 

@@ -4,7 +4,7 @@ Every user error (config, data, tokenizer, layout) is found before any model mem
 file is written, and ends the process with one ``error:`` line on stderr and exit status 2. User errors are
 ValueErrors (ConfigError among them) whose message names the field; during set-up they are reported that way,
 while errors inside the training loop keep their traceback, except a diverged run (nan or inf loss or gradient
-norm, engine.trainer.TrainingDiverged): one ``error:`` line and exit status 3, and data found unreadable
+norm, engine.step_guards.TrainingDiverged): one ``error:`` line and exit status 3, and data found unreadable
 mid-run (engine.data.datasets.DataError, on the rank that reads it): one ``error:`` line and exit status 2. The
 other ranks, whose next collective then fails, report that rank's line and its status. Under several processes
 the launcher (engine/launch.py) prints the line, else rank 0 does.
@@ -206,7 +206,7 @@ def run(argv: list[str], at_exit: contextlib.ExitStack) -> int:
         return user_error(e, 2, show=rank == 0)
     from engine.data.datasets import DataError
     from engine.distributed import peer_user_error
-    from engine.trainer import TrainingDiverged
+    from engine.step_guards import TrainingDiverged
 
     try:
         trainer.train()

@@ -8,8 +8,6 @@ accumulation and data parallelism give exactly the gradient of the mean loss ove
 from __future__ import annotations
 
 import contextlib
-import gc
-import math
 import os
 import time
 from typing import Any, Callable, Optional
@@ -28,12 +26,14 @@ from engine.config.validation import Plan
 from engine.data.datasets import DataError, validation_data
 from engine.data.loader import build_dataloader
 from engine.data.tokenizer import build_tokenizer
+from engine.load_balance import LoadBalance
 from engine.distributed import (World, agree_on_user_errors, announce_user_error, comm_trace_prefix,
                                 longer_collective_timeout, process_group_backend, set_collective_timeout,
                                 set_determinism)
 from engine.metrics import MetricsLogger
 from engine.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
 from engine.profiling import StepProfiler
+from engine.step_guards import TrainingDiverged, check_finite, release_cached_memory, scheduled_gc
 from models.registry import get_model_spec
 from models.attention import select_sdpa_backend
 from models.loss import IGNORE_INDEX, cross_entropy_sum
@@ -46,60 +46,10 @@ from parallelize.float8 import float8_after_optimizer_step
 from parallelize.tensor_parallel import loss_context, reduce_partial_grads, to_local_scalar
 
 
-@contextlib.contextmanager
-def scheduled_gc(every: int):
-    """Python's automatic garbage collection off for the loop; ``collect(step)`` runs it (the young
-    generations) every ``every`` steps, between steps. ``every`` 0: automatic collection, as outside."""
-    if not every:
-        yield lambda step: None
-        return
-
-    def collect(step: int) -> None:
-        if step % every == 0:
-            gc.collect(1)
-
-    was_enabled = gc.isenabled()
-    gc.disable()
-    gc.collect()  # start clean: what set-up left behind
-    try:
-        yield collect
-    finally:
-        if was_enabled:
-            gc.enable()
-
-
-def release_cached_memory(device: torch.device) -> None:
-    """Hand the caching allocator's free blocks back to the device (CUDA: torch.cuda.empty_cache; with
-    expandable segments every free page is unmapped). Nothing on CPU. The whole device is synchronized first:
-    a block freed on one stream may still be read by work queued on another (FSDP2's all-gather and
-    reduce-scatter streams, NCCL's own), and unmapping its pages under that work is an illegal memory access."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.empty_cache()
-
-
-class TrainingDiverged(RuntimeError):
-    """The loss or the gradient norm became nan or inf (every rank sees the same, so every rank raises it)."""
-
-
 def bf16_autocast(device: torch.device, mixed_precision_param: str, data_parallel: bool) -> bool:
     """Whether the compute runs under bf16 autocast: on CUDA, unless FSDP2's mixed precision casts the
     parameters already (on CPU training runs in fp32; tests patch this to run autocast there)."""
     return device.type == "cuda" and mixed_precision_param == "bfloat16" and not data_parallel
-
-
-def check_finite(step: int, loss: float, grad_norm: float, nonfinite: float) -> None:
-    """Raise TrainingDiverged unless ``loss`` (a window's mean) is finite and no step of the window had a nan or
-    inf gradient norm (``nonfinite`` counts them): before a log, and before any save of the step."""
-    if nonfinite or not math.isfinite(loss):
-        what = ": nan or inf"
-        if math.isfinite(loss) and math.isfinite(grad_norm):  # an earlier step of the window had the nan or inf
-            what = f", nan or inf at {int(nonfinite)} earlier step{'s' if nonfinite > 1 else ''} of its window"
-        raise TrainingDiverged(
-            f"optimizer.lr: training diverged by step {step} (loss {loss:.4g}, gradient norm {grad_norm:.4g}{what}); "
-            "this step is not saved. Restart from the last checkpoint with a lower optimizer.lr, more "
-            "lr_scheduler.warmup_steps or a smaller training.max_norm"
-        )
 
 
 class Trainer:
@@ -190,6 +140,8 @@ class Trainer:
         # the divisor.
         self.backward_scale = gradient_divide_factor(self.dims.mesh("fsdp")) if self.dims.data_parallel else 1
         self.loss_fn = compile_loss(cross_entropy_sum) if cfg.compile.enable else cross_entropy_sum
+        self.loss_ranks = dist.get_world_size(self.loss_group) if self.loss_group is not None else 1
+        self.balance = LoadBalance(parts, cfg.model.moe_aux_loss_coeff, self.loss_group, self.device)
         self._num_targets = 1  # the current step's global target count, for the pipeline's loss function
         if self.dims.pp_enabled:
             self.pp_schedule = self._pipeline_schedule()
@@ -305,7 +257,9 @@ class Trainer:
             with loss_context(self.loss_parallel):
                 loss = self._loss_sum(out, mb) / num_targets
                 del out
-                (loss * self.backward_scale if self.backward_scale != 1 else loss).backward()
+                aux = self.balance.aux_term(len(microbatches) * self.loss_ranks)  # MoE: what the logged loss leaves out
+                trained = loss if aux is None else loss + aux
+                (trained * self.backward_scale if self.backward_scale != 1 else trained).backward()
             total_loss += to_local_scalar(loss.detach())
         return total_loss
 
@@ -363,6 +317,7 @@ class Trainer:
         if after_clip is not None:
             after_clip()
         self.optimizer.step()
+        self.balance.after_step()
         float8_after_optimizer_step(self.model_parts, self.cfg.float8)  # precomputed float8 scales for FSDP
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -397,6 +352,7 @@ class Trainer:
             dist.all_reduce(total, group=self.dims.group("pp"))
         if self.loss_group is not None:
             dist.all_reduce(total, group=self.loss_group)
+        self.balance.discard_counts()  # the experts' load is the training steps'
         return total / num_targets
 
     def _validate(self) -> float:
@@ -526,7 +482,7 @@ class Trainer:
                             logged.append(
                                 self.metrics.log(
                                     self.step, loss_value, grad_norm_value, lr, window_tokens, elapsed,
-                                    window_data_wait,
+                                    window_data_wait, extra=self.balance.log_values(),
                                 )
                             )
                             window_start = time.perf_counter()

@@ -18,7 +18,6 @@ Load balancing, both optional:
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -57,32 +56,77 @@ class MoEArgs:
             raise ValueError(f"top_k: {self.top_k} must be between 1 and the {self.num_experts} experts")
 
 
-@functools.lru_cache(maxsize=None)
+_GROUPED_MM: dict[tuple[str, torch.dtype], bool] = {}  # grouped_mm_works's answers (a plain dict: compile reads it)
+
+
 def grouped_mm_works(device_type: str, dtype: torch.dtype) -> bool:
-    """Whether ``torch._grouped_mm`` runs (forward and backward) on this device type and dtype in this torch."""
-    if not hasattr(torch, "_grouped_mm"):
-        return False
-    try:
-        x = torch.ones(4, 16, device=device_type, dtype=dtype, requires_grad=True)
-        w = torch.ones(2, 16, 16, device=device_type, dtype=dtype, requires_grad=True)
-        offs = torch.tensor([2, 4], device=device_type, dtype=torch.int32)
-        torch._grouped_mm(x, w, offs=offs).mul(2).sum().backward()
-        return True
-    except (RuntimeError, NotImplementedError):
-        return False
+    """Whether ``torch._grouped_mm`` runs (forward and backward) on this device type and dtype in this torch. Only
+    bf16 is tried (what its compiled form takes), on CUDA only on compute capability >= 9.0. Probed once;
+    MoE.init_weights asks before any compiled forward does."""
+    key = (device_type, dtype)
+    if key not in _GROUPED_MM:
+        works = hasattr(torch, "_grouped_mm") and dtype == torch.bfloat16 and (
+            device_type != "cuda" or torch.cuda.get_device_capability() >= (9, 0))
+        if works:
+            try:
+                x = torch.ones(4, 16, device=device_type, dtype=dtype, requires_grad=True)
+                w = torch.ones(2, 16, 16, device=device_type, dtype=dtype, requires_grad=True)
+                offs = torch.tensor([2, 4], device=device_type, dtype=torch.int32)
+                torch._grouped_mm(x, w, offs=offs).mul(2).sum().backward()
+            except (RuntimeError, NotImplementedError):
+                works = False
+        _GROUPED_MM[key] = works
+    return _GROUPED_MM[key]
+
+
+@torch.library.custom_op("tessera::grouped_mm_loop", mutates_args=())
+def _grouped_mm_loop(x: Tensor, w: Tensor, counts: Tensor) -> Tensor:
+    """``grouped_matmul`` as a loop of per-group matmuls; an operator, so that compiled code calls it whole (its
+    group sizes are read on the host, which would break a compiled graph)."""
+    chunks = torch.split(x, counts.tolist())
+    return torch.cat([chunk @ w[g].T for g, chunk in enumerate(chunks)])
+
+
+@_grouped_mm_loop.register_fake
+def _(x: Tensor, w: Tensor, counts: Tensor) -> Tensor:
+    return x.new_empty(x.shape[0], w.shape[1])
+
+
+@torch.library.custom_op("tessera::grouped_mm_loop_weight_grad", mutates_args=())
+def _grouped_mm_loop_weight_grad(grad: Tensor, x: Tensor, counts: Tensor, groups: int) -> Tensor:
+    """The gradient of each group's weight: ``grad_g.T @ x_g``, ``[groups, out, in]``."""
+    sizes = counts.tolist()
+    return torch.stack([g.T @ c for g, c in zip(torch.split(grad, sizes), torch.split(x, sizes))]) if groups else \
+        grad.new_empty(0, grad.shape[1], x.shape[1])
+
+
+@_grouped_mm_loop_weight_grad.register_fake
+def _(grad: Tensor, x: Tensor, counts: Tensor, groups: int) -> Tensor:
+    return grad.new_empty(groups, grad.shape[1], x.shape[1])
+
+
+def _loop_setup(ctx, inputs, output) -> None:
+    x, w, counts = inputs
+    ctx.save_for_backward(x, w, counts)
+
+
+def _loop_backward(ctx, grad: Tensor):
+    x, w, counts = ctx.saved_tensors
+    grad_x = _grouped_mm_loop(grad, w.transpose(1, 2).contiguous(), counts)
+    return grad_x, _grouped_mm_loop_weight_grad(grad.contiguous(), x, counts, w.shape[0]), None
+
+
+_grouped_mm_loop.register_autograd(_loop_backward, setup_context=_loop_setup)
 
 
 def grouped_matmul(x: Tensor, w: Tensor, counts: Tensor) -> Tensor:
     """``x [T, in]`` (rows sorted by group) times each group's ``w [G, out, in]`` transposed: rows of group g are
     ``x[offset_g : offset_g + counts[g]] @ w[g].T``. One grouped GEMM where torch has it for this device and dtype
-    (on CUDA, bf16 on compute capability >= 9.0), else a loop over the groups."""
-    use_grouped = grouped_mm_works(x.device.type, x.dtype) and (
-        x.device.type != "cuda" or (x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (9, 0)))
-    if use_grouped:
+    (bf16; on CUDA, compute capability >= 9.0), else a loop over the groups."""
+    if grouped_mm_works(x.device.type, x.dtype):
         offsets = torch.cumsum(counts, 0, dtype=torch.int32)
         return torch._grouped_mm(x, w.transpose(-2, -1), offs=offsets)
-    outs = [chunk @ w[g].T for g, chunk in enumerate(torch.split(x, counts.tolist()))]
-    return torch.cat(outs) if outs else x.new_empty(0, w.shape[1])
+    return _grouped_mm_loop(x, w, counts)
 
 
 class GroupedExperts(nn.Module):
@@ -157,6 +201,8 @@ class MoE(nn.Module):
         if self.shared_experts is not None:
             self.shared_experts.init_weights(init_std)
         device = buffer_device if buffer_device is not None else self.tokens_per_expert.device
+        for dtype in (self.experts.w1.dtype, torch.bfloat16):  # answered now, outside any compiled forward
+            grouped_mm_works(self.experts.w1.device.type, dtype)
         if self.expert_bias is not None:
             self.expert_bias = torch.zeros(self.args.num_experts, device=device)
         self.tokens_per_expert = torch.zeros(self.args.num_experts, device=device)
@@ -167,7 +213,8 @@ class MoE(nn.Module):
         a = self.args
         weights, experts, probs = self.router(x, self.expert_bias)
         flat = experts.reshape(-1)
-        counts = torch.bincount(flat, minlength=a.num_experts)
+        # histc, not bincount: a fixed output size, which compiles without a graph break.
+        counts = torch.histc(flat.float(), bins=a.num_experts, min=0, max=a.num_experts).to(torch.int64)
         with torch.no_grad():
             self.tokens_per_expert.add_(counts.to(self.tokens_per_expert.dtype))
         # f_e: the fraction of tokens routed to expert e; P_e: its mean probability.

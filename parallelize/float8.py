@@ -149,13 +149,15 @@ def linear_config(recipe: str, emulate: bool, fsdp_float8_all_gather: bool):
 
 
 def module_filter(skip: Iterable[nn.Module], filter_fqns: Iterable[str], tp: int = 1) -> Callable[[nn.Module, str], bool]:
-    """The layers to convert: ``nn.Linear`` layers not in ``skip``, whose name contains none of ``filter_fqns``,
-    and whose dimensions (divided by ``tp``: each rank's slice) are multiples of 16."""
+    """The layers to convert: ``nn.Linear`` layers not in ``skip`` nor MoE routers, whose name contains none of
+    ``filter_fqns``, and whose dimensions (divided by ``tp``: each rank's slice) are multiples of 16."""
     skip_ids = {id(m) for m in skip if m is not None}
     fqns = [f for f in filter_fqns if f]
 
     def keep(module: nn.Module, fqn: str) -> bool:
         if not isinstance(module, nn.Linear) or id(module) in skip_ids:
+            return False
+        if fqn.endswith("router.gate"):  # a MoE router (models/moe.py): its scores choose the experts, kept exact
             return False
         if any(f in fqn for f in fqns):
             return False

@@ -19,9 +19,10 @@ LAYERS = [
     ("models and their plans", ["models.*.parallelize", "models.*", "models.registry"]),
     ("validation: the resolved plan", ["engine.config.validation"]),
     ("data", ["engine.data", "engine.data.*"]),
-    ("optimizer, checkpoint, metrics", ["engine.optim", "engine.checkpoint", "engine.checkpoint.*", "engine.hf",
-                                        "engine.metrics", "engine.plot", "engine.profiling"]),
-    ("trainer", ["engine.build", "engine.trainer"]),
+    ("optimizer, checkpoint, metrics", ["engine.optim", "engine.load_balance", "engine.checkpoint",
+                                        "engine.checkpoint.*", "engine.hf", "engine.metrics", "engine.plot",
+                                        "engine.profiling"]),
+    ("trainer", ["engine.build", "engine.step_guards", "engine.trainer"]),
     ("entry point", ["engine.train", "engine.launch", "engine.run_owner", "engine.faults"]),
     ("tools", ["tools", "tools.*"]),
 ]

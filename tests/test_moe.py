@@ -82,15 +82,25 @@ def test_moe_matches_transformers_qwen3_moe_block():
         torch.testing.assert_close(ours.aux_loss, load_balancing_loss_func((logits,), 8, 2))
 
 
-def test_grouped_matmul_and_its_loop_fallback_agree(monkeypatch):
+def test_grouped_matmul_and_its_loop_fallback_agree():
     torch.manual_seed(0)
-    x, w = torch.randn(20, 16), torch.randn(4, 12, 16)
+    x, w = torch.randn(20, 16, requires_grad=True), torch.randn(4, 12, 16, requires_grad=True)
     counts = torch.tensor([3, 0, 9, 8])
     loop = torch.cat([x[:3] @ w[0].T, x[3:12] @ w[2].T, x[12:] @ w[3].T])
-    assert moe.grouped_mm_works("cpu", torch.float32) == hasattr(torch, "_grouped_mm")
-    torch.testing.assert_close(grouped_matmul(x, w, counts), loop)
-    monkeypatch.setattr(moe, "grouped_mm_works", lambda device_type, dtype: False)
-    assert torch.equal(grouped_matmul(x, w, counts), loop)
+    grad = torch.randn_like(loop)
+    expected = torch.autograd.grad(loop, (x, w), grad)
+    assert not moe.grouped_mm_works("cpu", torch.float32)  # fp32: the loop, exactly the same arithmetic
+    out = grouped_matmul(x, w, counts)
+    assert torch.equal(out, loop)
+    for got, want in zip(torch.autograd.grad(out, (x, w), grad), expected):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    if moe.grouped_mm_works("cpu", torch.bfloat16):  # one grouped GEMM
+        xb, wb = x.detach().bfloat16(), w.detach().bfloat16()
+        torch.testing.assert_close(grouped_matmul(xb, wb, counts), _loop_of(xb, wb), rtol=2e-2, atol=2e-2)
+
+
+def _loop_of(x, w):
+    return torch.cat([x[:3] @ w[0].T, x[3:12] @ w[2].T, x[12:] @ w[3].T])
 
 
 def test_gradients_reach_every_expert_that_got_tokens_and_the_router():
@@ -122,3 +132,74 @@ def test_expert_bias_moves_towards_the_less_loaded_experts_and_counts_restart():
 def test_impossible_arguments_name_the_field(bad, field):
     with pytest.raises(ValueError, match=f"^{field}: "):
         MoEArgs(**{"num_experts": 8, **bad})
+
+
+def _register(name: str, **changes):
+    import dataclasses
+
+    from models.registry import get_model_spec, register_model_spec
+
+    base = get_model_spec("llama3")
+    flavor = dataclasses.replace(base.flavors["debugmodel"], **changes)
+    register_model_spec(dataclasses.replace(base, name=name, flavors={"debugmodel": flavor}))
+
+
+@pytest.mark.parametrize("changes, argv, field", [
+    ({"tie_embeddings": True}, ["--parallelism.pp", "2"], "parallelism.pp"),
+    ({"tie_embeddings": True}, ["--parallelism.tp", "2"], "parallelism.tp"),
+    ({"moe": MoEArgs(num_experts=4, top_k=2, hidden_dim=64)}, ["--parallelism.tp", "2"], "parallelism.tp"),
+])
+def test_layouts_a_flavor_cannot_be_split_by_are_one_error_naming_the_field(changes, argv, field):
+    from engine.config import ConfigError, parse_args
+    from engine.config.validation import validate
+
+    name = f"llama3_{'tied' if 'tie_embeddings' in changes else 'moe'}"
+    _register(name, **changes)
+    with pytest.raises(ConfigError, match=rf"^{field}: {name}/debugmodel (ties|has Mixture-of-Experts)"):
+        validate(parse_args(["--model.name", name, *argv]), 2)
+    validate(parse_args(["--model.name", name, "--parallelism.dp_shard", "2"]), 2)
+
+
+def test_compiled_moe_matches_eager_without_a_graph_break():
+    layer = build(num_shared_experts=1, load_balance_coeff=1e-3)
+    x = torch.randn(2, 9, DIM, requires_grad=True)
+    eager = layer(x)
+    eager_aux, eager_counts = layer.aux_loss, layer.tokens_per_expert.clone()
+    layer.tokens_per_expert.zero_()
+    compiled = torch.compile(layer, fullgraph=True)
+    out = compiled(x)
+    torch.testing.assert_close(out, eager, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(layer.aux_loss, eager_aux)
+    assert torch.equal(layer.tokens_per_expert, eager_counts)
+    out.square().sum().backward()
+    assert layer.experts.w2.grad is not None
+
+
+def test_a_moe_model_trains_logs_its_expert_load_and_balances(tmp_path, capsys):
+    """A MoE variant of the debug model, 6 steps: the auxiliary loss joins the trained loss (not the logged one),
+    metrics.jsonl, the console and experts.png carry the expert load, and the expert bias moves and is saved."""
+    from engine import train
+    from engine.checkpoint.files import read_full, step_folder
+    from engine.plot import read_metrics
+
+    _register("llama3_moe_bias", moe=MoEArgs(num_experts=4, top_k=2, hidden_dim=128, load_balance_coeff=1e-2),
+              n_dense_layers=1)
+    common = ["--model.name", "llama3_moe_bias", "--training.seq_len", "64", "--training.local_batch_size", "2",
+              "--training.steps", "6", "--metrics.log_freq", "1", "--debug.deterministic"]
+    runs = {}
+    for coeff in ("0", "0.5"):
+        dump = tmp_path / f"aux{coeff}"
+        extra = ["--checkpoint.enable", "--checkpoint.interval", "6"] if coeff == "0" else []
+        assert train.main([*common, "--job.dump_folder", str(dump), "--model.moe_aux_loss_coeff", coeff, *extra]) == 0
+        runs[coeff] = read_metrics(str(dump / "metrics.jsonl"))
+        out = capsys.readouterr().out
+        assert "expert_load: " in out and "aux_loss: " in out
+        assert (dump / "experts.png").stat().st_size > 0
+    plain, balanced = runs["0"], runs["0.5"]
+    assert all(len(r["expert_load"]) == 5 and r["expert_load_max"] >= 1.0 for r in plain)  # 5 of 6 blocks
+    assert plain[0]["loss"] == balanced[0]["loss"]  # the logged loss is the cross-entropy
+    assert plain[-1]["loss"] != balanced[-1]["loss"]  # the auxiliary loss was trained
+    assert balanced[-1]["moe_aux_loss"] < plain[-1]["moe_aux_loss"]
+    state = read_full(step_folder(str(tmp_path / "aux0" / "checkpoint"), 6), "model.")
+    biases = [v for k, v in state.items() if k.endswith("expert_bias")]
+    assert len(biases) == 5 and all(b.abs().sum() > 0 for b in biases)

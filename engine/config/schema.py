@@ -46,6 +46,9 @@ class Model:
     vocab_size: int = -1
     """Vocabulary size of the embedding and output layers; -1 takes the flavor's size, or the tokenizer's
     size for flavors that do not fix one (debugmodel)."""
+    moe_aux_loss_coeff: float = 0.0
+    """Weight of the Mixture-of-Experts auxiliary load-balancing loss in the trained loss (0: off; Hugging Face
+    configs call it router_aux_loss_coef). Logged for MoE flavors either way, with each layer's expert load."""
 
 
 @dataclass

@@ -108,6 +108,11 @@ def validate(cfg: Config, world_size: int = 1, machine: Optional[Machine] = None
         if cfg.model.sdpa_backend in ("cudnn", "efficient") and not machine.cuda:
             raise ConfigError(f"model.sdpa_backend: {cfg.model.sdpa_backend} needs a CUDA GPU; use auto, flash or "
                               "math on this machine")
+    if cfg.model.moe_aux_loss_coeff < 0:
+        raise ConfigError(f"model.moe_aux_loss_coeff: must be >= 0, got {cfg.model.moe_aux_loss_coeff}")
+    if cfg.model.moe_aux_loss_coeff and getattr(spec.flavors[cfg.model.flavor], "moe", None) is None:
+        raise ConfigError(f"model.moe_aux_loss_coeff: {cfg.model.name}/{cfg.model.flavor} has no Mixture-of-Experts "
+                          "blocks to balance; leave it at 0")
     if cfg.model.vocab_size != -1 and cfg.model.vocab_size <= 0:
         raise ConfigError(f"model.vocab_size: must be > 0 or -1, got {cfg.model.vocab_size}")
     if check_paths and cfg.model.hf_assets_path and not os.path.isdir(cfg.model.hf_assets_path):
@@ -300,6 +305,7 @@ def validate_parallelism(cfg: Config, world_size: int, spec, machine: Optional[M
                     f"tensor parallelism gives each rank whole heads (KV heads are not replicated), so pick a tp "
                     f"that divides {args.n_kv_heads}"
                 )
+    _validate_model_layout(cfg, dims, args)
     cuda = (machine or Machine.this()).cuda
     if p.enable_async_tp:
         if dims.tp == 1 or not cfg.compile.enable or not cuda:
@@ -328,6 +334,25 @@ def validate_parallelism(cfg: Config, world_size: int, spec, machine: Optional[M
             f"parallelism cuts each sequence into 2 x cp chunks, sequence parallelism each chunk into tp)"
         )
     return dims
+
+
+def _validate_model_layout(cfg: Config, dims: ParallelDims, args) -> None:
+    """What a flavor's tied embeddings and Mixture-of-Experts blocks cannot be split by yet."""
+    flavor = f"{cfg.model.name}/{cfg.model.flavor}"
+    if getattr(args, "tie_embeddings", False):
+        for degree, key, why in ((dims.pp, "pp", "pipeline stages would hold the embedding and the output apart"),
+                                 (dims.tp, "tp", "tensor parallelism would shard the shared weight twice")):
+            if degree > 1:
+                raise ConfigError(f"parallelism.{key}: {flavor} ties its output projection to the input embedding, "
+                                  f"and {why}; set parallelism.{key} = 1 and shard it with FSDP "
+                                  "(parallelism.dp_shard)")
+    if cfg.model.moe_aux_loss_coeff and dims.pp > 1:
+        raise ConfigError("model.moe_aux_loss_coeff: the auxiliary loss of the experts on earlier pipeline stages "
+                          "does not reach the last stage's loss; set it to 0 with parallelism.pp > 1 (a flavor's "
+                          "expert bias balances the load without it)")
+    if getattr(args, "moe", None) is not None and dims.tp > 1:
+        raise ConfigError(f"parallelism.tp: {flavor} has Mixture-of-Experts blocks, which tensor parallelism does "
+                          "not split; set parallelism.tp = 1 and shard it with FSDP (parallelism.dp_shard)")
 
 
 def _validate_values(cfg: Config) -> None:

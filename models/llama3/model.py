@@ -1,4 +1,6 @@
-"""The Llama 3 / 3.1 architecture, following Meta's reference implementation and torchtitan's llama3.
+"""The Llama 3 / 3.1 architecture, following Meta's reference implementation and torchtitan's llama3, with the
+options other decoder families built on it need: QK-norm, a head width of its own, tied embeddings and a
+Mixture-of-Experts feed-forward (models/moe.py; Qwen3 uses all four, models/qwen3/).
 
 Rotary embeddings use Meta's layout: each head's features are taken as ``D/2`` interleaved pairs
 ``(x[2i], x[2i+1])`` rotated by each position's angles (the table ``rope_table`` holds their cosines and sines; real
@@ -30,6 +32,7 @@ from torch import Tensor, nn
 
 from models.attention import BACKENDS, attention, flex_block_mask
 from models.loss import linear_cross_entropy_sum
+from models.moe import MoE, MoEArgs
 
 __all__ = [
     "TransformerModelArgs",
@@ -58,7 +61,7 @@ class TransformerModelArgs:
     n_layers: int = 32
     """Number of transformer blocks."""
     n_heads: int = 32
-    """Number of query heads; the head dimension is ``dim // n_heads``."""
+    """Number of query heads; the head dimension is ``dim // n_heads`` unless head_dim_override gives it."""
     n_kv_heads: Optional[int] = None
     """Number of key/value heads (grouped-query attention); None means ``n_heads`` (multi-head attention)."""
     vocab_size: int = -1
@@ -80,16 +83,29 @@ class TransformerModelArgs:
     """Attention backend: sdpa, flex or flash_attn (see models.attention)."""
     attn_mask: str = "causal"
     """causal, or block_causal (causal within each document given by ``doc_ids``; needs attn = flex)."""
+    head_dim_override: Optional[int] = None
+    """Width of each head when it is not ``dim // n_heads`` (Qwen3); None: ``dim // n_heads``."""
+    ffn_hidden: Optional[int] = None
+    """SwiGLU hidden size given directly (Hugging Face's intermediate_size); None: from multiple_of and
+    ffn_dim_multiplier."""
+    qk_norm: bool = False
+    """An RMSNorm over each query and key head before RoPE (Qwen3)."""
+    tie_embeddings: bool = False
+    """The output projection shares the input embedding's weight."""
+    moe: Optional[MoEArgs] = None
+    """The Mixture-of-Experts feed-forward of the sparse blocks; None: every block is dense."""
+    n_dense_layers: int = 0
+    """With moe: the first blocks that keep a dense feed-forward."""
 
     def __post_init__(self) -> None:
         if self.n_kv_heads is None:
             self.n_kv_heads = self.n_heads
-        if self.dim % self.n_heads != 0:
+        if self.head_dim_override is None and self.dim % self.n_heads != 0:
             raise ValueError(f"dim ({self.dim}) must be divisible by n_heads ({self.n_heads})")
         if self.n_heads % self.n_kv_heads != 0:
             raise ValueError(f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})")
-        if (self.dim // self.n_heads) % 2 != 0:
-            raise ValueError(f"the head dimension ({self.dim // self.n_heads}) must be even for RoPE")
+        if self.head_dim % 2 != 0:
+            raise ValueError(f"the head dimension ({self.head_dim}) must be even for RoPE")
         if self.attn not in BACKENDS:
             raise ValueError(
                 f"model.attn: unknown attention backend {self.attn!r}; choose one of {', '.join(BACKENDS)}"
@@ -99,7 +115,18 @@ class TransformerModelArgs:
 
     @property
     def head_dim(self) -> int:
-        return self.dim // self.n_heads
+        return self.head_dim_override if self.head_dim_override is not None else self.dim // self.n_heads
+
+    @property
+    def ffn_hidden_size(self) -> int:
+        """The dense SwiGLU hidden size."""
+        if self.ffn_hidden is not None:
+            return self.ffn_hidden
+        return ffn_hidden_dim(self.dim, self.multiple_of, self.ffn_dim_multiplier)
+
+    def is_moe_layer(self, layer_id: int) -> bool:
+        """Whether block ``layer_id`` has the MoE feed-forward."""
+        return self.moe is not None and layer_id >= self.n_dense_layers
 
     def update_from_config(self, model_cfg: Any, tokenizer_vocab_size: int, seq_len: int) -> "TransformerModelArgs":
         """A copy updated from the job config's ``model`` section and the data pipeline.
@@ -227,11 +254,16 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+        self.q_norm = nn.RMSNorm(self.head_dim, eps=args.norm_eps) if args.qk_norm else None
+        self.k_norm = nn.RMSNorm(self.head_dim, eps=args.norm_eps) if args.qk_norm else None
 
     def init_weights(self, init_std: float) -> None:
         for linear in (self.wq, self.wk, self.wv):
             nn.init.trunc_normal_(linear.weight, mean=0.0, std=0.02)
         nn.init.trunc_normal_(self.wo.weight, mean=0.0, std=init_std)
+        for norm in (self.q_norm, self.k_norm):
+            if norm is not None:
+                norm.reset_parameters()
 
     def forward(
         self, x: Tensor, rope_table: Tensor, doc_ids: Optional[Tensor] = None, block_mask: Any = None
@@ -242,6 +274,8 @@ class Attention(nn.Module):
         xq = self.wq(x).view(bs, seqlen, -1, self.head_dim)
         xk = self.wk(x).view(bs, seqlen, -1, self.head_dim)
         xv = self.wv(x).view(bs, seqlen, -1, self.head_dim)
+        if self.q_norm is not None:
+            xq, xk = self.q_norm(xq), self.k_norm(xk)
         xq, xk = apply_rotary_emb(xq, xk, rope_table)
         q, k, v = xq.transpose(1, 2), xk.transpose(1, 2), xv.transpose(1, 2)
         if self.attn_fn is not None:
@@ -263,7 +297,7 @@ def ffn_hidden_dim(dim: int, multiple_of: int, ffn_dim_multiplier: Optional[floa
 def memory_shapes(args: TransformerModelArgs) -> dict[str, int]:
     """The sizes the memory estimate reads (ModelSpec.shapes); ``args.vocab_size`` must be set."""
     return dict(dim=args.dim, n_layers=args.n_layers, n_heads=args.n_heads, n_kv_heads=args.n_kv_heads,
-                head_dim=args.head_dim, ffn_hidden=ffn_hidden_dim(args.dim, args.multiple_of, args.ffn_dim_multiplier),
+                head_dim=args.head_dim, ffn_hidden=args.ffn_hidden_size,
                 vocab_size=args.vocab_size)
 
 
@@ -292,7 +326,8 @@ class TransformerBlock(nn.Module):
         super().__init__()
         self.layer_id = layer_id
         self.attention = Attention(args)
-        self.feed_forward = FeedForward(args.dim, ffn_hidden_dim(args.dim, args.multiple_of, args.ffn_dim_multiplier))
+        self.feed_forward = (MoE(args.dim, args.moe) if args.is_moe_layer(layer_id)
+                             else FeedForward(args.dim, args.ffn_hidden_size))
         self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         # Depth-scaled init of the output projections (torchtitan's depth_init).
@@ -331,6 +366,8 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
         self.norm: Optional[nn.RMSNorm] = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.output: Optional[nn.Linear] = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
         # Set by a parallel plan when each rank holds only some positions of a sequence (context
         # parallelism): maps the RoPE table to the rows of this rank's tokens, in their local order.
         self.rope_transform: Optional[Callable[[Tensor], Tensor]] = None
@@ -373,6 +410,9 @@ class Transformer(nn.Module):
                 torch.manual_seed(seed * 100_003 + index)
             return materialize(module)
 
+        if self.args.tie_embeddings and self.output is not None and self.tok_embeddings is not None and \
+                self.output.weight is not self.tok_embeddings.weight:  # to_empty unties them
+            self.output.weight = self.tok_embeddings.weight
         buffer_device = buffer_device if buffer_device is not None else self.rope_table.device
         with torch.device(buffer_device):
             self.rope_table = self._precompute_rope_table()
@@ -389,7 +429,7 @@ class Transformer(nn.Module):
         if self.norm is not None:
             with unit(self.norm, n + 1):
                 self.norm.reset_parameters()
-        if self.output is not None:
+        if self.output is not None and not self.args.tie_embeddings:  # a tied one is the embedding's
             std = self.args.dim**-0.5
             with unit(self.output, n + 2):
                 nn.init.trunc_normal_(self.output.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
@@ -438,21 +478,31 @@ class Transformer(nn.Module):
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def num_params(args: TransformerModelArgs, exclude_embedding: bool = False) -> int:
+def num_params(args: TransformerModelArgs, exclude_embedding: bool = False, active: bool = False) -> int:
     """Parameter count of ``Transformer(args)``, computed from the shapes (no model built).
 
-    ``exclude_embedding`` leaves out the input embedding ``tok_embeddings`` (the output projection is counted).
+    ``exclude_embedding`` leaves out the input embedding ``tok_embeddings`` (an untied output projection is
+    counted); ``active`` counts the experts one token uses (top_k routed experts and the shared ones) instead of
+    all of them.
     """
     if args.vocab_size <= 0:
         raise ValueError(f"model.vocab_size: must be set (positive) to count parameters, got {args.vocab_size}")
     dim, hd = args.dim, args.head_dim
-    hidden = ffn_hidden_dim(dim, args.multiple_of, args.ffn_dim_multiplier)
     attn = dim * args.n_heads * hd * 2 + dim * args.n_kv_heads * hd * 2  # wq, wo; wk, wv
-    mlp = 3 * dim * hidden
-    norms = 2 * dim
-    layer = attn + mlp + norms
+    attn += 2 * hd if args.qk_norm else 0
+    dense = 3 * dim * args.ffn_hidden_size
+    blocks = 0
+    for layer_id in range(args.n_layers):
+        if args.is_moe_layer(layer_id):
+            m = args.moe
+            experts = m.top_k if active else m.num_experts
+            ffn = 3 * dim * m.hidden_dim * (experts + m.num_shared_experts) + dim * m.num_experts  # + router
+        else:
+            ffn = dense
+        blocks += attn + ffn + 2 * dim
     embedding = args.vocab_size * dim
-    total = args.n_layers * layer + dim + args.vocab_size * dim + embedding  # + final norm + output + embedding
+    output = 0 if args.tie_embeddings else args.vocab_size * dim
+    total = blocks + dim + output + embedding  # + final norm
     return total - embedding if exclude_embedding else total
 
 
@@ -470,6 +520,10 @@ def count_params(model: nn.Module, exclude_embedding: bool = False) -> int:
 
 
 def flops_per_token(args: TransformerModelArgs, seq_len: int) -> int:
-    """Training FLOPs per token (torchtitan's count): ``6 * params_without_input_embedding
-    + 12 * n_layers * n_heads * head_dim * seq_len`` (attention scores, causality not discounted)."""
-    return 6 * num_params(args, exclude_embedding=True) + 12 * args.n_layers * args.n_heads * args.head_dim * seq_len
+    """Training FLOPs per token (torchtitan's count): ``6 x`` the active parameters a token's matmuls use (the
+    blocks with top_k experts, the output projection, tied or not) ``+ 12 * n_layers * n_heads * head_dim *
+    seq_len`` (attention scores, causality not discounted)."""
+    matmul_params = num_params(args, exclude_embedding=True, active=True)
+    if args.tie_embeddings:
+        matmul_params += args.vocab_size * args.dim
+    return 6 * matmul_params + 12 * args.n_layers * args.n_heads * args.head_dim * seq_len

@@ -1,0 +1,75 @@
+"""Load balancing of a model's Mixture-of-Experts layers (models/moe.py) over a training run.
+
+Per microbatch: the layers' mean auxiliary loss, weighted by model.moe_aux_loss_coeff, joins the loss that is
+differentiated (not the logged loss, which stays the cross-entropy). Per optimizer step: the tokens each expert
+received are summed over the ranks holding other tokens, each layer's expert bias (when its flavor balances
+without an auxiliary loss) moves towards its less loaded experts, and the step's expert load (per layer: the
+busiest expert's tokens over the mean) is kept for the next log.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from models.moe import MoE
+
+
+class LoadBalance:
+    """The MoE layers of this rank's model parts, and what the loop does with them (nothing for a dense model)."""
+
+    def __init__(self, parts: list[nn.Module], aux_loss_coeff: float, group: Optional[dist.ProcessGroup],
+                 device: torch.device):
+        self.layers = [m for part in parts for m in part.modules() if isinstance(m, MoE)]
+        self.coeff = aux_loss_coeff
+        self.group = group
+        self._aux_sum = torch.zeros((), device=device)
+        self._aux_count = 0
+        self._load: Optional[Tensor] = None
+
+    def aux_term(self, divisor: int) -> Optional[Tensor]:
+        """After a microbatch's forward: the term to add to its loss before backward (the coefficient times the
+        layers' mean auxiliary loss, divided by ``divisor``: microbatches x ranks holding other tokens, whose
+        gradients are summed), or None without MoE layers or coefficient."""
+        if not self.layers:
+            return None
+        aux = torch.stack([layer.aux_loss for layer in self.layers]).mean()
+        self._aux_sum += aux.detach()
+        self._aux_count += 1
+        return self.coeff * aux / divisor if self.coeff else None
+
+    @torch.no_grad()
+    def after_step(self) -> None:
+        """After the optimizer step: the step's expert counts summed over the ranks, each layer's bias update, the
+        step's load kept for the log (device tensors: no host sync here)."""
+        if not self.layers:
+            return
+        counts = torch.stack([layer.tokens_per_expert for layer in self.layers])
+        if self.group is not None:
+            dist.all_reduce(counts, group=self.group)
+        mean = counts.mean(dim=1).clamp(min=1e-9)
+        self._load = counts.max(dim=1).values / mean
+        for layer, count in zip(self.layers, counts):
+            layer.tokens_per_expert.copy_(count)
+            layer.update_expert_bias()
+
+    def discard_counts(self) -> None:
+        """Forget the tokens counted since the last step (an evaluation's)."""
+        for layer in self.layers:
+            layer.tokens_per_expert.zero_()
+
+    def log_values(self) -> dict:
+        """The metrics of the window since the previous log: ``moe_aux_loss`` (mean over its microbatches),
+        ``expert_load`` (the last step's, per layer of this rank) and ``expert_load_max``; {} for a dense model."""
+        if not self.layers or self._load is None:
+            return {}
+        load = self._load.tolist()
+        values = {"expert_load": load, "expert_load_max": max(load)}
+        if self._aux_count:  # (not under PP, where the last stage's loss is the pipeline's)
+            values["moe_aux_loss"] = (self._aux_sum / self._aux_count).item()
+            self._aux_sum.zero_()
+            self._aux_count = 0
+        return values
