@@ -54,10 +54,11 @@ IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 
 
 def _adapter_for(args: Any) -> Any:
-    """The state-dict adapter of the registered model family whose ``args_cls`` ``args`` is an instance of."""
+    """The state-dict adapter of the registered model family whose ``args_cls`` is the class of ``args`` (each
+    family has its own: qwen3's Qwen3ModelArgs is a TransformerModelArgs, llama3's)."""
     for name in model_names():
         spec = get_model_spec(name)
-        if isinstance(args, spec.args_cls):
+        if type(args) is spec.args_cls:
             if spec.state_dict_adapter is None:
                 raise ValueError(f"model.name: model {name!r} has no Hugging Face state-dict adapter")
             return spec.state_dict_adapter
@@ -320,13 +321,19 @@ def export_checkpoint_hf(
     if isinstance(trained_at, int) and trained_at > 0:
         args = dataclasses.replace(args, max_seq_len=trained_at)
     adapter = _adapter_for(args)
-    tessera = {adapter.hf_name(k[len("model."):]): k[len("model."):] for k in info.tensors if k.startswith("model.")}
+    # Hugging Face name -> the Tessera tensor holding it (an expert stack holds several; a tied output none)
+    tessera = {hf: k[len("model."):] for k in info.tensors if k.startswith("model.")
+               for hf in adapter.hf_names(k[len("model."):], args)}
     shapes = adapter.hf_shapes(args)  # every tensor, in the model's order
     assert set(tessera) == set(shapes), f"{step_folder}: not a whole {name}/{flavor} model"
 
     def fetch(names: list[str]) -> dict[str, Tensor]:
-        state = read_tensors(step_folder, [f"model.{tessera[k]}" for k in names], info)
-        return {k: adapter.tensor_to_hf(tessera[k], state.pop(f"model.{tessera[k]}"), args) for k in names}
+        wanted = list(dict.fromkeys(tessera[k] for k in names))  # each Tessera tensor read once
+        state = read_tensors(step_folder, [f"model.{t}" for t in wanted], info)
+        converted: dict[str, Tensor] = {}
+        for t in wanted:
+            converted.update(adapter.tensors_to_hf(t, state.pop(f"model.{t}"), args))
+        return {k: converted[k] for k in names}
 
     with open(os.path.join(step_folder, COMMIT_FILE), "rb") as f:  # this save of the step (its time, its files)
         source_tag = hashlib.sha1(f.read()).hexdigest()[:12]
@@ -473,8 +480,7 @@ class HFReader:
     @property
     def shapes(self) -> dict[str, tuple[int, ...]]:
         """Every tensor's shape, by Tessera name, in the model's order."""
-        hf_shapes = self._adapter.hf_shapes(self._args)
-        return {name: hf_shapes[self._adapter.hf_name(name)] for name in self._adapter.names(self._args)}
+        return self._adapter.shapes(self._args)
 
 
 @contextmanager

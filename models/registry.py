@@ -6,12 +6,12 @@ plug-in or a test).
 
 from __future__ import annotations
 
-from models import llama3
+from models import llama3, qwen3
 from models.spec import ModelSpec
 
 __all__ = ["ModelSpec", "register_model_spec", "get_model_spec", "model_names"]
 
-_REGISTRY: dict[str, ModelSpec] = {spec.name: spec for spec in (llama3.spec,)}
+_REGISTRY: dict[str, ModelSpec] = {spec.name: spec for spec in (llama3.spec, qwen3.spec)}
 
 
 def register_model_spec(spec: ModelSpec) -> ModelSpec:

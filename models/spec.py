@@ -34,5 +34,6 @@ class ModelSpec:
     """``shapes(args)``: the sizes the memory estimate reads (dim, n_layers, n_heads, n_kv_heads, head_dim,
     ffn_hidden, vocab_size). None: tools/memory.py cannot estimate this family."""
     state_dict_adapter: Optional[type] = None
-    """Converts between this family's state dict and the Hugging Face checkpoint layout: a class with
-    ``to_hf``, ``from_hf``, ``hf_shapes``, ``hf_config`` and ``check_hf_config`` (engine/hf.py uses them)."""
+    """Converts between this family's state dict and the Hugging Face checkpoint layout: a class with ``to_hf``,
+    ``from_hf``, ``names``, ``shapes``, ``hf_names``, ``tensors_to_hf``, ``read_from_hf``, ``hf_shapes``,
+    ``hf_config`` and ``check_hf_config`` (engine/hf.py uses them)."""

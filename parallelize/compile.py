@@ -22,6 +22,9 @@ def apply_compile(blocks: nn.ModuleDict, inside_checkpoint: bool = False) -> Non
     under tensor parallelism: AOT autograd saves the DTensors' DeviceMesh among the checkpointed region's
     tensors ("expected all tensors_saved_with_vc_check to be Tensors"). Full checkpointing recomputes the whole
     block either way, so the two orders compute the same."""
+    # A MoE block records its auxiliary loss and expert counts in its forward (models/moe.py): under per-op
+    # checkpointing the compiled recompute in backward does not record them again (eager recompute would).
+    torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
     for block in blocks.values():
         inner = getattr(block, "_checkpoint_wrapped_module", None) if inside_checkpoint else None
         (inner if inner is not None else block).compile(fullgraph=True)

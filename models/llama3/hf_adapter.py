@@ -212,6 +212,22 @@ class Llama3HFAdapter:
         return _hf_name(name)
 
     @staticmethod
+    def hf_names(name: str, args: TransformerModelArgs) -> list[str]:
+        """The Hugging Face tensors the Tessera tensor ``name`` is stored as (always one for Llama 3)."""
+        return [_hf_name(name)]
+
+    @staticmethod
+    def tensors_to_hf(name: str, tensor: Tensor, args: TransformerModelArgs) -> dict[str, Tensor]:
+        """The whole Tessera tensor ``name`` as the Hugging Face tensors ``hf_names`` gives."""
+        return {_hf_name(name): Llama3HFAdapter.tensor_to_hf(name, tensor, args)}
+
+    @staticmethod
+    def shapes(args: TransformerModelArgs) -> dict[str, tuple[int, ...]]:
+        """Every Tessera tensor's shape, by Tessera name, in the model's order."""
+        hf_shapes = Llama3HFAdapter.hf_shapes(args)
+        return {name: hf_shapes[_hf_name(name)] for name in _tessera_names(args)}
+
+    @staticmethod
     def read_from_hf(
         name: str, box: tuple[slice, ...], read: Callable[[str, tuple[slice, ...]], Tensor], args: TransformerModelArgs
     ) -> Tensor:
