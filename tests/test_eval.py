@@ -87,10 +87,10 @@ def test_validation_is_logged_at_every_step_it_runs(tmp_path):
     assert summarize_run(str(tmp_path), warmup=0)["last_loss"] == train[-1]["loss"]
     sys.path.insert(0, str(ROOT / "bench"))
     try:
-        from summarize import summarize
+        from summarize import tessera_run
     finally:
         sys.path.remove(str(ROOT / "bench"))
-    summary = summarize(str(tmp_path), skip=0, steps=4)
+    summary = tessera_run(str(tmp_path), skip=0, steps=4)
     assert summary["steps"] == "1-4" and summary["last_loss"] == train[-1]["loss"] and not summary["partial"]
 
 
