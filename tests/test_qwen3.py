@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from models.llama3 import Llama3HFAdapter
 from models.llama3.model import Transformer, count_params, flops_per_token, num_params
-from models.moe import MoE, MoEArgs
+from models.moe import MoE
 from models.qwen3 import Qwen3HFAdapter, Qwen3ModelArgs, qwen3_flavors
 from models.qwen3.parallelize import parallelize_qwen3, pipeline_stage
 from models.registry import get_model_spec
