@@ -11,6 +11,8 @@ from typing import Callable
 import torch
 from torch import nn
 
+from models.moe import MoE
+
 
 def apply_compile(blocks: nn.ModuleDict, inside_checkpoint: bool = False) -> None:
     """Compile each block in place, with fullgraph (context parallelism's ring attention, whichever way it
@@ -24,7 +26,9 @@ def apply_compile(blocks: nn.ModuleDict, inside_checkpoint: bool = False) -> Non
     block either way, so the two orders compute the same."""
     # A MoE block records its auxiliary loss and expert counts in its forward (models/moe.py): under per-op
     # checkpointing the compiled recompute in backward does not record them again (eager recompute would).
-    torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
+    # Dense blocks have no such side effects and keep Dynamo's default.
+    if any(isinstance(m, MoE) for block in blocks.values() for m in block.modules()):
+        torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
     for block in blocks.values():
         inner = getattr(block, "_checkpoint_wrapped_module", None) if inside_checkpoint else None
         (inner if inner is not None else block).compile(fullgraph=True)
