@@ -187,7 +187,7 @@ def test_hf_config_of_the_published_sizes():
     assert debug["intermediate_size"] == ffn_hidden_dim(256, 256, None) == 768 and debug["dtype"] == "float32"
 
 
-@pytest.mark.parametrize("flavor", ["debugmodel", "8B-shaped", "8B", "405B"])
+@pytest.mark.parametrize("flavor", ["debugmodel", "8B-shaped", "1B", "3B", "8B", "405B"])
 def test_args_from_hf_config_inverts_hf_config(flavor):
     args = FLAVORS.get(flavor) or llama3_flavors[flavor]
     config = Llama3HFAdapter.hf_config(args)
@@ -234,8 +234,8 @@ def test_transformers_reads_the_config_as_written():
         ({"rope_theta": 10000.0, "rope_parameters": None}, "rope_theta 10000.0 but"),
         ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                            "original_max_position_embeddings": 8192}}, "rope_scaling True but"),
-        ({"rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                           "original_max_position_embeddings": 8192}}, "factor 32.0"),
+        ({"rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 2.0, "high_freq_factor": 4.0,
+                           "original_max_position_embeddings": 8192}}, "rope_scaling.low_freq_factor 2.0"),
         ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "RoPE type 'yarn'"),
         ({"tie_word_embeddings": True}, "tie_word_embeddings True"),
         ({"model_type": "mistral"}, "model_type 'mistral'"),

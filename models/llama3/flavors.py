@@ -1,4 +1,4 @@
-"""Named Llama 3 sizes (``model.flavor``)."""
+"""Named Llama 3, 3.1 and 3.2 sizes (``model.flavor``)."""
 
 from __future__ import annotations
 
@@ -21,6 +21,26 @@ _8B = TransformerModelArgs(
     max_seq_len=131072,
 )
 
+
+def _llama3_2(dim: int, n_layers: int, n_heads: int) -> TransformerModelArgs:
+    """Llama 3.2 1B/3B as published (meta-llama/Llama-3.2-*'s config.json): SwiGLU hidden size 8192, the output
+    projection tied to the embedding, Llama 3.1's RoPE scaling with factor 32."""
+    return TransformerModelArgs(
+        dim=dim,
+        n_layers=n_layers,
+        n_heads=n_heads,
+        n_kv_heads=8,
+        vocab_size=128256,
+        ffn_hidden=8192,
+        norm_eps=1e-5,
+        rope_theta=500000.0,
+        rope_scaling=True,
+        rope_scaling_factor=32.0,
+        max_seq_len=131072,
+        tie_embeddings=True,
+    )
+
+
 llama3_flavors: dict[str, TransformerModelArgs] = {
     # A small model for tests and debugging; the vocabulary comes from the tokenizer.
     "debugmodel": TransformerModelArgs(
@@ -35,6 +55,8 @@ llama3_flavors: dict[str, TransformerModelArgs] = {
         max_seq_len=2048,
         norm_eps=1e-5,
     ),
+    "1B": _llama3_2(dim=2048, n_layers=16, n_heads=32),
+    "3B": _llama3_2(dim=3072, n_layers=28, n_heads=24),
     "8B": _8B,
     # The 8B shapes with 8 layers: the benchmark shape.
     "8B_L8": dataclasses.replace(_8B, n_layers=8),

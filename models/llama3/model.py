@@ -75,8 +75,10 @@ class TransformerModelArgs:
     rope_theta: float = 10000.0
     """RoPE base frequency."""
     rope_scaling: bool = False
-    """Apply Llama 3.1's RoPE frequency scaling (factor 8, low_freq_factor 1, high_freq_factor 4, original max
-    positions 8192)."""
+    """Apply Llama 3.1's RoPE frequency scaling (factor rope_scaling_factor, low_freq_factor 1, high_freq_factor 4,
+    original max positions 8192)."""
+    rope_scaling_factor: float = 8.0
+    """With rope_scaling: the factor dividing the low frequencies (8 for Llama 3.1, 32 for Llama 3.2 1B/3B)."""
     max_seq_len: int = 2048
     """Longest sequence the RoPE table (``rope_table``) covers."""
     attn: str = "sdpa"
@@ -162,15 +164,18 @@ class TransformerModelArgs:
 # Rotary embeddings
 # ----------------------------------------------------------------------------------------------------------------
 
-# Llama 3.1 frequency scaling constants.
+# Llama 3.1 frequency scaling constants (the factor is the default of TransformerModelArgs.rope_scaling_factor).
 ROPE_SCALE_FACTOR = 8.0
 ROPE_LOW_FREQ_FACTOR = 1.0
 ROPE_HIGH_FREQ_FACTOR = 4.0
 ROPE_ORIGINAL_MAX_POS = 8192
 
 
-def precompute_rope_inv_freq(head_dim: int, theta: float, rope_scaling: bool = False) -> Tensor:
-    """RoPE inverse frequencies ``[head_dim // 2]`` (fp32), with Llama 3.1 scaling when ``rope_scaling``."""
+def precompute_rope_inv_freq(
+    head_dim: int, theta: float, rope_scaling: bool = False, scale_factor: float = ROPE_SCALE_FACTOR
+) -> Tensor:
+    """RoPE inverse frequencies ``[head_dim // 2]`` (fp32), with Llama 3.1 scaling by ``scale_factor`` when
+    ``rope_scaling``."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     if not rope_scaling:
         return inv_freq
@@ -179,17 +184,19 @@ def precompute_rope_inv_freq(head_dim: int, theta: float, rope_scaling: bool = F
     wavelen = 2 * math.pi / inv_freq
     # Long wavelengths (low frequencies) are divided by the factor, short ones kept, and the band between
     # interpolated smoothly.
-    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / ROPE_SCALE_FACTOR, inv_freq)
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / scale_factor, inv_freq)
     smooth = (ROPE_ORIGINAL_MAX_POS / wavelen - ROPE_LOW_FREQ_FACTOR) / (ROPE_HIGH_FREQ_FACTOR - ROPE_LOW_FREQ_FACTOR)
-    smoothed = (1 - smooth) * scaled / ROPE_SCALE_FACTOR + smooth * scaled
+    smoothed = (1 - smooth) * scaled / scale_factor + smooth * scaled
     is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
     return torch.where(is_medium, smoothed, scaled)
 
 
-def precompute_rope_table(head_dim: int, end: int, theta: float, rope_scaling: bool = False) -> Tensor:
+def precompute_rope_table(
+    head_dim: int, end: int, theta: float, rope_scaling: bool = False, scale_factor: float = ROPE_SCALE_FACTOR
+) -> Tensor:
     """The rotations of positions ``0 .. end - 1``: ``[end, head_dim // 2, 2]`` fp32, the cosine and the sine of
     ``position * inv_freq`` for each pair of features."""
-    inv_freq = precompute_rope_inv_freq(head_dim, theta, rope_scaling)
+    inv_freq = precompute_rope_inv_freq(head_dim, theta, rope_scaling, scale_factor)
     t = torch.arange(end, dtype=torch.float32, device=inv_freq.device)
     angles = torch.outer(t, inv_freq)
     return torch.stack((torch.cos(angles), torch.sin(angles)), dim=-1)
@@ -386,7 +393,7 @@ class Transformer(nn.Module):
 
     def _precompute_rope_table(self) -> Tensor:
         a = self.args
-        return precompute_rope_table(a.head_dim, a.max_seq_len, a.rope_theta, a.rope_scaling)
+        return precompute_rope_table(a.head_dim, a.max_seq_len, a.rope_theta, a.rope_scaling, a.rope_scaling_factor)
 
     def init_weights(
         self,
