@@ -21,8 +21,11 @@ from models.loss import cross_entropy_sum
 from parallelize.bf16_weights import bf16_weights_apply, master_weight, split, split_linear_weights
 from tests.test_model import build, debug_args
 
-SMALL = ["--training.seq_len", "64", "--training.local_batch_size", "4", "--metrics.log_freq", "1",
+# Few tokens per step: a CPU's bf16 matmuls (autocast's) run tens of times slower than its fp32 ones, and the
+# comparisons below are bit for bit (or within rounding), which any batch shows as well as a large one.
+SMALL = ["--training.seq_len", "32", "--training.local_batch_size", "2", "--metrics.log_freq", "1",
          "--lr_scheduler.warmup_steps", "2", "--debug.deterministic"]
+LEARNING = ["--training.seq_len", "64", "--training.local_batch_size", "4"]  # for a curve that must fall far
 
 
 @pytest.fixture
@@ -264,11 +267,11 @@ SPLIT_LINE = "bf16 autocast on bf16 weights (fp32 masters split in two)"
 @pytest.mark.parametrize("layout", [[], COMPILED_OP_AC], ids=["eager", "compile_op_ac"])
 def test_training_on_split_weights_is_autocast_bit_for_bit(layout, tmp_path, capsys, cpu_autocast):
     """The trainer on one rank under bf16 autocast, on split bf16 weights (the default) and on fp32 weights,
-    eager and with compiled blocks under per-op AC: 8 steps of the same losses, bit for bit (the update is
+    eager and with compiled blocks under per-op AC: 4 steps of the same losses, bit for bit (the update is
     torch's foreach AdamW's, the CPU's default kernel, on the same fp32 weights). The clip is off (max_norm 1e9)
     because it differs by design: the split weights' update divides by the inverse clip factor as it reads a
     gradient, as torch's fused kernel does, where foreach multiplies by the factor."""
-    common = ["--training.steps", "8", "--training.max_norm", "1e9", *layout]
+    common = ["--training.steps", "4", "--training.max_norm", "1e9", *layout]
     ours, out = _train(tmp_path / "split", capsys, *common)
     assert SPLIT_LINE in out
     plain, out = _train(tmp_path / "plain", capsys, *common, "--training.no-bf16_weights")
@@ -297,30 +300,30 @@ def test_a_lost_low_half_would_show(tmp_path, capsys, cpu_autocast, monkeypatch)
 
 
 def test_gradient_accumulation_keeps_plain_autocast(tmp_path, capsys, cpu_autocast):
-    _, out = _train(tmp_path / "acc", capsys, "--training.steps", "1", "--training.global_batch_size", "8")
+    _, out = _train(tmp_path / "acc", capsys, "--training.steps", "1", "--training.global_batch_size", "4")
     assert "grad accumulation 2; " in out and "bf16 autocast" in out and SPLIT_LINE not in out
 
 
 def test_resume_on_split_weights_is_bit_identical_and_checkpoints_are_interchangeable(tmp_path, capsys,
                                                                                       cpu_autocast):
     """Checkpoints hold the fp32 weights and torch's AdamW state with or without split weights: a run resumed at
-    step 4 on split weights continues bit-identically, and so does one resumed on fp32 weights (the clip off,
+    step 2 on split weights continues bit-identically, and so does one resumed on fp32 weights (the clip off,
     as above)."""
-    ckpt = ["--training.steps", "8", "--training.max_norm", "1e9", "--checkpoint.enable", "--checkpoint.interval", "4"]
+    ckpt = ["--training.steps", "4", "--training.max_norm", "1e9", "--checkpoint.enable", "--checkpoint.interval", "2"]
     whole, _ = _train(tmp_path / "whole", capsys, *ckpt)
     for name, extra in (("split", []), ("plain", ["--training.no-bf16_weights"])):
         dump = tmp_path / name
         shutil.copytree(tmp_path / "whole", dump)
-        shutil.rmtree(step_folder(str(dump / "checkpoint"), 8))
+        shutil.rmtree(step_folder(str(dump / "checkpoint"), 4))
         rows, out = _train(dump, capsys, *ckpt, *extra)
-        assert "resumed from step 4" in out
-        resumed = [r for r in rows if r["step"] > 4][-4:]
-        assert [r["step"] for r in resumed] == [5, 6, 7, 8]
+        assert "resumed from step 2" in out
+        resumed = [r for r in rows if r["step"] > 2][-2:]
+        assert [r["step"] for r in resumed] == [3, 4]
         if name == "split":
-            assert _curve(resumed) == _curve(whole[4:])
+            assert _curve(resumed) == _curve(whole[2:])
         else:  # the same losses (no clip: see above); the norms of fp32 gradients in fp32's last bits
-            assert [r["loss"] for r in resumed] == [r["loss"] for r in whole[4:]]
-            assert [r["grad_norm"] for r in resumed] == pytest.approx([r["grad_norm"] for r in whole[4:]], rel=1e-6)
+            assert [r["loss"] for r in resumed] == [r["loss"] for r in whole[2:]]
+            assert [r["grad_norm"] for r in resumed] == pytest.approx([r["grad_norm"] for r in whole[2:]], rel=1e-6)
 
 
 def test_float8_layers_train_on_split_weights(tmp_path, capsys, cpu_autocast):
@@ -328,7 +331,7 @@ def test_float8_layers_train_on_split_weights(tmp_path, capsys, cpu_autocast):
     class and read their bf16 weights; the curve follows float8 on fp32 weights within float8's tolerance
     (each weight is cast to float8 from its bf16 value, not from fp32: not the same bits)."""
     pytest.importorskip("torchao")
-    common = ["--training.steps", "6", "--float8.enable", "--float8.emulate", *COMPILED_OP_AC]
+    common = ["--training.steps", "6", "--float8.enable", "--float8.emulate", *COMPILED_OP_AC, *LEARNING]
     ours, out = _train(tmp_path / "split", capsys, *common)
     assert SPLIT_LINE in out and "float8 tensorwise (emulated)" in out
     plain, _ = _train(tmp_path / "plain", capsys, *common, "--training.no-bf16_weights")
@@ -340,7 +343,7 @@ def test_compiled_update_in_the_trainer_follows_torchs_fused_adamw(tmp_path, cap
     """The update as CUDA runs it (compiled: optimizer.implementation fused here, one graph per parameter group)
     inside the trainer, clip on, against torch's fused AdamW on fp32 weights: the first loss the same, then the
     curves within fp32 rounding's drift (measured: 5e-5 over 8 steps)."""
-    common = ["--training.steps", "8", "--optimizer.implementation", "fused"]
+    common = ["--training.steps", "8", "--optimizer.implementation", "fused", *LEARNING]
     ours, out = _train(tmp_path / "split", capsys, *common)
     assert SPLIT_LINE in out
     plain, _ = _train(tmp_path / "plain", capsys, *common, "--training.no-bf16_weights")
