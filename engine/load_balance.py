@@ -9,6 +9,7 @@ busiest expert's tokens over the mean) is kept for the next log.
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -21,25 +22,30 @@ from models.moe import MoE
 class LoadBalance:
     """The MoE layers of this rank's model parts, and what the loop does with them (nothing for a dense model)."""
 
-    def __init__(self, parts: list[nn.Module], aux_loss_coeff: float, group: Optional[dist.ProcessGroup],
+    def __init__(self, parts: list[nn.Module], aux_loss_coeff: float, groups: list[dist.ProcessGroup],
                  device: torch.device):
+        """``groups``: process groups whose ranks together hold every token of a step (dp x cp, and tp when the
+        MoE layers run on sequence shards); the expert counts are summed over them, the auxiliary loss averaged."""
         self.layers = [m for part in parts for m in part.modules() if isinstance(m, MoE)]
         self.coeff = aux_loss_coeff
-        self.group = group
+        self.groups = groups
+        self.token_ranks = math.prod(dist.get_world_size(g) for g in groups)
         self._aux_sum = torch.zeros((), device=device)
         self._aux_count = 0
         self._load: Optional[Tensor] = None
+        self.last_counts: Optional[Tensor] = None
+        """The last step's tokens per expert, summed over the ranks: ``[layers, experts]``."""
 
-    def aux_term(self, divisor: int) -> Optional[Tensor]:
+    def aux_term(self, microbatches: int) -> Optional[Tensor]:
         """After a microbatch's forward: the term to add to its loss before backward (the coefficient times the
-        layers' mean auxiliary loss, divided by ``divisor``: microbatches x ranks holding other tokens, whose
-        gradients are summed), or None without MoE layers or coefficient."""
+        layers' mean auxiliary loss, divided by the step's ``microbatches`` and the ranks holding other tokens,
+        whose gradients are summed), or None without MoE layers or coefficient."""
         if not self.layers:
             return None
         aux = torch.stack([layer.aux_loss for layer in self.layers]).mean()
         self._aux_sum += aux.detach()
         self._aux_count += 1
-        return self.coeff * aux / divisor if self.coeff else None
+        return self.coeff * aux / (microbatches * self.token_ranks) if self.coeff else None
 
     @torch.no_grad()
     def after_step(self) -> None:
@@ -48,8 +54,9 @@ class LoadBalance:
         if not self.layers:
             return
         counts = torch.stack([layer.tokens_per_expert for layer in self.layers])
-        if self.group is not None:
-            dist.all_reduce(counts, group=self.group)
+        for group in self.groups:
+            dist.all_reduce(counts, group=group)
+        self.last_counts = counts.clone()
         mean = counts.mean(dim=1).clamp(min=1e-9)
         self._load = counts.max(dim=1).values / mean
         for layer, count in zip(self.layers, counts):

@@ -247,13 +247,36 @@ def _fp32_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.linalg.vector_norm(torch.stack(norms))  # in the tensors' order, as torch's
 
 
+def _sharded_squares(mesh, grads: list) -> torch.Tensor:
+    """The squared L2 norm of DTensor gradients on ``mesh``: each rank's shards' squares summed over the mesh
+    dimensions they are sharded on (a replicated dimension holds the same values on every rank: counted once).
+    Done here rather than by DTensor, which reduces over several mesh dimensions at once by flattening them and
+    cannot when their ranks are not in the root mesh's order (an expert-parallel weight sharded by FSDP over
+    edp x tp and by EP over the ep ranks between them)."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import Partial
+
+    by_dims: dict = {}
+    for g in grads:
+        assert not any(isinstance(p, Partial) for p in g.placements), g.placements
+        dims = tuple(i for i, p in enumerate(g.placements) if not p.is_replicate())  # Shard, FSDP's strided shard
+        by_dims.setdefault(dims, []).append(g.to_local())
+    total = None
+    for dims, local in by_dims.items():
+        sq = _fp32_norm(local) ** 2
+        for dim in dims:
+            dist.all_reduce(sq, group=mesh.get_group(dim))
+        total = sq if total is None else total + sq
+    return total
+
+
 def clip_grad_norm_(parameters, max_norm: float, pp_group=None,
                     optimizer: Optional[torch.optim.Optimizer] = None, scale_in_optimizer: bool = True) -> torch.Tensor:
     """Clip the gradients to a total L2 norm of ``max_norm``; returns the total norm before clipping.
 
     Gradients may be DTensors sharded or replicated over any mesh dimensions (FSDP, TP, ...), on several
-    meshes at once: each mesh's norm is computed with DTensor semantics (sharded contributions summed,
-    replicated ones counted once) and made whole, then the meshes are combined. With pipeline stages
+    meshes at once: each mesh's squared norm is summed over the dimensions its gradients are sharded on
+    (replicated ones counted once), then the meshes are combined. With pipeline stages
     (``pp_group``) every stage holds different parameters, so their squared norms are summed over it.
 
     With a fused Adam/AdamW ``optimizer`` (``scales_gradients``) the gradients are not scaled here: the
@@ -273,13 +296,8 @@ def clip_grad_norm_(parameters, max_norm: float, pp_group=None,
         by_mesh.setdefault(key, []).append(p.grad)
     squares = []
     for mesh, grads in by_mesh.items():
-        if mesh is None:  # plain tensors, bf16 ones (split bf16 weights' gradients) included: fp32 norms
-            norm = _fp32_norm(grads)
-        else:
-            norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
-        if isinstance(norm, DTensor):
-            norm = norm.full_tensor()
-        squares.append(norm.float() ** 2)
+        # plain tensors, bf16 ones (split bf16 weights' gradients) included: fp32 norms
+        squares.append(_fp32_norm(grads) ** 2 if mesh is None else _sharded_squares(mesh, grads))
     total_sq = torch.stack(squares).sum() if squares else torch.zeros(())
     if pp_group is not None:
         dist.all_reduce(total_sq, group=pp_group)

@@ -140,8 +140,10 @@ class Trainer:
         # the divisor.
         self.backward_scale = gradient_divide_factor(self.dims.mesh("fsdp")) if self.dims.data_parallel else 1
         self.loss_fn = compile_loss(cross_entropy_sum) if cfg.compile.enable else cross_entropy_sum
-        self.loss_ranks = dist.get_world_size(self.loss_group) if self.loss_group is not None else 1
-        self.balance = LoadBalance(parts, cfg.model.moe_aux_loss_coeff, self.loss_group, self.device)
+        # Under TP each rank runs the MoE layers on its own sequence shard: their counts add up over tp too.
+        token_groups = [g for g in (self.loss_group, self.dims.group("tp") if self.dims.tp_enabled else None)
+                        if g is not None]
+        self.balance = LoadBalance(parts, cfg.model.moe_aux_loss_coeff, token_groups, self.device)
         self._num_targets = 1  # the current step's global target count, for the pipeline's loss function
         if self.dims.pp_enabled:
             self.pp_schedule = self._pipeline_schedule()
@@ -257,7 +259,7 @@ class Trainer:
             with loss_context(self.loss_parallel):
                 loss = self._loss_sum(out, mb) / num_targets
                 del out
-                aux = self.balance.aux_term(len(microbatches) * self.loss_ranks)  # MoE: what the logged loss leaves out
+                aux = self.balance.aux_term(len(microbatches))  # MoE: what the logged loss leaves out
                 trained = loss if aux is None else loss + aux
                 (trained * self.backward_scale if self.backward_scale != 1 else trained).backward()
             total_loss += to_local_scalar(loss.detach())

@@ -18,12 +18,14 @@ Load balancing, both optional:
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 SCORE_FUNCS = ("softmax", "sigmoid")
 
@@ -54,6 +56,22 @@ class MoEArgs:
             raise ValueError(f"score_func: {self.score_func!r} is not one of {', '.join(SCORE_FUNCS)}")
         if not 1 <= self.top_k <= self.num_experts:
             raise ValueError(f"top_k: {self.top_k} must be between 1 and the {self.num_experts} experts")
+
+
+_RECOMPUTING = {"active": False}  # inside an activation checkpoint's recomputation (see ``recomputing``)
+
+
+@contextlib.contextmanager
+def recomputing():
+    """Marks an activation checkpoint's recomputation of a forward in backward: a MoE layer run again there does not
+    count its tokens a second time. (Compiled per-op checkpointing recomputes without running the Python forward:
+    parallelize/compile.py has Dynamo skip the count there.)"""
+    before = _RECOMPUTING["active"]
+    _RECOMPUTING["active"] = True
+    try:
+        yield
+    finally:
+        _RECOMPUTING["active"] = before
 
 
 _GROUPED_MM: dict[tuple[str, torch.dtype], bool] = {}  # grouped_mm_works's answers (a plain dict: compile reads it)
@@ -146,9 +164,11 @@ class GroupedExperts(nn.Module):
             nn.init.trunc_normal_(w, mean=0.0, std=init_std)
 
     def forward(self, x: Tensor, counts: Tensor) -> Tensor:
-        """``x [T, dim]``, its rows sorted by expert, ``counts [E]`` rows per expert -> ``[T, dim]``."""
-        h = F.silu(grouped_matmul(x, self.w1, counts)) * grouped_matmul(x, self.w3, counts)
-        return grouped_matmul(h, self.w2, counts)
+        """``x [T, dim]``, its rows sorted by expert, ``counts [E]`` rows per expert -> ``[T, dim]``. Under expert
+        parallelism the weights are DTensors and this rank computes with its own experts (their local shard)."""
+        w1, w2, w3 = (w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w2, self.w3))
+        h = F.silu(grouped_matmul(x, w1, counts)) * grouped_matmul(x, w3, counts)
+        return grouped_matmul(h, w2, counts)
 
 
 class TokenChoiceRouter(nn.Module):
@@ -194,6 +214,9 @@ class MoE(nn.Module):
                              else None, persistent=True)
         self.register_buffer("tokens_per_expert", torch.zeros(args.num_experts), persistent=False)
         self.aux_loss: Optional[Tensor] = None
+        # How the routed experts run on the sorted token-expert pairs: ``run_experts(experts, x, counts)``; None
+        # runs them here (a parallel plan sets it: expert parallelism's all-to-all dispatch).
+        self.run_experts: Optional[Callable[[nn.Module, Tensor, Tensor], Tensor]] = None
 
     def init_weights(self, init_std: float, buffer_device: Optional[torch.device] = None) -> None:
         self.router.init_weights(init_std)
@@ -215,14 +238,16 @@ class MoE(nn.Module):
         flat = experts.reshape(-1)
         # histc, not bincount: a fixed output size, which compiles without a graph break.
         counts = torch.histc(flat.float(), bins=a.num_experts, min=0, max=a.num_experts).to(torch.int64)
-        with torch.no_grad():
-            self.tokens_per_expert.add_(counts.to(self.tokens_per_expert.dtype))
+        if not _RECOMPUTING["active"]:
+            with torch.no_grad():
+                self.tokens_per_expert.add_(counts.to(self.tokens_per_expert.dtype))
         # f_e: the fraction of tokens routed to expert e; P_e: its mean probability.
         self.aux_loss = a.num_experts * torch.sum(counts.float() / x.shape[0] * probs.mean(dim=0))
         # Dispatch: the token-expert pairs sorted by expert (a stable sort keeps each expert's tokens in order).
         order = torch.argsort(flat, stable=True)
         token = order // a.top_k
-        routed = self.experts(x[token], counts)
+        routed = (self.experts(x[token], counts) if self.run_experts is None
+                  else self.run_experts(self.experts, x[token], counts))
         routed = routed * weights.reshape(-1)[order, None].to(routed.dtype)
         out = torch.zeros_like(x).index_add_(0, token, routed.to(x.dtype))
         if self.shared_experts is not None:

@@ -14,9 +14,10 @@ from torch import nn
 from models.moe import MoE
 
 
-def apply_compile(blocks: nn.ModuleDict, inside_checkpoint: bool = False) -> None:
+def apply_compile(blocks: nn.ModuleDict, inside_checkpoint: bool = False, fullgraph: bool = True) -> None:
     """Compile each block in place, with fullgraph (context parallelism's ring attention, whichever way it
-    rotates, is one operator to the compiler: parallelize/context_parallel.py).
+    rotates, is one operator to the compiler: parallelize/context_parallel.py) unless told otherwise: expert
+    parallelism's all-to-all dispatch, whose split sizes live on the host, runs between two compiled graphs.
 
     ``inside_checkpoint`` (full and every-N activation checkpointing): a checkpoint-wrapped block's own module is
     compiled and the checkpoint runs eagerly around it, recomputing the compiled forward in backward. Compiling
@@ -31,7 +32,7 @@ def apply_compile(blocks: nn.ModuleDict, inside_checkpoint: bool = False) -> Non
         torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
     for block in blocks.values():
         inner = getattr(block, "_checkpoint_wrapped_module", None) if inside_checkpoint else None
-        (inner if inner is not None else block).compile(fullgraph=True)
+        (inner if inner is not None else block).compile(fullgraph=fullgraph)
 
 
 def wait_before_compiled_blocks(module: nn.Module) -> None:

@@ -14,6 +14,7 @@ import dataclasses
 import torch
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Shard
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -33,8 +34,15 @@ def apply_fsdp(
     reshard_after_forward: str = "default",
     cpu_offload: bool = False,
     pipelined: bool = False,
+    units: tuple[tuple[nn.Module, object], ...] = (),
 ) -> None:
-    """``fully_shard`` each block, then the root (which takes the parameters no block holds).
+    """``fully_shard`` each of ``units`` over its own mesh, then each block, then the root (which takes the
+    parameters no block holds).
+
+    ``units``: (module, mesh) pairs inside the blocks that are sharded over another mesh than ``mesh``: a MoE
+    layer's experts (over the ranks holding the same experts, sharded on the expert dimension or, when a rank holds
+    fewer experts than that mesh has ranks, on the next one) and, under TP, its router and shared experts (over
+    every rank holding other tokens). Their gradients are divided by ``mesh``'s size, as the blocks' are.
 
     FSDP2 averages gradients over the mesh (it divides their sum by the mesh size); the caller scales
     its loss accordingly (``gradient_divide_factor``).
@@ -51,6 +59,17 @@ def apply_fsdp(
     # (in param_dtype already) and the model's buffers: the fp32 RoPE table, which must stay fp32 (cosines and
     # sines rounded to bf16 no longer rotate without stretching).
     block_policy = dataclasses.replace(mp_policy, cast_forward_inputs=False)
+    for unit, unit_mesh in units:
+        shard_ranks = unit_mesh.size(unit_mesh.ndim - 1)
+        fully_shard(unit, mesh=unit_mesh, mp_policy=block_policy, offload_policy=offload,
+                    reshard_after_forward=reshard_after_forward == "always" or (reshard_after_forward == "default"
+                                                                                and not pipelined),
+                    shard_placement_fn=lambda p, n=shard_ranks: Shard(1) if p.ndim > 1 and _rows(p) < n else None)
+        unit.set_gradient_divide_factor(gradient_divide_factor(mesh))
+        # Over more than one shard: a sum, then a division (the pre-multiplied sum FSDP2 would use for a factor other
+        # than the unit's mesh size is missing in gloo). Not over one: there FSDP2 divides as it copies, and a
+        # forced sum would divide once more (torch 2.13).
+        unit.set_force_sum_reduction_for_comms(shard_ranks > 1)
     for i, block in enumerate(blocks):
         if reshard_after_forward == "default":
             reshard = i < len(blocks) - 1 and not pipelined
@@ -64,6 +83,11 @@ def apply_fsdp(
         offload_policy=offload,
         reshard_after_forward=reshard_after_forward == "always",
     )
+
+
+def _rows(param) -> int:
+    """The first dimension of this rank's part of ``param`` (the local experts of an expert-parallel weight)."""
+    return (param.to_local() if isinstance(param, DTensor) else param).shape[0]
 
 
 def set_replica_all_reduce(parts: list[nn.Module], enabled: bool) -> None:

@@ -14,8 +14,18 @@ instead of testing which dimensions are on. Views, beside the five dimensions:
   of FSDP x TP parameters is partial over (dp_shard_cp, tp), and with this view DTensor reduces it in one
   all-reduce instead of one per dimension (slower, and the ranks could round differently).
 
-``DeviceMesh._flatten`` is a private API (the only way torch offers to build these views); this module is
-the one place that calls it.
+Expert parallelism (``ep`` > 1, Mixture-of-Experts flavors) carves ep out of dp_shard x cp: the ``dp_shard_cp``
+ranks are split into ``edp x ep`` (ep innermost). Views for the MoE layers, built when ep > 1 or tp > 1:
+
+- ``ep``          : the ranks that hold different experts and exchange tokens by all-to-all.
+- ``efsdp``       : edp x tp: the ranks holding the same experts and different tokens (under TP each rank runs
+  the MoE layer on its own sequence shard); FSDP2 shards and reduces the experts over them.
+- ``expert_fsdp`` : FSDP2's mesh for the experts: efsdp, with dp_replicate in front for HSDP.
+- ``moe_fsdp``    : FSDP2's mesh for a MoE layer's router and shared experts under TP: dp_shard x cp x tp, with
+  dp_replicate in front for HSDP (every rank holding other tokens).
+
+``DeviceMesh._flatten``, ``_unflatten`` and ``_concatenate`` are private APIs (the only way torch offers to build
+these views); this module is the one place that calls them.
 """
 
 from __future__ import annotations
@@ -48,6 +58,8 @@ class ParallelDims:
     world_size: int
     fsdp_single_rank: bool = False
     """Wrap in FSDP2 on a world of one rank too (parallelism.fsdp_single_rank)."""
+    ep: int = 1
+    """Expert-parallel degree, carved out of dp_shard x cp (adds no ranks)."""
     _meshes: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
@@ -73,8 +85,17 @@ class ParallelDims:
                 f"{world_size} ranks (NGPU x nodes); make the product equal the world size, or set "
                 f"parallelism.dp_shard = -1"
             )
+        ep = int(getattr(p, "ep", 1))
+        if ep < 1:
+            raise ConfigError(f"parallelism.ep: must be >= 1, got {ep}")
+        if (degrees["dp_shard"] * degrees["cp"]) % ep:
+            raise ConfigError(
+                f"parallelism.ep: {ep} does not divide dp_shard x cp = {degrees['dp_shard']} x {degrees['cp']}; expert "
+                "parallelism spreads the experts over ranks drawn from those two dimensions, so pick an ep that "
+                "divides their product"
+            )
         single = bool(getattr(p, "fsdp_single_rank", False)) and world_size == 1
-        return cls(world_size=world_size, fsdp_single_rank=single, **degrees)
+        return cls(world_size=world_size, fsdp_single_rank=single, ep=ep, **degrees)
 
     # -- which techniques are on ---------------------------------------------------------------------------
     @property
@@ -108,6 +129,10 @@ class ParallelDims:
         return self.pp > 1
 
     @property
+    def ep_enabled(self) -> bool:
+        return self.ep > 1
+
+    @property
     def distributed(self) -> bool:
         """Whether there is a process group and a mesh (more than one rank, or FSDP on a single rank)."""
         return self.world_size > 1 or self.fsdp_single_rank
@@ -137,10 +162,30 @@ class ParallelDims:
             with warnings.catch_warnings():  # slicing a flattened view out of the root: the only way in torch
                 warnings.simplefilter("ignore")
                 self._meshes["fsdp"] = root["dp_replicate", "dp_shard_cp"]
+        if self.ep > 1 or self.tp > 1:
+            self._build_moe_views(root)
         return root
 
+    def _build_moe_views(self, root) -> None:
+        """The MoE layers' views (see the module doc)."""
+        from torch.distributed.device_mesh import DeviceMesh
+
+        m = self._meshes
+        if self.ep > 1:
+            split = m["dp_shard_cp"]._unflatten(0, (self.dp_shard * self.cp // self.ep, self.ep), ("edp", "ep"))
+            m["ep"] = split["ep"]
+            edp = split["edp"]
+            m["efsdp"] = DeviceMesh._concatenate([edp, root["tp"]])._flatten("efsdp") if self.tp > 1 else edp
+        else:
+            m["efsdp"] = m["dp_shard_cp_tp"]
+        replicate = [root["dp_replicate"]] if self.dp_replicate > 1 else []
+        m["expert_fsdp"] = DeviceMesh._concatenate([*replicate, m["efsdp"]]) if replicate else m["efsdp"]
+        m["moe_fsdp"] = (DeviceMesh._concatenate([*replicate, m["dp_shard_cp_tp"]]) if replicate
+                         else m["dp_shard_cp_tp"])
+
     def mesh(self, name: str):
-        """The named view: one of pp, dp_replicate, dp_shard, cp, tp, dp, dp_shard_cp, dp_cp, fsdp, root."""
+        """The named view: one of pp, dp_replicate, dp_shard, cp, tp, dp, dp_shard_cp, dp_cp, fsdp, root; with ep > 1
+        or tp > 1 also ep (ep > 1), efsdp, expert_fsdp and moe_fsdp."""
         assert self._meshes, "build_mesh() first"
         return self._meshes[name]
 
@@ -165,7 +210,8 @@ class ParallelDims:
         return all(self.coordinate(view)[0] == 0 for view in ("pp", "cp", "tp"))
 
     def describe(self) -> str:
-        return _describe({name: getattr(self, name) for name in DIM_NAMES})
+        ep = f" (ep {self.ep})" if self.ep > 1 else ""
+        return _describe({name: getattr(self, name) for name in DIM_NAMES}) + ep
 
 
 def _describe(degrees: dict[str, int], skip: str = "") -> str:

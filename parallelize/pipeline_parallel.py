@@ -218,21 +218,40 @@ def split_layers(n_layers: int, n_stages: int, layers_per_stage: list[int] | Non
 
 
 def _stage_class():
-    """torch's PipelineStage, or, on torch whose schedules open the stage-to-stage connections by sending a
-    message to each neighbouring stage (torch 2.11; 2.13 has a warm-up vote instead), a subclass that leaves
-    out the messages to stages on its own rank: V schedules (ZBVZeroBubble, DualPipeV) put adjacent stages on
-    one rank, and gloo cannot send from a rank to itself."""
+    """torch's PipelineStage, with two changes that reach into its private methods (this is the one place):
+
+    - torch learns a stage's output shapes by running the first microbatch through it once more (its metadata
+      inference); the stage's buffers are put back as they were afterwards, so that what a forward counts (a MoE
+      layer's tokens per expert) counts the step's microbatches once;
+    - on torch whose schedules open the stage-to-stage connections by sending a message to each neighbouring stage
+      (torch 2.11; 2.13 has a warm-up vote instead), the messages to stages on its own rank are left out: V
+      schedules (ZBVZeroBubble, DualPipeV) put adjacent stages on one rank, and gloo cannot send from a rank to
+      itself."""
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining import schedules
 
-    if hasattr(schedules.PipelineScheduleMulti, "_warmup_p2p"):  # torch >= 2.13
-        return PipelineStage
+    opens_by_messages = not hasattr(schedules.PipelineScheduleMulti, "_warmup_p2p")  # torch < 2.13
+    inference = next((name for name in ("_forward_metadata_inference", "_shape_inference")
+                      if hasattr(PipelineStage, name)), None)
 
     class Stage(PipelineStage):
-        def _get_init_p2p_neighbors_ops(self):  # overrides torch's private method (older torch only)
-            me = dist.get_rank(self.group)
-            return [op for op in super()._get_init_p2p_neighbors_ops() if op.group_peer != me]
+        if opens_by_messages:
+            def _get_init_p2p_neighbors_ops(self):
+                me = dist.get_rank(self.group)
+                return [op for op in super()._get_init_p2p_neighbors_ops() if op.group_peer != me]
 
+    if inference is not None:
+        def infer_keeping_buffers(self, *args, **kwargs):
+            saved = [(b, b.clone()) for b in self.submod.buffers()]
+            try:
+                return getattr(PipelineStage, inference)(self, *args, **kwargs)
+            finally:
+                with torch.no_grad():  # only those that changed: the others may be saved for the backward
+                    for buffer, value in saved:
+                        if not torch.equal(buffer, value):
+                            buffer.copy_(value)
+
+        setattr(Stage, inference, infer_keeping_buffers)
     return Stage
 
 

@@ -183,7 +183,7 @@ def test_compiled_block_formula_matches_autograd(precision, mode):
     blocks = torch.nn.ModuleDict({"0": TransformerBlock(0, args)})
     mode, _, op_matmuls = mode.partition("_")
     if mode == "selective":
-        apply_ac(blocks, mode, "op", op_matmuls or "all")
+        apply_ac(blocks, mode, "op", op_matmuls or "all", traced=True)
     block = torch.compile(blocks["0"], fullgraph=True)
     B, S = 3, 32
     x = torch.randn(B, S, args.dim, requires_grad=True)

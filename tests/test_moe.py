@@ -147,6 +147,7 @@ def _register(name: str, **changes):
 @pytest.mark.parametrize("changes, argv, field", [
     ({"tie_embeddings": True}, ["--parallelism.pp", "2"], "parallelism.pp"),
     ({"tie_embeddings": True}, ["--parallelism.tp", "2"], "parallelism.tp"),
+    # MoE layers under TP are sharded by FSDP over the TP ranks: TP alone has no FSDP
     ({"moe": MoEArgs(num_experts=4, top_k=2, hidden_dim=64)}, ["--parallelism.tp", "2"], "parallelism.tp"),
 ])
 def test_layouts_a_flavor_cannot_be_split_by_are_one_error_naming_the_field(changes, argv, field):
@@ -155,9 +156,27 @@ def test_layouts_a_flavor_cannot_be_split_by_are_one_error_naming_the_field(chan
 
     name = f"llama3_{'tied' if 'tie_embeddings' in changes else 'moe'}"
     _register(name, **changes)
-    with pytest.raises(ConfigError, match=rf"^{field}: {name}/debugmodel (ties|has Mixture-of-Experts)"):
+    with pytest.raises(ConfigError, match=rf"^{field}: {name}/debugmodel (ties|runs its Mixture-of-Experts)"):
         validate(parse_args(["--model.name", name, *argv]), 2)
     validate(parse_args(["--model.name", name, "--parallelism.dp_shard", "2"]), 2)
+
+
+@pytest.mark.parametrize("flavor, argv, world, message", [
+    ("debugmodel", ["--parallelism.ep", "2"], 2, "parallelism.ep: qwen3/debugmodel has no Mixture-of-Experts"),
+    ("debugmodel_moe", ["--parallelism.ep", "3"], 3, "parallelism.ep: 3 does not divide qwen3/debugmodel_moe's 8 "
+                                                     "experts"),
+    ("debugmodel_moe", ["--parallelism.ep", "4", "--parallelism.tp", "2"], 4,
+     r"parallelism.ep: 4 does not divide dp_shard x cp = 2 x 1"),
+    ("debugmodel_moe", ["--parallelism.ep", "0"], 2, "parallelism.ep: must be >= 1"),
+])
+def test_impossible_expert_parallel_layouts_are_one_error_naming_the_field(flavor, argv, world, message):
+    from engine.config import ConfigError, parse_args
+    from engine.config.validation import validate
+
+    with pytest.raises(ConfigError, match="^" + message):
+        validate(parse_args(["--model.name", "qwen3", "--model.flavor", flavor, *argv]), world)
+    validate(parse_args(["--model.name", "qwen3", "--model.flavor", "debugmodel_moe", "--parallelism.ep", "2",
+                         "--parallelism.tp", "2"]), 4)
 
 
 def test_compiled_moe_matches_eager_without_a_graph_break():

@@ -124,6 +124,9 @@ class Parallelism:
     """Tensor-parallel degree (with sequence parallel norms); must divide n_heads and n_kv_heads."""
     pp: int = 1
     """Pipeline-parallel degree: the layers are split into stages on pp ranks."""
+    ep: int = 1
+    """Expert-parallel degree (Mixture-of-Experts flavors): each expert lives on one of ep ranks drawn from
+    dp_shard x cp, tokens reach it by all-to-all; must divide dp_shard x cp and the experts."""
     pp_schedule: str = "1F1B"
     """Pipeline schedule: GPipe, 1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble or
     DualPipeV. The zero-bubble ones (the last three) take no compile, activation checkpointing or float8 layers,

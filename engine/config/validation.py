@@ -57,7 +57,7 @@ class Plan:
     memory estimate, the planner) takes these values as they are."""
 
     dims: ParallelDims
-    """The mesh degrees (dp_replicate, dp_shard, cp, tp, pp) and the world size."""
+    """The mesh degrees (dp_replicate, dp_shard, cp, tp, pp; ep carved from dp_shard x cp) and the world size."""
     grad_accum: int
     """Microbatches per optimizer step on each data-parallel rank (gradient accumulation)."""
     pp_microbatches: int
@@ -337,7 +337,7 @@ def validate_parallelism(cfg: Config, world_size: int, spec, machine: Optional[M
 
 
 def _validate_model_layout(cfg: Config, dims: ParallelDims, args) -> None:
-    """What a flavor's tied embeddings and Mixture-of-Experts blocks cannot be split by yet."""
+    """What a flavor's tied embeddings and Mixture-of-Experts blocks cannot be split by, and what ep needs."""
     flavor = f"{cfg.model.name}/{cfg.model.flavor}"
     if getattr(args, "tie_embeddings", False):
         for degree, key, why in ((dims.pp, "pp", "pipeline stages would hold the embedding and the output apart"),
@@ -350,9 +350,18 @@ def _validate_model_layout(cfg: Config, dims: ParallelDims, args) -> None:
         raise ConfigError("model.moe_aux_loss_coeff: the auxiliary loss of the experts on earlier pipeline stages "
                           "does not reach the last stage's loss; set it to 0 with parallelism.pp > 1 (a flavor's "
                           "expert bias balances the load without it)")
-    if getattr(args, "moe", None) is not None and dims.tp > 1:
-        raise ConfigError(f"parallelism.tp: {flavor} has Mixture-of-Experts blocks, which tensor parallelism does "
-                          "not split; set parallelism.tp = 1 and shard it with FSDP (parallelism.dp_shard)")
+    moe = getattr(args, "moe", None)
+    if dims.ep > 1:
+        if moe is None:
+            raise ConfigError(f"parallelism.ep: {flavor} has no Mixture-of-Experts blocks to spread over ranks; set "
+                              "parallelism.ep = 1, or pick a MoE flavor")
+        if moe.num_experts % dims.ep:
+            raise ConfigError(f"parallelism.ep: {dims.ep} does not divide {flavor}'s {moe.num_experts} experts; pick "
+                              "an ep that does, so that every rank holds as many experts")
+    if moe is not None and dims.tp > 1 and not dims.data_parallel:
+        raise ConfigError(f"parallelism.tp: {flavor} runs its Mixture-of-Experts layers on each tensor-parallel "
+                          "rank's own tokens, sharded by FSDP over those ranks, which needs data parallelism; set "
+                          "parallelism.dp_shard >= 2 (or dp_replicate), or parallelism.tp = 1")
 
 
 def _validate_values(cfg: Config) -> None:

@@ -1,7 +1,8 @@
 """Llama 3's whole parallel plan, applied to a model on the meta device: with pipeline parallelism the model is
 first split into this rank's stages (``pipeline_stage``, the trainer's call), then each stage gets, in this order:
-TP (with sequence and loss parallel) -> CP (ring attention) -> float8 -> activation checkpointing -> compile
--> FSDP2/HSDP/DDP (over dp_shard x cp).
+TP (with sequence and loss parallel) -> EP (MoE experts over the ep ranks, tokens by all-to-all) -> CP (ring
+attention) -> float8 -> activation checkpointing -> compile -> FSDP2/HSDP/DDP (over dp_shard x cp; a MoE layer's
+experts over the ranks holding the same experts).
 
 float8's one step that must come early is the module swap (nn.Linear -> torchao Float8Linear): it is done
 first, because TP installs its hooks on the module object it shards (a later swap would drop them) and
@@ -15,6 +16,8 @@ Tensor parallel layout (Megatron-style, with sequence parallelism):
 - each block: norms sequence-parallel; the attention and MLP inputs are all-gathered over the sequence;
   wq/wk/wv and w1/w3 colwise (each rank holds whole heads), wo and w2 rowwise with a reduce-scatter back
   to sequence shards;
+- a MoE feed-forward (models/moe.py) is not split: it runs on the rank's sequence shard, its weights whole (experts:
+  this rank's under EP) and sharded by FSDP over every rank holding other tokens, tp included;
 - norm sequence-parallel; output colwise, its logits left sharded on the vocabulary for loss parallel (or
   gathered when loss parallel is off); with the output fused into the loss (training.loss_chunk_tokens) the
   loss is vocabulary-parallel chunk by chunk instead (parallelize/tensor_parallel.py).
@@ -30,6 +33,7 @@ from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
+    PrepareModuleInput,
     RowwiseParallel,
     SequenceParallel,
 )
@@ -37,6 +41,7 @@ from torch.distributed.tensor.parallel import (
 from parallelize.activation_checkpoint import apply_ac
 from parallelize.compile import apply_compile, set_kernel_autotuning, wait_before_compiled_blocks
 from parallelize.context_parallel import context_attention, shard_sequence
+from parallelize.expert_parallel import apply_ep
 from parallelize.fsdp import apply_fsdp, mixed_precision_policy
 from parallelize.float8 import (
     colwise_parallel,
@@ -45,6 +50,7 @@ from parallelize.float8 import (
     prepare_module_input,
     rowwise_parallel,
 )
+from models.moe import MoE
 from parallelize.mesh import ParallelDims
 from parallelize.tensor_parallel import apply_tp, enable_async_tp, vocab_parallel_linear_cross_entropy_sum
 
@@ -71,7 +77,7 @@ def tp_plan_block(block: nn.Module | None = None, float8_comm: bool = False) -> 
         return block.get_submodule(path) if block is not None else None
 
     qkv = [layer(f"attention.{w}") for w in ("wq", "wk", "wv")]
-    return {
+    attention = {
         "attention_norm": SequenceParallel(),
         "attention": prepare_module_input(
             qkv, float8_comm, input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)
@@ -81,6 +87,16 @@ def tp_plan_block(block: nn.Module | None = None, float8_comm: bool = False) -> 
         "attention.wv": colwise_parallel(qkv[2], float8_comm),
         "attention.wo": rowwise_parallel(layer("attention.wo"), float8_comm, output_layouts=Shard(1)),
         "ffn_norm": SequenceParallel(),
+    }
+    if block is not None and isinstance(block.feed_forward, MoE):
+        # The MoE layer runs on this rank's sequence shard, as data parallelism would: its router and experts are
+        # whole here and sharded by FSDP over the ranks holding other tokens, tp included (see parallelize_llama).
+        # Its input: the sequence-parallel norm's Shard(1) output as the local tensor; its output is local too, as
+        # the rowwise w2's would be.
+        return {**attention, "feed_forward": PrepareModuleInput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),), use_local_output=True)}
+    return {
+        **attention,
         "feed_forward": prepare_module_input(
             [layer("feed_forward.w1"), layer("feed_forward.w3")], float8_comm,
             input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
@@ -145,22 +161,33 @@ def parallelize_llama(model: nn.Module, dims: ParallelDims, cfg: Any, device_typ
         if p.enable_async_tp:
             enable_async_tp(tp_mesh)
 
+    moe_layers = [block.feed_forward for block in model.layers.values() if isinstance(block.feed_forward, MoE)]
+    if dims.ep_enabled:
+        apply_ep(moe_layers, dims.mesh("ep"))
+
     if dims.cp_enabled:
         cp_rank, cp = dims.coordinate("cp")
         apply_cp(model, dims.group("cp"), cp_rank, cp, cfg.training.seq_len, p.cp_rotate)
 
     ac = cfg.activation_checkpoint
     if ac.mode != "none":
-        apply_ac(model.layers, ac.mode, ac.selective_option, ac.op_matmuls)
+        apply_ac(model.layers, ac.mode, ac.selective_option, ac.op_matmuls,
+                 traced=cfg.compile.enable and not (dims.ep_enabled and moe_layers))
 
     if cfg.compile.enable:
         set_kernel_autotuning(cfg.compile.autotune)  # the loss's graph too
         apply_compile(model.layers,
-                      inside_checkpoint=ac.mode == "full" or (ac.mode == "selective" and ac.selective_option != "op"))
+                      inside_checkpoint=ac.mode == "full" or (ac.mode == "selective" and ac.selective_option != "op"),
+                      fullgraph=not (dims.ep_enabled and moe_layers))
         if dims.tp_enabled and model.tok_embeddings is not None:
             wait_before_compiled_blocks(model.tok_embeddings)
 
+    assert dims.data_parallel or not (moe_layers and dims.tp_enabled), "validation: MoE under TP needs FSDP"
     if dims.data_parallel:
+        # A MoE layer's experts are sharded over the ranks that hold the same experts (under EP), and under TP the
+        # whole layer over every rank holding other tokens, tp included; the rest of its block over the blocks' mesh.
+        units = [*((moe.experts, dims.mesh("expert_fsdp")) for moe in moe_layers if dims.ep_enabled),
+                 *((moe, dims.mesh("moe_fsdp")) for moe in moe_layers if dims.tp_enabled)]
         apply_fsdp(
             model,
             list(model.layers.values()),
@@ -169,5 +196,6 @@ def parallelize_llama(model: nn.Module, dims: ParallelDims, cfg: Any, device_typ
             reshard_after_forward=p.fsdp_reshard_after_forward,
             cpu_offload=p.fsdp_cpu_offload,
             pipelined=dims.pp_enabled,
+            units=tuple(units),
         )
     return model

@@ -13,8 +13,8 @@ What the family runs on (engine/config/validation.py refuses the rest before any
   compile);
 - tied embeddings (0.6B, 1.7B, 4B): no TP (the embedding and the output would be sharded as two parameters) and
   no PP (the shared weight cannot be on two stages);
-- MoE blocks (30B-A3B, 235B-A22B, debugmodel_moe): no TP (the experts are not split; expert parallelism is a later
-  slice); FSDP/HSDP/DDP, CP, PP, AC and compile.
+- MoE blocks (30B-A3B, 235B-A22B, debugmodel_moe): every layout, expert parallelism (parallelism.ep) included; under
+  TP the MoE layers run on each rank's sequence shard and are sharded by FSDP, so TP needs data parallelism.
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ from torch import nn
 from torch.distributed.tensor.parallel import SequenceParallel
 
 from models.llama3.parallelize import parallelize_llama, pipeline_stage
-from models.moe import MoE
 from parallelize.mesh import ParallelDims
 from parallelize.tensor_parallel import apply_tp
 
@@ -41,10 +40,7 @@ def tp_plan_qk_norm() -> dict:
 def parallelize_qwen3(model: nn.Module, dims: ParallelDims, cfg: Any, device_type: str) -> nn.Module:
     """Apply the plan for ``dims`` and ``cfg`` to ``model`` (on the meta device) in place; returns it."""
     if dims.tp_enabled:
-        # Validation refuses these layouts first (one error line naming parallelism.tp); this is the backstop.
-        if any(isinstance(block.feed_forward, MoE) for block in model.layers.values()):
-            raise ValueError("parallelism.tp: Qwen3-MoE blocks are not split by tensor parallelism; set "
-                             "parallelism.tp = 1")
+        # Validation refuses this layout first (one error line naming parallelism.tp); this is the backstop.
         if model.args.tie_embeddings:
             raise ValueError("parallelism.tp: a Qwen3 flavor with tied embeddings cannot be split by tensor "
                              "parallelism; set parallelism.tp = 1")
