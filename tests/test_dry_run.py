@@ -52,6 +52,22 @@ def test_dry_run_405b_on_16384_ranks():
     print(f"dry run of llama3_405b.toml on 16,384 ranks: {seconds:.1f} s")
 
 
+def test_dry_run_qwen3_235b_a22b_on_1024_ranks_counts_the_experts_each_rank_holds():
+    """The shipped MoE config: 128 experts spread over ep 8 and sharded by FSDP over the 128 ranks holding the same
+    ones; the shards built match the formula's (no warning), and the layout fits."""
+    proc, seconds = run_dry(1024, "--config", "train_configs/qwen3_235b_a22b.toml")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    assert "mesh: pp 1 x dp_replicate 1 x dp_shard 1024 x cp 1 x tp 1 (ep 8) = 1024 ranks" in out
+    assert "model: 235.09B parameters" in out
+    rows = table_rows(out)
+    assert len(rows) == 1 and rows[0][3] == "94" and rows[0][-1] == "yes"
+    # fp32 weights: 235B / 1024 ranks, the experts (2.4B per block) as much as the rest
+    assert float(rows[0][4]) == pytest.approx(235.09e9 * 4 / 1024 / 1024**3, rel=0.02)
+    assert "warning" not in out
+    print(f"dry run of qwen3_235b_a22b.toml on 1,024 ranks: {seconds:.1f} s")
+
+
 @pytest.mark.parametrize("ngpu, config, argv, layout", [
     (8, "llama3_8b.toml", [], "pp 1 x dp_replicate 1 x dp_shard 8 x cp 1 x tp 1"),
     (256, "llama3_70b.toml", ["--parallelism.tp", "8", "--parallelism.pp", "4", "--parallelism.cp", "2",

@@ -39,6 +39,19 @@ def test_every_proposal_validates_and_fits():
     assert small.rejected_by_memory > result.rejected_by_memory
 
 
+def test_a_moe_model_is_planned_with_expert_parallelism_within_a_node():
+    """Qwen3-30B-A3B on 16 GPUs (2 nodes of 8): every proposal validates and fits, the best spreads the experts over
+    ep > 1 ranks of one node, and ep's all-to-all is costed on NVLink; a dense model is never given ep."""
+    base = parse_args(["--config", os.path.join(ROOT, "train_configs", "qwen3_30b_a3b.toml")])
+    result = planner.plan(base, 16, 4096, 32, 80.0, 0.1, planner.CostModel(), 2048)
+    _assert_valid_and_fits(result, 16, 72.0)
+    best = result.candidates[0]
+    assert best.dims.ep > 1 and best.dims.tp * best.dims.ep <= 8
+    assert best.links["ep"] == "NVLink" and best.costs["ep"] > 0
+    assert {c.dims.ep for c in result.candidates} >= {1, 2, 4, 8}
+    assert all(c.dims.ep == 1 for c in _plan().candidates)
+
+
 def test_fused_loss_only_where_the_plain_loss_does_not_fit():
     """On 72 GB GPUs pure FSDP without checkpointing fits only with the fused loss, and is the fastest."""
     result = _plan(gib=72.0)

@@ -54,7 +54,7 @@ def init_fake_world(rank: int, world_size: int) -> None:
 
 
 def _tp_numel(param) -> int:
-    """Elements of ``param`` after tensor-parallel sharding only (before FSDP's)."""
+    """Elements of ``param`` after tensor- and expert-parallel sharding only (before FSDP's)."""
     from torch.distributed.tensor import DTensor, Shard
 
     if not isinstance(param, DTensor):
@@ -62,7 +62,7 @@ def _tp_numel(param) -> int:
     shape = list(param.shape)
     names = param.device_mesh.mesh_dim_names or ()
     for i, placement in enumerate(param.placements):
-        if i < len(names) and names[i] == "tp" and isinstance(placement, Shard):
+        if i < len(names) and names[i] in ("tp", "ep") and isinstance(placement, Shard):
             n = param.device_mesh.size(i)
             shape[placement.dim] = -(-shape[placement.dim] // n)
     numel = 1
@@ -83,7 +83,7 @@ def measure_stage(part, stage: int) -> memory.StageParams:
     blocks: dict[str, memory.PartSizes] = {}
     for name, param in part.named_parameters():
         local, tp = _local_numel(param), _tp_numel(param)
-        size = memory.PartSizes(local, tp, tp if param.dim() == 2 and not name.startswith("tok_embeddings") else 0)
+        size = memory.PartSizes(local, tp, tp if param.dim() >= 2 and not name.startswith("tok_embeddings") else 0)
         if name.startswith("tok_embeddings."):
             embedding = (embedding or memory.PartSizes()) + size
         elif name.startswith("layers."):
@@ -226,7 +226,7 @@ def run(argv: list[str]) -> int:
     spec = get_model_spec(cfg.model.name)
     vocab = build_tokenizer(cfg).vocab_size  # as the trainer does; no data is read
     args = spec.flavors[cfg.model.flavor].update_from_config(cfg.model, vocab, cfg.training.seq_len)
-    shape = memory.ModelShape.from_args(args)
+    shape = memory.ModelShape.from_args(args, cfg.model.name)
     with torch.device("meta"):
         model = spec.model_cls(args)
     n_params = sum(p.numel() for p in model.parameters())

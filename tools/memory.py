@@ -204,11 +204,11 @@ def analytic_stages(cfg, dims, shape: ModelShape, pp_rank: int) -> list[StagePar
 
     p = cfg.parallelism
     if dims.pp == 1:
-        return [stage_params(shape, 0, 1, shape.n_layers, dims.tp, dims.dp_shard * dims.cp)]
+        return [stage_params(shape, 0, 1, shape.n_layers, dims.tp, dims.dp_shard * dims.cp, dims.ep)]
     n = pipeline.num_stages(dims.pp, p.pp_schedule, p.pp_virtual_stages)
     ids = pipeline.stage_ids(pp_rank, dims.pp, p.pp_schedule, p.pp_virtual_stages)
     layers = pipeline.split_layers(shape.n_layers, n, p.pp_layers_per_stage or None)
-    return [stage_params(shape, i, n, len(layers[i]), dims.tp, dims.dp_shard * dims.cp) for i in ids]
+    return [stage_params(shape, i, n, len(layers[i]), dims.tp, dims.dp_shard * dims.cp, dims.ep) for i in ids]
 
 
 def first_rank_of_stage(dims, pp_rank: int) -> int:

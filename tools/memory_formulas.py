@@ -10,6 +10,7 @@ written out in docs/scale.md ("The formulas").
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Optional
@@ -36,6 +37,18 @@ class ModelShape:
     head_dim: int
     ffn_hidden: int
     vocab_size: int
+    qk_norm: bool = False
+    """RMSNorm over each head's queries and keys (Qwen3): two head_dim weights per block."""
+    tied: bool = False
+    """The output projection is the embedding's weight (one parameter, held with the embedding)."""
+    experts: int = 0
+    """Routed experts of each block's Mixture-of-Experts feed-forward; 0: a dense SwiGLU of ffn_hidden."""
+    top_k: int = 0
+    """Experts each token is routed to."""
+    expert_hidden: int = 0
+    """SwiGLU hidden size of one expert."""
+    shared_hidden: int = 0
+    """SwiGLU hidden size of the shared experts (0: none)."""
 
     @classmethod
     def from_args(cls, args, name: str = "llama3") -> "ModelShape":
@@ -121,31 +134,56 @@ def _part(tensors: list[tuple[int, int, bool]], fsdp_shard: int) -> PartSizes:
 
 
 def block_tensors(shape: ModelShape, tp: int) -> list[tuple[int, int, bool]]:
-    """A block's weights after TP as (rows, columns, matmul): colwise layers shard their rows (output
-    features), rowwise layers their columns, norms are replicated (parallelize plan of models/llama3)."""
+    """A block's weights after TP that FSDP shards over the blocks' mesh, as (rows, columns, matmul): colwise
+    layers shard their rows (output features), rowwise layers their columns, norms are replicated (parallelize
+    plan of models/llama3). A MoE feed-forward's weights are not among them: ``moe_part``."""
     d, f = shape.dim, shape.ffn_hidden
-    return [
+    tensors = [
         (_shard(shape.hq, tp), d, True),  # wq
         (_shard(shape.hkv, tp), d, True),  # wk
         (_shard(shape.hkv, tp), d, True),  # wv
         (d, _shard(shape.hq, tp), True),  # wo
-        (_shard(f, tp), d, True),  # w1
-        (d, _shard(f, tp), True),  # w2
-        (_shard(f, tp), d, True),  # w3
         (d, 1, False),  # attention_norm
         (d, 1, False),  # ffn_norm
     ]
+    if shape.qk_norm:
+        tensors += [(shape.head_dim, 1, False)] * 2  # q_norm, k_norm
+    if not shape.experts:
+        tensors += [(_shard(f, tp), d, True), (d, _shard(f, tp), True), (_shard(f, tp), d, True)]  # w1, w2, w3
+    return tensors
+
+
+def moe_part(shape: ModelShape, tp: int, fsdp_shard: int, ep: int) -> PartSizes:
+    """A MoE feed-forward as one rank holds it: the router and the shared experts whole (never TP-split) and sharded
+    by FSDP over every rank holding other tokens (the blocks' mesh, tp included); this rank's ``experts / ep``
+    routed experts sharded over the ranks holding the same ones (``fsdp_shard x tp / ep``) on the expert
+    dimension, or on the next one when there are fewer local experts than those ranks (parallelize/fsdp.py)."""
+    d, h, local = shape.dim, shape.expert_hidden, shape.experts // ep
+    part = _part([(shape.experts, d, True)]  # router.gate
+                 + ([(shape.shared_hidden, d, True), (d, shape.shared_hidden, True),
+                     (shape.shared_hidden, d, True)] if shape.shared_hidden else []), fsdp_shard * tp)
+    efsdp = fsdp_shard * tp // ep
+    for rows, cols in ((h, d), (d, h), (h, d)):  # w1 [E, h, d], w2 [E, d, h], w3 [E, h, d]
+        whole = local * rows * cols
+        held = _shard(local, efsdp) * rows * cols if local >= efsdp else local * _shard(rows, efsdp) * cols
+        part = part + PartSizes(held, whole, whole)
+    return part
 
 
 @functools.lru_cache(maxsize=4096)
-def stage_params(shape: ModelShape, stage: int, n_stages: int, layers: int, tp: int, fsdp_shard: int) -> StageParams:
+def stage_params(shape: ModelShape, stage: int, n_stages: int, layers: int, tp: int, fsdp_shard: int,
+                 ep: int = 1) -> StageParams:
     """What the first rank of a stage holds, computed from the shapes (the dry run measures the same)."""
     embedding = final = None
     if stage == 0:  # vocabulary-parallel embedding: rows sharded over tp
         embedding = _part([(_shard(shape.vocab_size, tp), shape.dim, False)], fsdp_shard)
-    if stage == n_stages - 1:  # final norm (replicated) and the colwise output projection
-        final = _part([(shape.dim, 1, False), (_shard(shape.vocab_size, tp), shape.dim, True)], fsdp_shard)
-    return StageParams(stage, layers, _part(block_tensors(shape, tp), fsdp_shard), embedding, final)
+    if stage == n_stages - 1:  # final norm (replicated) and the colwise output projection (unless tied)
+        output = [] if shape.tied else [(_shard(shape.vocab_size, tp), shape.dim, True)]
+        final = _part([(shape.dim, 1, False), *output], fsdp_shard)
+    block = _part(block_tensors(shape, tp), fsdp_shard)
+    if shape.experts:
+        block = block + moe_part(shape, tp, fsdp_shard, ep)
+    return StageParams(stage, layers, block, embedding, final)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -230,6 +268,8 @@ class RankLayout:
     """compile.enable: the blocks and the loss compiled."""
     ac_op_matmuls: str = "all"
     """activation_checkpoint.op_matmuls: the matmul outputs per-op AC keeps, all or alternate."""
+    ep: int = 1
+    """parallelism.ep: the MoE layers' tokens exchanged by all-to-all."""
 
     @property
     def tokens(self) -> int:
@@ -266,6 +306,7 @@ def rank_layout(cfg, dims, pp_rank: int) -> RankLayout:
         loss_chunk_tokens=t.loss_chunk_tokens,
         compiled=cfg.compile.enable,
         ac_op_matmuls=cfg.activation_checkpoint.op_matmuls,
+        ep=dims.ep,
     )
 
 
@@ -274,12 +315,31 @@ def rank_layout(cfg, dims, pp_rank: int) -> RankLayout:
 # --------------------------------------------------------------------------------------------------------
 
 
+def moe_bytes_per_token(shape: ModelShape, lay: RankLayout, kind: str) -> float:
+    """What a MoE feed-forward keeps for backward per token of T, beyond its normalized input (counted with the
+    block's): kind none or op (docs/scale.md). It runs on the rank's sequence shard under TP (1/t of the tokens).
+    Per token routed to k experts: the router's logits (and, without AC, their fp32 probabilities); the k rows
+    gathered for the experts and, under EP, the rows the all-to-all delivers and returns; the experts' SwiGLU
+    (w1 and w3 outputs, and without AC silu(w1) and the product; compiled, one fewer); their w2 output; the
+    shared experts' the same way."""
+    c, t, k, e = lay.precision.compute, lay.tp, shape.top_k, shape.experts
+    d, h, hs = shape.dim, shape.expert_hidden, shape.shared_hidden
+    exchanged = 2 * k * d * c if lay.ep > 1 else 0
+    if kind == "op":  # per-op AC keeps the matmuls' (grouped ones included) and the all-to-alls' outputs
+        return (c * e + exchanged + k * (2 * h + d) * c + (2 * hs + d) * c * bool(hs)) / t
+    swiglu = 3 if lay.compiled else 4
+    return ((c + 8) * e + 4 * k + 2 * k * d * c + exchanged + swiglu * k * h * c + (swiglu * hs + d) * c * bool(hs)) / t
+
+
 def block_bytes_per_token(shape: ModelShape, lay: RankLayout, kind: str) -> float:
     """Bytes one block keeps for backward per token of T (docs/scale.md): kind none/full/op."""
     c, r, t = lay.precision.compute, lay.precision.residual, lay.tp
     d, hq, hkv, h, f = shape.dim, shape.hq, shape.hkv, shape.n_heads, shape.ffn_hidden
     if kind == "full":
         return r * d / t
+    if shape.experts:  # the attention half of the dense formula (f = 0), then the MoE feed-forward's
+        dense = block_bytes_per_token(dataclasses.replace(shape, experts=0, ffn_hidden=0), lay, kind)
+        return dense + moe_bytes_per_token(shape, lay, kind)
     if kind == "op":
         # hq-wide tensors kept per token (q, the attention output); compiled, one fewer (tests/test_dry_run.py)
         hq_tensors = 1 if lay.compiled else 2
@@ -299,8 +359,11 @@ def block_bytes_per_token(shape: ModelShape, lay: RankLayout, kind: str) -> floa
 
 
 def block_backward_bytes_per_token(shape: ModelShape, lay: RankLayout) -> float:
-    """Gradients in flight during one block's backward, per token."""
+    """Gradients in flight during one block's backward, per token (a MoE block: of its experts' k rows)."""
     c, r, t = lay.precision.compute, lay.precision.residual, lay.tp
+    if shape.experts:
+        k = shape.top_k
+        return (3 * c * k * shape.expert_hidden + 2 * c * k * shape.dim) / t + c * shape.dim + 2 * r * shape.dim / t
     return 3 * c * shape.ffn_hidden / t + c * shape.dim + 2 * r * shape.dim / t
 
 

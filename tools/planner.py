@@ -3,9 +3,9 @@
     python -m tools.planner --model llama3 --flavor 70B --gpus 256 --gpu-memory-gib 80 \\
         --seq-len 8192 --global-batch 256 [--gpus-per-node 8] [--out best.toml] [--top 15]
 
-Enumerates layouts: degrees (dp_replicate, dp_shard, cp, tp, pp), activation checkpointing (none, selective
-op, full), the local batch (and so gradient accumulation) and, with pp > 1, the pipeline schedule (1F1B or
-Interleaved1F1B with 2 stages per rank) and its microbatches, and the fused output loss
+Enumerates layouts: degrees (dp_replicate, dp_shard, cp, tp, pp; ep for MoE models), activation checkpointing
+(none, selective op, full), the local batch (and so gradient accumulation) and, with pp > 1, the pipeline schedule
+(1F1B or Interleaved1F1B with 2 stages per rank) and its microbatches, and the fused output loss
 (training.loss_chunk_tokens = ``--loss-chunk-tokens``, default 2048) where the plain loss's logits do not
 fit: the same FLOPs, so it is tried only for a candidate that would otherwise not fit. Each candidate is a full Config (the model's
 train_configs TOML with the layout's fields overridden); it is dropped when ``engine.config.validate`` rejects
@@ -26,6 +26,9 @@ are ranked by the step time of this cost model (per GPU, per optimizer step):
     cp        = per block and pass, the k/v all-gather forward, again in backward plus the fp32 dk/dv
                 reduce-scatter (and the forward's again with full AC): (cp - 1) x T x 2 hkv / tp x (2 + 2 + 4)
                 bytes; on the critical path
+    ep        = MoE models, per MoE layer and pass: each token's k routed rows to their experts' ranks and back,
+                forward and backward (and the forward's again with full AC): 4 x (ep - 1) / ep x k T / tp x d x 2
+                bytes; on the critical path
     pp p2p    = per microbatch and local stage, the activation forward and its gradient back: 2 x T d / tp x 2
     fsdp      = (n - 1) / n x params after TP x (2 per all-gather + 4 per reduce-scatter) bytes, n = dp_shard x cp:
                 per pass a bf16 all-gather of the stage's parameters forward and one again in backward (forward
@@ -35,7 +38,7 @@ are ranked by the step time of this cost model (per GPU, per optimizer step):
                 reduce-scatter per step (unless reshard "always": the forward's gathers return)
     replicate = HSDP/DDP: all-reduce of the gradient shards over dp_replicate, once per optimizer step (the
                 accumulation batches before the last only reduce-scatter): 2 (r - 1) / r x 4 bytes
-    step      = compute + bubble + tp + cp + pp p2p + max(0, fsdp + replicate - overlap x compute)
+    step      = compute + bubble + tp + cp + ep + pp p2p + max(0, fsdp + replicate - overlap x compute)
 FSDP and replicate traffic is prefetched and overlaps the compute (``--dp-overlap``, default 0.8 of it);
 TP, CP and PP transfers are waited on. Each transfer takes volume / bandwidth, where the bandwidth is
 ``--intra-node-gbps`` (default 450 GB/s, NVLink on H100) when the dimension's group lies within one node and
@@ -88,7 +91,7 @@ class Candidate:
     step_s: float
     tokens_per_s_per_gpu: float
     costs: dict[str, float] = field(default_factory=dict)
-    """Seconds per step by part: compute, bubble, tp, cp, pp, dp (exposed); and "dp traffic" (all of it)."""
+    """Seconds per step by part: compute, bubble, tp, cp, ep, pp, dp (exposed); and "dp traffic" (all of it)."""
     links: dict[str, str] = field(default_factory=dict)
     """For each communicating dimension: NVLink (in a node) or network."""
 
@@ -96,7 +99,7 @@ class Candidate:
     def reason(self) -> str:
         """The step's largest costs besides compute, in words."""
         parts = [f"compute {self.costs['compute']:.2f}s"]
-        for name in ("bubble", "tp", "cp", "pp"):
+        for name in ("bubble", "tp", "cp", "ep", "pp"):
             seconds = self.costs.get(name, 0.0)
             if seconds >= 0.005 * self.step_s:
                 link = f" {self.links[name]}" if name in self.links else ""
@@ -128,8 +131,9 @@ def base_config_path(model: str, flavor: str) -> Optional[str]:
 
 
 def layouts(gpus: int, shape: memory.ModelShape, seq_len: int, gpus_per_node: int):
-    """Degrees (dp_replicate, dp_shard, cp, tp, pp) worth trying: tp within a node and dividing the KV heads,
-    cp and pp powers of two (pp at most half the layers), every dp_replicate that divides what is left."""
+    """Degrees (dp_replicate, dp_shard, cp, tp, pp, ep) worth trying: tp within a node and dividing the KV heads,
+    cp and pp powers of two (pp at most half the layers), every dp_replicate that divides what is left; for a MoE
+    model, every ep dividing the experts and dp_shard x cp whose all-to-all stays within a node (tp x ep GPUs)."""
     for tp in divisors(gpus):
         if tp > gpus_per_node or shape.n_kv_heads % tp:
             continue
@@ -141,7 +145,10 @@ def layouts(gpus: int, shape: memory.ModelShape, seq_len: int, gpus_per_node: in
                     continue
                 rest = gpus // (tp * cp * pp)
                 for dp_replicate in divisors(rest):
-                    yield dp_replicate, rest // dp_replicate, cp, tp, pp
+                    dp_shard = rest // dp_replicate
+                    for ep in divisors(dp_shard * cp) if shape.experts else (1,):
+                        if ep == 1 or (shape.experts % ep == 0 and tp * ep <= gpus_per_node):
+                            yield dp_replicate, dp_shard, cp, tp, pp, ep
 
 
 def batch_options(per_dp: int, pp: int) -> list[tuple[int, int, str]]:
@@ -164,11 +171,11 @@ def batch_options(per_dp: int, pp: int) -> list[tuple[int, int, str]]:
 
 
 def candidate_config(base, dp_replicate, dp_shard, cp, tp, pp, lbs, micro, schedule, ac, seq_len, global_batch,
-                     loss_chunk_tokens=0):
+                     loss_chunk_tokens=0, ep=1):
     cfg = memory.copy_config(base)
     cfg.training.loss_chunk_tokens = loss_chunk_tokens
     p = cfg.parallelism
-    p.dp_replicate, p.dp_shard, p.cp, p.tp, p.pp = dp_replicate, dp_shard, cp, tp, pp
+    p.dp_replicate, p.dp_shard, p.cp, p.tp, p.pp, p.ep = dp_replicate, dp_shard, cp, tp, pp, ep
     p.pp_layers_per_stage, p.pp_schedule_csv = [], ""  # the base's own split or schedule fits its own layout only
     if pp > 1:
         p.pp_schedule, p.pp_microbatches = schedule, micro
@@ -230,6 +237,12 @@ def step_cost(cfg, dims, shape: memory.ModelShape, flops_per_token: float, rows:
         per_layer = (cp - 1) * T * 2 * shape.hkv / tp * (2 + 2 + 4 + (2 if ac == "full" else 0))
         bw, links["cp"] = bandwidth(tp, cp)
         costs["cp"] = per_layer * layers * passes / bw
+    if dims.ep > 1:  # each routed token to its expert's rank and back, forward and backward (and the forward again)
+        moe_layers = layers if shape.experts else 0
+        ops = 4 + (2 if ac == "full" else 0)
+        volume = ops * (dims.ep - 1) / dims.ep * shape.top_k * T / tp * shape.dim * 2 * moe_layers * passes
+        bw, links["ep"] = bandwidth(tp, dims.ep)
+        costs["ep"] = volume / bw
     if dims.pp > 1:
         volume = 2 * T * shape.dim / tp * 2 * micro * local_stages * ga
         bw, links["pp"] = bandwidth(tp * cp * dims.dp_shard * dims.dp_replicate, dims.pp)
@@ -259,7 +272,7 @@ def step_cost(cfg, dims, shape: memory.ModelShape, flops_per_token: float, rows:
 
 
 def step_time(costs: dict[str, float]) -> float:
-    """Seconds per step: compute, bubble, tp, cp, pp and the exposed data-parallel traffic."""
+    """Seconds per step: compute, bubble, tp, cp, ep, pp and the exposed data-parallel traffic."""
     return sum(v for k, v in costs.items() if k != "dp traffic")
 
 
@@ -295,7 +308,7 @@ def plan(base, gpus: int, seq_len: int, global_batch: int, gpu_memory_gib: float
     usable = gpu_memory_gib * (1 - memory_margin) * memory.GIB
 
     candidates, by_validation, by_memory, examined, smallest = [], 0, 0, 0, float("inf")
-    for dp_replicate, dp_shard, cp, tp, pp in layouts(gpus, shape, seq_len, model.gpus_per_node):
+    for dp_replicate, dp_shard, cp, tp, pp, ep in layouts(gpus, shape, seq_len, model.gpus_per_node):
         dp = dp_replicate * dp_shard
         if global_batch % dp:
             by_validation += 1  # validation would refuse the global batch; no need to build it
@@ -308,7 +321,7 @@ def plan(base, gpus: int, seq_len: int, global_batch: int, gpu_memory_gib: float
                 fitted, rejected_by = None, ""
                 for chunk in (0, loss_chunk_tokens) if loss_chunk_tokens else (0,):
                     cfg = candidate_config(base, dp_replicate, dp_shard, cp, tp, pp, lbs, micro, schedule, ac,
-                                           seq_len, global_batch, chunk)
+                                           seq_len, global_batch, chunk, ep)
                     try:
                         dims = memory.validate_layout(cfg, gpus)
                     except ConfigError:
@@ -349,7 +362,7 @@ def _loss_text(cfg) -> str:
 
 
 def format_plan(result: Plan, top: int) -> str:
-    header = ["#", "dp_rep", "dp_shard", "cp", "tp", "pp", "schedule", "micro", "lbs", "accum", "AC", "loss",
+    header = ["#", "dp_rep", "dp_shard", "cp", "tp", "pp", "ep", "schedule", "micro", "lbs", "accum", "AC", "loss",
               "mem GiB", "step s", "tok/s/GPU", "reason"]
     from engine.config.validation import grad_accumulation_steps
 
@@ -357,7 +370,7 @@ def format_plan(result: Plan, top: int) -> str:
     for i, c in enumerate(result.candidates[:top], 1):
         d, p = c.dims, c.cfg.parallelism
         lines.append([
-            str(i), str(d.dp_replicate), str(d.dp_shard), str(d.cp), str(d.tp), str(d.pp),
+            str(i), str(d.dp_replicate), str(d.dp_shard), str(d.cp), str(d.tp), str(d.pp), str(d.ep),
             p.pp_schedule if d.pp > 1 else "-", str(p.pp_microbatches) if d.pp > 1 else "-",
             str(c.cfg.training.local_batch_size), str(grad_accumulation_steps(c.cfg, d.dp)), _ac_text(c.cfg),
             _loss_text(c.cfg),
@@ -389,7 +402,7 @@ def write_toml(best: Candidate, base_path: Optional[str], path: str, summary: st
     p, t, ac = cfg.parallelism, cfg.training, cfg.activation_checkpoint
     data.setdefault("model", {}).update(name=cfg.model.name, flavor=cfg.model.flavor)
     par = data.setdefault("parallelism", {})
-    par.update(dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, cp=p.cp, tp=p.tp, pp=p.pp,
+    par.update(dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, cp=p.cp, tp=p.tp, pp=p.pp, ep=p.ep,
                pp_layers_per_stage=p.pp_layers_per_stage, pp_schedule_csv=p.pp_schedule_csv)
     if p.pp > 1:
         par.update(pp_schedule=p.pp_schedule, pp_microbatches=p.pp_microbatches,

@@ -303,9 +303,13 @@ def ffn_hidden_dim(dim: int, multiple_of: int, ffn_dim_multiplier: Optional[floa
 
 def memory_shapes(args: TransformerModelArgs) -> dict[str, int]:
     """The sizes the memory estimate reads (ModelSpec.shapes); ``args.vocab_size`` must be set."""
+    moe = args.moe
     return dict(dim=args.dim, n_layers=args.n_layers, n_heads=args.n_heads, n_kv_heads=args.n_kv_heads,
-                head_dim=args.head_dim, ffn_hidden=args.ffn_hidden_size,
-                vocab_size=args.vocab_size)
+                head_dim=args.head_dim, ffn_hidden=args.ffn_hidden_size, vocab_size=args.vocab_size,
+                qk_norm=bool(args.qk_norm), tied=bool(args.tie_embeddings),
+                experts=moe.num_experts if moe else 0, top_k=moe.top_k if moe else 0,
+                expert_hidden=moe.hidden_dim if moe else 0,
+                shared_hidden=moe.hidden_dim * moe.num_shared_experts if moe else 0)
 
 
 class FeedForward(nn.Module):
