@@ -37,6 +37,8 @@ from pathlib import Path
 from typing import Callable, Optional
 
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # the model registry, for the shipped configs' flavors
+    sys.path.insert(0, str(ROOT))
 
 SMALL = ["--config", "train_configs/debug_model.toml", "--training.steps", "10", "--training.seq_len", "512",
          "--training.local_batch_size", "8", "--metrics.log_freq", "1", "--lr_scheduler.warmup_steps", "2",
@@ -50,6 +52,7 @@ FLOAT8 = ["--float8.enable"]
 FP32 = ["--training.mixed_precision_param", "float32"]
 CKPT = ["--training.steps", "6", "--checkpoint.enable", "--checkpoint.interval", "3", "--debug.deterministic",
         "--model.sdpa_backend", "math"]
+MOE = ["--config", "train_configs/qwen3_moe_debug.toml", *SMALL[2:]]  # Qwen3-MoE debug: 8 experts, top 2
 L2_8B = ["--model.flavor", "8B_L2", "--training.seq_len", "8192", "--training.local_batch_size", "1",
          "--training.steps", "5"]
 
@@ -72,17 +75,24 @@ def shipped_config_runs() -> list[Run]:
     GPU), so one GPU cannot run a pipeline; the CPU tests prove it."""
     import tomllib
 
+    from models.registry import get_model_spec
+
     runs = []
     for path in sorted((ROOT / "train_configs").glob("*.toml")):
         with open(path, "rb") as f:
-            p = tomllib.load(f).get("parallelism", {})
-        degrees = {k: min(int(p.get(k, 1)), 2) for k in ("dp_replicate", "tp", "cp")}
+            config = tomllib.load(f)
+        p, model = config.get("parallelism", {}), config.get("model", {})
+        spec = get_model_spec(model.get("name", "llama3"))
+        moe = getattr(spec.flavors[model.get("flavor", "debugmodel")], "moe", None) is not None
+        degrees = {k: min(int(p.get(k, 1)), 2) for k in ("dp_replicate", "tp", "cp", "ep")}
         degrees["pp"] = 1
-        world = math.prod(degrees.values())
-        args = ["--config", str(path.relative_to(ROOT)), "--model.flavor", "debugmodel", "--model.hf_assets_path", "",
-                "--data.dataset", "tessera_docs", "--data.streaming", "false", "--training.steps", "3",
-                "--training.seq_len", "256", "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false",
-                "--parallelism.dp_shard", "1" if world > 1 else "-1"]
+        # Expert parallelism draws its ranks from dp_shard x cp: an ep of 2 without cp takes dp_shard 2.
+        dp_shard = 2 if degrees["ep"] > degrees["cp"] else 1
+        world = math.prod(v for k, v in degrees.items() if k != "ep") * dp_shard
+        args = ["--config", str(path.relative_to(ROOT)), "--model.flavor", "debugmodel_moe" if moe else "debugmodel",
+                "--model.hf_assets_path", "", "--data.dataset", "tessera_docs", "--data.streaming", "false",
+                "--training.steps", "3", "--training.seq_len", "256", "--metrics.log_freq", "1",
+                "--metrics.enable_tensorboard", "false", "--parallelism.dp_shard", str(dp_shard) if world > 1 else "-1"]
         for key, value in degrees.items():
             args += [f"--parallelism.{key}", str(value)]
         runs.append(Run(f"config_{path.stem}", args, ngpu=world, env={"TESSERA_BACKEND": "gloo"} if world > 1 else {}))
@@ -116,6 +126,9 @@ def runs() -> list[Run]:
         # The crash of FSDP2 + compile with the default (fused) AdamW, at the shape it was found at.
         Run("fsdp_compile_8b_l2", SMALL + FSDP + COMPILE + L2_8B),
         Run("fsdp_compile_op_ac_float8_8b_l2", SMALL + FSDP + COMPILE + OP_AC + FLOAT8 + L2_8B),
+        # Mixture-of-Experts (torch._grouped_mm on Hopper): eager, compiled, FSDP2 on one rank with per-op AC.
+        Run("moe_eager", MOE), Run("moe_compile", MOE + COMPILE),
+        Run("moe_fsdp_compile_op_ac", MOE + FSDP + COMPILE + OP_AC),
         # Checkpoints on CUDA: an uninterrupted run; each save mode killed after step 3's commit, then resumed.
         Run("ckpt_whole", SMALL + CKPT),
         # Hugging Face export, then transformers' logits.
@@ -130,6 +143,13 @@ def runs() -> list[Run]:
         Run("gloo_tp2", SMALL + FP32 + ["--parallelism.tp", "2", "--parallelism.dp_shard", "1"], ngpu=2,
             env={"TESSERA_BACKEND": "gloo"}),
         Run("gloo_cp2", SMALL + FP32 + ["--parallelism.cp", "2", "--parallelism.dp_shard", "1"], ngpu=2,
+            env={"TESSERA_BACKEND": "gloo"}),
+        # Expert parallelism: the token all-to-alls on CUDA tensors, against the MoE model in one process.
+        Run("moe_one_fp32", MOE + FP32),
+        Run("gloo_ep2", MOE + FP32 + ["--parallelism.dp_shard", "2", "--parallelism.ep", "2",
+                                      "--training.local_batch_size", "4"], ngpu=2, env={"TESSERA_BACKEND": "gloo"}),
+        Run("gloo_ep2_tp2", MOE + FP32 + ["--parallelism.dp_shard", "2", "--parallelism.ep", "2", "--parallelism.tp",
+                                          "2", "--training.local_batch_size", "4"], ngpu=4,
             env={"TESSERA_BACKEND": "gloo"}),
     ]
     for mode in ("disabled", "async", "async_with_pinned_mem"):
@@ -409,6 +429,11 @@ def checks(c: Checker) -> list[tuple[str, list[str], Callable[[], Check]]]:
         ("FSDP2 one rank, compiled, per-op AC, float8, 8B_L2 seq 8192",
          *trains("fsdp_compile_op_ac_float8_8b_l2", "5 steps, finite losses")),
     ]
+    out += [
+        ("MoE one GPU eager", ["moe_eager"], lambda: c.falls("moe_eager")),
+        ("MoE one GPU compiled", *close("moe_compile", "moe_eager", 2e-2)),
+        ("MoE FSDP2 one rank, compiled, per-op AC", *close("moe_fsdp_compile_op_ac", "moe_compile", 2e-2)),
+    ]
     for mode, name in (("disabled", "sync"), ("async", "async"), ("async_with_pinned_mem", "async, pinned memory")):
         out.append((f"checkpoint {name}, killed and resumed",
                     ["ckpt_whole", f"ckpt_{mode}_killed", f"ckpt_{mode}_resumed"],
@@ -419,6 +444,8 @@ def checks(c: Checker) -> list[tuple[str, list[str], Callable[[], Check]]]:
         ("gloo HSDP 2 x 2 (4 processes)", *close("gloo_hsdp2x2", "one_fp32", 1e-3)),
         ("gloo TP 2 (2 processes)", *close("gloo_tp2", "one_fp32", 1e-3)),
         ("gloo CP 2 (2 processes)", *close("gloo_cp2", "one_fp32", 1e-3)),
+        ("gloo MoE EP 2 (2 processes)", *close("gloo_ep2", "moe_one_fp32", 1e-3)),
+        ("gloo MoE EP 2 x TP 2 (4 processes)", *close("gloo_ep2_tp2", "moe_one_fp32", 1e-3)),
     ]
     for run in shipped_config_runs():
         out.append((f"{run.label.removeprefix('config_')}.toml, debug model, {run.ngpu} process(es)",
@@ -453,6 +480,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--jobs", type=int, default=6, help="runs at a time (default 6)")
     parser.add_argument("--list", action="store_true", help="print the runs and their arguments, run nothing")
     args = parser.parse_args(argv)
+    t0 = time.time()
+    if not args.list:
+        install_carried_wheels()  # before the plan: it reads the model registry (transformers and the rest)
+        add_flash_attn4()
     plan = runs()
     if args.only:
         wanted = set(args.only.split(","))
@@ -462,9 +493,6 @@ def main(argv: Optional[list[str]] = None) -> int:
             print(f"{run.label}: NGPU={run.ngpu} {' '.join(f'{k}={v}' for k, v in run.env.items())} "
                   f"./run_train.sh {' '.join(run.args)}")
         return 0
-    t0 = time.time()
-    install_carried_wheels()
-    add_flash_attn4()
     deadline = t0 + args.budget
     runs_dir = Path(os.environ.get("RUNS", "/tmp/tessera_gpu_check"))
     runs_dir.mkdir(parents=True, exist_ok=True)

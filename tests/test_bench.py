@@ -222,7 +222,7 @@ ANCHOR_STUB = r"""for spec in "$@"; do
 done
 """
 MATRIX_CONFIGS = ["bf16_compile_ac_op", "fp8_compile_ac_op", "bf16_autocast", "fp8_autocast", "eager_ac_op",
-                  "fsdp1_compile_ac_op", "noac_compile", "fullac_compile", "bf16_compile_ac_alt",
+                  "fsdp1_compile_ac_op", "noac_compile", "qwen3_moe_compile_ac_op", "qwen3_dense_compile_ac_op", "fullac_compile", "bf16_compile_ac_alt",
                   "fp8_compile_ac_alt", "fused_loss", "cudnn_sdpa", "fused_loss_cudnn", "bf16_snapshot",
                   "bf16_noautotune", "fp8_noautotune"]
 

@@ -411,8 +411,8 @@ def test_mixed_precision_policy_follows_the_config_on_cuda_and_is_fp32_on_cpu(mo
 
     policies = []
     monkeypatch.setattr(plan, "apply_fsdp", lambda model, blocks, mesh, mp_policy, **kw: policies.append(mp_policy))
-    dims = types.SimpleNamespace(tp_enabled=False, cp_enabled=False, pp_enabled=False, data_parallel=True, tp=1,
-                                 mesh=lambda name: name)
+    dims = types.SimpleNamespace(tp_enabled=False, ep_enabled=False, cp_enabled=False, pp_enabled=False,
+                                 data_parallel=True, tp=1, mesh=lambda name: name)
     for argv, device, want in (
         ([], "cuda", (bf16, fp32)),  # the defaults
         (["--training.mixed_precision_param", "float32", "--training.mixed_precision_reduce", "bfloat16"], "cuda",
