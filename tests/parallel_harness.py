@@ -256,8 +256,11 @@ def built_features(trainer) -> dict:
 
 
 def _worker(rank: int, world_size: int, port: int, fn, jobs: dict[str, tuple], out: str):
+    import faulthandler
+
     import torch.distributed as dist
 
+    faulthandler.enable(all_threads=True)  # a rank that dies of a signal prints where it was
     os.chdir(ROOT)
     torch.set_num_threads(1)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
