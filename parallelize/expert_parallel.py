@@ -42,9 +42,14 @@ class AllToAllDispatch:
         self.ep = dist.get_world_size(group)
         assert num_experts % self.ep == 0, (num_experts, self.ep)
         self.local = num_experts // self.ep
+        # Not traced by torch.compile (host-side split sizes); wrapped here, not at import: the decorator loads
+        # Dynamo, a second of every process's start-up.
+        self._dispatch = torch.compiler.disable(self._dispatch)
 
-    @torch.compiler.disable
     def __call__(self, experts: nn.Module, x: Tensor, counts: Tensor) -> Tensor:
+        return self._dispatch(experts, x, counts)
+
+    def _dispatch(self, experts: nn.Module, x: Tensor, counts: Tensor) -> Tensor:
         ep, local = self.ep, self.local
         # received[s, e]: the rows rank s sends to this rank's local expert e.
         received = torch.empty_like(counts)
