@@ -1,6 +1,6 @@
 """Loss parity of every data/tensor-parallel layout with a single process (gloo, CPU, fp32, deterministic).
 
-Every layout trains the debug model 5 steps on the same global batches (8 samples of 64 tokens) from the
+Every layout trains the debug model 3 steps on the same global batches (8 samples of 64 tokens) from the
 same initial weights (parallelize/init.py makes initialization layout-independent) and must reproduce the
 single-process losses and gradient norms to a relative 1e-5, and its first-step gradients to rounding.
 Activation checkpointing (full, per-op, every N-th block), gradient accumulation, torch.compile, every
@@ -17,7 +17,7 @@ from engine.config import parse_args
 from parallelize.pipeline_parallel import split_backward_takes_custom_functions
 from tests.parallel_harness import global_batches, run_layout, run_world
 
-STEPS = 5
+STEPS = 3
 GLOBAL = 8
 
 
