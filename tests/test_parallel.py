@@ -1,6 +1,6 @@
 """Loss parity of every data/tensor-parallel layout with a single process (gloo, CPU, fp32, deterministic).
 
-Every layout trains the debug model 3 steps on the same global batches (8 samples of 64 tokens) from the
+Every layout trains the debug model (its 2-layer flavor; 4-stage pipelines the 6-layer one) 3 steps on the same global batches (8 samples of 64 tokens) from the
 same initial weights (parallelize/init.py makes initialization layout-independent) and must reproduce the
 single-process losses and gradient norms to a relative 1e-5, and its first-step gradients to rounding.
 Activation checkpointing (full, per-op, every N-th block), gradient accumulation, torch.compile, every
@@ -22,7 +22,16 @@ GLOBAL = 8
 
 
 def _layout(local: int, *args: str) -> list[str]:
-    return ["--training.local_batch_size", str(local), *args]
+    """A layout's flags. Pipelines of 4 ranks train the 6-layer debug model (their 8 stages need blocks to hold);
+    the others its 2-layer flavor, whose per-layer costs (DTensor dispatch on every rank) are a third."""
+    return ["--training.local_batch_size", str(local), *([] if _deep(args) else SHALLOW), *args]
+
+
+def _deep(args) -> bool:
+    return "--parallelism.pp" in args and int(args[args.index("--parallelism.pp") + 1]) >= 4
+
+
+SHALLOW = ["--model.flavor", "debugmodel_L2"]
 
 
 FSDP2_TP2 = ["--parallelism.dp_shard", "2", "--parallelism.tp", "2"]
@@ -137,11 +146,19 @@ def batches():
 
 
 @pytest.fixture(scope="module")
-def reference(batches, tmp_path_factory):
+def references(batches, tmp_path_factory):
+    """The single-process runs of the 2-layer debug model (``False``) and of the 6-layer one that 4-stage pipelines
+    train (``True``)."""
     dump = tmp_path_factory.mktemp("ref")
-    result = run_layout(_layout(GLOBAL), 1, 0, batches, str(dump))
+    results = {deep: run_layout(["--training.local_batch_size", str(GLOBAL), *([] if deep else SHALLOW)], 1, 0,
+                                batches, str(dump / str(deep))) for deep in (False, True)}
     shutil.rmtree(dump)  # the results are in memory; a run's files only fill the disk
-    return result
+    return results
+
+
+@pytest.fixture(scope="module")
+def reference(references):
+    return references[False]
 
 
 @pytest.fixture(scope="module", params=sorted(LAYOUTS))
@@ -166,14 +183,16 @@ def _check(result, reference, args: list[str]):
     _check_built(args, result["built"])
 
 
-def test_reference_trains(reference):
-    assert len(reference["losses"]) == STEPS
-    assert reference["losses"][-1] < reference["losses"][0]
-    assert reference["grad_norms"][0] > 1.0  # training.max_norm = 1: the recorded first-step gradients are clipped
+def test_reference_trains(references):
+    for reference in references.values():
+        assert len(reference["losses"]) == STEPS
+        assert reference["losses"][-1] < reference["losses"][0]
+        assert reference["grad_norms"][0] > 1.0  # training.max_norm = 1: the recorded first-step gradients are clipped
+    assert references[True]["built"]["blocks"] == 6 and references[False]["built"]["blocks"] == 2
 
 
 def test_single_process_ac_matches_reference(batches, reference, tmp_path):
-    for mode in (["full"], ["selective"], ["selective", "--activation_checkpoint.selective_option", "3"],
+    for mode in (["full"], ["selective"], ["selective", "--activation_checkpoint.selective_option", "2"],
                  ["selective", "--activation_checkpoint.op_matmuls", "alternate"],
                  ["selective", "--activation_checkpoint.op_matmuls", "alternate", "--compile.enable"]):
         args = _layout(GLOBAL, "--activation_checkpoint.mode", *mode)
@@ -296,12 +315,12 @@ def _check_built_sharding(args: list[str], built: dict) -> None:
         assert built["logits"] == (["Shard(2)"] if loss_parallel else ["tensor"]), built
 
 
-def test_parallel_layouts_match_single_process(world_results, reference):
+def test_parallel_layouts_match_single_process(world_results, references):
     failures = []
     args_by_name = {name: args for layouts in LAYOUTS.values() for name, args in layouts.items()}
     for name, result in world_results.items():
         try:
-            _check(result, reference, args_by_name[name])
+            _check(result, references[_deep(args_by_name[name])], args_by_name[name])
         except AssertionError as e:
             failures.append(f"{name}: {str(e)[:600]}")
     assert not failures, "\n".join(failures)

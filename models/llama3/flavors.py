@@ -41,20 +41,24 @@ def _llama3_2(dim: int, n_layers: int, n_heads: int) -> TransformerModelArgs:
     )
 
 
+# A small model for tests and debugging; the vocabulary comes from the tokenizer.
+_DEBUG = TransformerModelArgs(
+    dim=256,
+    n_layers=6,
+    n_heads=16,
+    n_kv_heads=8,
+    vocab_size=-1,
+    multiple_of=256,
+    rope_theta=500000.0,
+    rope_scaling=False,
+    max_seq_len=2048,
+    norm_eps=1e-5,
+)
+
 llama3_flavors: dict[str, TransformerModelArgs] = {
-    # A small model for tests and debugging; the vocabulary comes from the tokenizer.
-    "debugmodel": TransformerModelArgs(
-        dim=256,
-        n_layers=6,
-        n_heads=16,
-        n_kv_heads=8,
-        vocab_size=-1,
-        multiple_of=256,
-        rope_theta=500000.0,
-        rope_scaling=False,
-        max_seq_len=2048,
-        norm_eps=1e-5,
-    ),
+    "debugmodel": _DEBUG,
+    # The debug model with 2 layers: layout parity tests that do not need depth run in a third of the time.
+    "debugmodel_L2": dataclasses.replace(_DEBUG, n_layers=2),
     "1B": _llama3_2(dim=2048, n_layers=16, n_heads=32),
     "3B": _llama3_2(dim=3072, n_layers=28, n_heads=24),
     "8B": _8B,

@@ -46,12 +46,16 @@ _PUBLISHED = {
 _DEBUG = Qwen3ModelArgs(dim=256, n_layers=6, n_heads=8, n_kv_heads=4, vocab_size=-1, head_dim_override=64,
                         ffn_hidden=768, qk_norm=True, norm_eps=1e-6, rope_theta=1_000_000.0, max_seq_len=2048)
 
+_DEBUG_MOE = dataclasses.replace(_DEBUG, moe=MoEArgs(num_experts=8, top_k=2, hidden_dim=128, score_func="softmax",
+                                                   route_norm=True, load_balance_coeff=None))
+
 qwen3_flavors: dict[str, Qwen3ModelArgs] = {
     # Small models for tests and debugging; the vocabulary comes from the tokenizer.
     "debugmodel": _DEBUG,
-    "debugmodel_moe": dataclasses.replace(_DEBUG, moe=MoEArgs(num_experts=8, top_k=2, hidden_dim=128,
-                                                              score_func="softmax", route_norm=True,
-                                                              load_balance_coeff=None)),
+    "debugmodel_moe": _DEBUG_MOE,
+    # 2 layers: layout parity tests that do not need depth run in a third of the time.
+    "debugmodel_L2": dataclasses.replace(_DEBUG, n_layers=2),
+    "debugmodel_moe_L2": dataclasses.replace(_DEBUG_MOE, n_layers=2),
     **_PUBLISHED,
     # The benchmark shapes: a published size with fewer layers.
     **{f"{name}_L{n}": dataclasses.replace(_PUBLISHED[name], n_layers=n)
