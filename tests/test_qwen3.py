@@ -349,14 +349,14 @@ def test_what_hugging_face_cannot_hold_is_refused():
 
 STEPS = 4
 GLOBAL = 8
-TIED = "qwen3_tied"  # the dense debug flavor with tied embeddings, registered by the test (no such flavor ships)
+TIED = "qwen3_tied"  # the dense 2-layer debug flavor with tied embeddings, registered by the test (no such flavor ships)
 
 
 def register_tied() -> None:
     from models.registry import register_model_spec
 
-    flavor = dataclasses.replace(qwen3_flavors["debugmodel"], tie_embeddings=True)
-    register_model_spec(dataclasses.replace(get_model_spec("qwen3"), name=TIED, flavors={"debugmodel": flavor}))
+    flavor = dataclasses.replace(qwen3_flavors["debugmodel_L2"], tie_embeddings=True)
+    register_model_spec(dataclasses.replace(get_model_spec("qwen3"), name=TIED, flavors={"debugmodel_L2": flavor}))
 
 
 def _args(flavor: str, *extra: str, model: str = "qwen3") -> list[str]:
@@ -376,18 +376,18 @@ def _layout_job(world_size: int, rank: int, args: list[str], batches, dump: str,
     return run_layout(args, world_size, rank, batches, dump, probe)
 
 
-# name: (reference arguments (one process), the layout's extra arguments on 2 ranks)
+# name: (reference arguments (one process), the layout's extra arguments on 2 ranks); the 2-layer debug flavors
 LAYOUTS = {
     # the dense flavor's QK-norms on the local heads
-    "tp2": (_args("debugmodel"), ["--parallelism.tp", "2"]),
+    "tp2": (_args("debugmodel_L2"), ["--parallelism.tp", "2"]),
     # the MoE flavor sharded by FSDP (experts sharded on the expert dimension), per-op activation checkpointing
-    "moe_fsdp2_ac": (_args("debugmodel_moe", "--training.local_batch_size", "4"),
+    "moe_fsdp2_ac": (_args("debugmodel_moe_L2", "--training.local_batch_size", "4"),
                      ["--parallelism.dp_shard", "2", "--activation_checkpoint.mode", "selective"]),
     # the MoE flavor on two pipeline stages, and with each sequence split over two ranks
-    "moe_pp2": (_args("debugmodel_moe"), ["--parallelism.pp", "2", "--parallelism.pp_schedule", "1F1B"]),
-    "moe_cp2": (_args("debugmodel_moe"), ["--parallelism.cp", "2"]),
+    "moe_pp2": (_args("debugmodel_moe_L2"), ["--parallelism.pp", "2", "--parallelism.pp_schedule", "1F1B"]),
+    "moe_cp2": (_args("debugmodel_moe_L2"), ["--parallelism.cp", "2"]),
     # tied embeddings: one parameter in FSDP's root unit, initialized once
-    "tied_fsdp2": (_args("debugmodel", "--training.local_batch_size", "4", model=TIED),
+    "tied_fsdp2": (_args("debugmodel_L2", "--training.local_batch_size", "4", model=TIED),
                    ["--parallelism.dp_shard", "2"]),
 }
 
@@ -431,7 +431,7 @@ def test_layouts_match_one_process(tmp_path):
     assert tp2["built"]["wq"] == {"tp": "Shard(0)"} and tp2["built"]["wo"] == {"tp": "Shard(1)"}
     assert tp2["probe"] == {"weight": ["Replicate"], "mesh": ["tp"]}
     moe = results["moe_fsdp2_ac"]
-    assert moe["built"]["checkpointed"] == moe["built"]["blocks"] == 6 and moe["built"]["dtensor_params"]
+    assert moe["built"]["checkpointed"] == moe["built"]["blocks"] == 2 and moe["built"]["dtensor_params"]
     assert any("experts.w1" in k for k in moe["grads"])
     assert "output.weight" not in results["tied_fsdp2"]["grads"]  # parameters() holds the tied weight once
     assert results["tied_fsdp2"]["built"]["dtensor_params"]
@@ -441,8 +441,8 @@ def test_compiled_moe_blocks_under_per_op_checkpointing_match_eager(tmp_path):
     """A MoE block records its auxiliary loss and expert counts in its forward: compiled inside per-op
     checkpointing (parallelize/compile.py lets the recompute skip them) it trains as the eager model does."""
     batches = global_batches(GLOBAL, 3)
-    eager = run_layout(_args("debugmodel_moe"), 1, 0, batches, str(tmp_path / "eager"))
-    compiled = run_layout(_args("debugmodel_moe", "--compile.enable", "--activation_checkpoint.mode", "selective"),
+    eager = run_layout(_args("debugmodel_moe_L2"), 1, 0, batches, str(tmp_path / "eager"))
+    compiled = run_layout(_args("debugmodel_moe_L2", "--compile.enable", "--activation_checkpoint.mode", "selective"),
                           1, 0, batches, str(tmp_path / "compiled"))
     assert compiled["losses"] == pytest.approx(eager["losses"], rel=1e-5)
     assert compiled["grad_norms"] == pytest.approx(eager["grad_norms"], rel=1e-5)
