@@ -35,7 +35,8 @@ from engine.plot import read_metrics
 from tests.parallel_harness import run_jobs, train_job
 
 ROOT = Path(__file__).resolve().parents[1]
-BASE = [
+BASE = [  # the 2-layer debug model: saves, loads and reshards every kind of tensor the 6-layer one has
+    "--model.flavor", "debugmodel_L2",
     "--training.steps", "20", "--training.seq_len", "32", "--training.local_batch_size", "2",
     "--lr_scheduler.warmup_steps", "2", "--metrics.log_freq", "1", "--debug.deterministic",
     "--checkpoint.enable", "--checkpoint.interval", "10",
@@ -632,7 +633,7 @@ BAD = {
     "corrupt metadata": "unreadable or unsafe",
     "pickled code in metadata": "refusing to unpickle",
     "dotted global in metadata": "refusing to unpickle torch.distributed.checkpoint.filesystem.os.system",
-    "another flavor": "saved for model llama3/8B, this run is llama3/debugmodel",
+    "another flavor": "saved for model llama3/8B, this run is llama3/debugmodel_L2",
     "edited train state": "train_state.json has no valid lr_scheduler.last_epoch, dp (edited or damaged)",
     "truncated shard": "__0_0.distcp has",
     "no commit marker": "incomplete checkpoint",
@@ -670,14 +671,14 @@ def test_checkpoint_that_does_not_fit_the_model_is_refused_before_anything_is_wr
     hf.mkdir()
     from models.llama3 import Llama3HFAdapter, llama3_flavors  # the debug model's config.json, with 4 KV heads
 
-    config = Llama3HFAdapter.hf_config(dataclasses.replace(llama3_flavors["debugmodel"], vocab_size=5000))
+    config = Llama3HFAdapter.hf_config(dataclasses.replace(llama3_flavors["debugmodel_L2"], vocab_size=5000))
     (hf / "config.json").write_text(json.dumps({**config, "num_key_value_heads": 4}))
     cases = [
         ([], f"checkpoint.folder: {run / 'checkpoint' / 'step-000010'} has model.tok_embeddings.weight of shape "),
         (["--checkpoint.load_step", "0", "--checkpoint.initial_load_path", str(run / "checkpoint" / "step-000010")],
          "checkpoint.initial_load_path: "),
         (["--checkpoint.load_step", "0", "--checkpoint.initial_load_path", str(hf)],
-         "checkpoint.initial_load_path: config.json has num_key_value_heads 4 but model.flavor debugmodel has "),
+         "checkpoint.initial_load_path: config.json has num_key_value_heads 4 but model.flavor debugmodel_L2 has "),
     ]
     for args, message in cases:
         before = tree(tmp_path)
@@ -1010,16 +1011,16 @@ def test_hf_export_and_import_start_a_run_from_the_same_weights(reference, tmp_p
         return write_tensors(folder, shapes, fetch_observed)
 
     monkeypatch.setattr(converter, "write_tensors", observed)
-    from_hf(str(tmp_path / "hf"), str(tmp_path / "back"), "debugmodel")
+    from_hf(str(tmp_path / "hf"), str(tmp_path / "back"), "debugmodel_L2")
     assert peak[0] <= 2 and held == [0], peak  # the tensor being written and the next one
     # Another flavor than the weights': the error names the command's option, and writes nothing.
     with pytest.raises(ValueError, match=r"^hf_folder: config.json has hidden_size 256 but --flavor 8B has dim 4096"):
         from_hf(str(tmp_path / "hf"), str(tmp_path / "wrong"), "8B")
     with pytest.raises(ValueError, match=r"^--model: unknown model 'nosuch'; known models: llama3"):
-        from_hf(str(tmp_path / "hf"), str(tmp_path / "wrong"), "debugmodel", "nosuch")
+        from_hf(str(tmp_path / "hf"), str(tmp_path / "wrong"), "debugmodel_L2", "nosuch")
     (tmp_path / "afile").write_text("mine")
     with pytest.raises(ValueError, match=r"^out: .*afile' already exists and is not an empty folder"):
-        from_hf(str(tmp_path / "hf"), str(tmp_path / "afile"), "debugmodel")
+        from_hf(str(tmp_path / "hf"), str(tmp_path / "afile"), "debugmodel_L2")
     assert not (tmp_path / "wrong").exists() and (tmp_path / "afile").read_text() == "mine"
     model = read_full(str(step), "model.")
     back = read_full(str(tmp_path / "back"), "model.")
@@ -1093,13 +1094,13 @@ def test_export_reads_the_checkpoint_one_shard_at_a_time(reference, tmp_path, mo
     import engine.hf
     from engine.hf import export_checkpoint_hf, export_hf, model_args_for
 
-    step, shard = reference / "checkpoint" / "step-000020", 3 * 2**20
+    step, shard = reference / "checkpoint" / "step-000020", 2**20
     model = {k[len("model."):]: v for k, v in read_full(str(step), "model.").items()}
     reads, read_tensors = [], engine.hf.read_tensors
     monkeypatch.setattr(engine.hf, "read_tensors",
                         lambda folder, names, info: reads.append(names) or read_tensors(folder, names, info))
     export_checkpoint_hf(str(step), str(tmp_path / "streamed"), torch.float32, max_shard_bytes=shard)
-    args = model_args_for("llama3", "debugmodel", model["tok_embeddings.weight"].shape[0])
+    args = model_args_for("llama3", "debugmodel_L2", model["tok_embeddings.weight"].shape[0])
     export_hf(model, args, str(tmp_path / "whole"), torch.float32, max_shard_bytes=shard)
     assert tree(tmp_path / "streamed") == tree(tmp_path / "whole")
     files = [f for f in os.listdir(tmp_path / "streamed") if f.endswith(".safetensors")]
@@ -1123,7 +1124,7 @@ def test_ranks_export_together_through_the_files_alone(reference, tmp_path, monk
     # 8 ranks on 2 nodes: the shards go to node 0 and node 1 in turn, then to the next rank of each node.
     assert [shard_writer(i, 8, 4) for i in range(10)] == [0, 4, 1, 5, 2, 6, 3, 7, 0, 4]
     assert [shard_writer(i, 4, 1) for i in range(6)] == [0, 1, 2, 3, 0, 1]
-    step, shard = str(tmp_path / "step-000020"), 3 * 2**20
+    step, shard = str(tmp_path / "step-000020"), 2**20
     shutil.copytree(reference / "checkpoint" / "step-000020", step)  # a copy: its commit marker changes below
     export_checkpoint_hf(step, str(tmp_path / "one"), torch.float32, max_shard_bytes=shard)
     n_shards = sum(f.endswith(".safetensors") for f in os.listdir(tmp_path / "one"))
@@ -1185,7 +1186,7 @@ def test_to_hf_copies_the_runs_tokenizer_unless_told_otherwise(reference, tmp_pa
     assert (config["bos_token_id"], config["eos_token_id"]) == (tokenizer.bos_id, tokenizer.eos_id)
     assert "tokenizer.json" not in to_hf(step, "none", "--no-tokenizer")[0]
 
-    from_hf(str(tmp_path / "hf"), str(tmp_path / "back"), "debugmodel")  # records hf/tokenizer.json
+    from_hf(str(tmp_path / "hf"), str(tmp_path / "back"), "debugmodel_L2")  # records hf/tokenizer.json
     capsys.readouterr()
     assert "tokenizer.json" in to_hf(tmp_path / "back", "again")[0]
     (tmp_path / "hf" / "tokenizer.json").unlink()
@@ -1207,13 +1208,13 @@ def test_last_save_hf_writes_the_final_model_for_transformers(tmp_path):
             "--checkpoint.export_dtype", "bfloat16")
     out = train(dump, *args, *FSDP2_TP2, ngpu=4).stdout
     hf = dump / "checkpoint" / "step-000003-hf"
-    assert "Hugging Face folder of llama3/debugmodel, step 3 (bfloat16) written in" in out, out[-2000:]
+    assert "Hugging Face folder of llama3/debugmodel_L2, step 3 (bfloat16) written in" in out, out[-2000:]
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(os.listdir(hf))
     # Exactly the committed step's weights (saved over FSDP 2 x TP 2), rounded to bfloat16.
     model = read_full(str(dump / "checkpoint" / "step-000003"), "model.")
     model = {k[len("model."):]: v for k, v in model.items()}
-    args_hf = model_args_for("llama3", "debugmodel", model["tok_embeddings.weight"].shape[0])
-    loaded = load_hf(str(hf), args_hf, model_label="model.flavor debugmodel")
+    args_hf = model_args_for("llama3", "debugmodel_L2", model["tok_embeddings.weight"].shape[0])
+    loaded = load_hf(str(hf), args_hf, model_label="model.flavor debugmodel_L2")
     assert sorted(loaded) == sorted(model)
     assert all(torch.equal(loaded[k], model[k].bfloat16().float()) for k in model)
     hf_model = load_in_transformers(str(hf))
@@ -1232,7 +1233,7 @@ def test_last_save_hf_writes_the_final_model_for_transformers(tmp_path):
     shutil.rmtree(hf)
     again = train(dump, *args, "--training.seq_len", "64", ngpu=2).stdout
     assert "model llama3/debugmodel" not in again and "resumed from step" not in again, again
-    assert "Hugging Face folder of llama3/debugmodel, step 3 (bfloat16) written in" in again
+    assert "Hugging Face folder of llama3/debugmodel_L2, step 3 (bfloat16) written in" in again
     assert tree(hf) == before and (dump / "config.toml").read_bytes() == config
     again = train(dump, *args, "--training.steps", "2").stdout
     assert "resumed at step 3: training.steps = 2 is reached, nothing to train" in again, again
