@@ -10,7 +10,8 @@ from engine.config import parse_args
 from engine.profiling import StepProfiler
 from tests.parallel_harness import run_jobs
 
-SMALL = ["--training.seq_len", "64", "--training.local_batch_size", "2", "--metrics.log_freq", "1",
+SMALL = ["--model.flavor", "debugmodel_L2",  # 2 layers: depth adds nothing here
+         "--training.seq_len", "64", "--training.local_batch_size", "2", "--metrics.log_freq", "1",
          "--lr_scheduler.warmup_steps", "1"]
 
 

@@ -11,7 +11,8 @@ import pytest
 from engine import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SMALL = ["--training.seq_len", "64", "--training.local_batch_size", "4", "--metrics.log_freq", "1",
+SMALL = ["--model.flavor", "debugmodel_L2",  # 2 layers: depth adds nothing here
+         "--training.seq_len", "64", "--training.local_batch_size", "4", "--metrics.log_freq", "1",
          "--lr_scheduler.warmup_steps", "2"]
 
 
