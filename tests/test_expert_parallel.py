@@ -1,5 +1,5 @@
-"""Expert parallelism (parallelize/expert_parallel.py) against one process: the 2-layer MoE debug flavor of qwen3 on gloo
-ranks (CPU, fp32, deterministic), its experts spread over ep ranks and composed with FSDP, TP, PP, CP and HSDP.
+"""Expert parallelism (parallelize/expert_parallel.py) against one process: the 2-layer MoE debug flavor of qwen3 on
+gloo ranks (CPU, fp32, deterministic), its experts spread over ep ranks and composed with FSDP, TP, PP, CP and HSDP.
 
 Each layout trains the same global batches from the same initial weights as one process and must give its losses
 and gradient norms (relative 1e-5), its first-step gradients of every parameter, and its routing: the tokens each

@@ -1,11 +1,11 @@
 """Loss parity of every data/tensor-parallel layout with a single process (gloo, CPU, fp32, deterministic).
 
-Every layout trains the debug model (its 2-layer flavor; 4-stage pipelines the 6-layer one) 3 steps on the same global batches (8 samples of 64 tokens) from the
-same initial weights (parallelize/init.py makes initialization layout-independent) and must reproduce the
-single-process losses and gradient norms to a relative 1e-5, and its first-step gradients to rounding.
-Activation checkpointing (full, per-op, every N-th block), gradient accumulation, torch.compile, every
-pipeline schedule, context parallelism and their compositions up to 4-D (16 ranks) are checked the same
-way.
+Every layout trains the debug model (its 2-layer flavor; 4-stage pipelines the 6-layer one) 3 steps on the same
+global batches (8 samples of 64 tokens) from the same initial weights (parallelize/init.py makes initialization
+layout-independent) and must reproduce the single-process losses and gradient norms to a relative 1e-5, and its
+first-step gradients to rounding. Activation checkpointing (full, per-op, every N-th block), gradient
+accumulation, torch.compile, every pipeline schedule, context parallelism and their compositions up to 4-D
+(16 ranks) are checked the same way.
 """
 
 import shutil

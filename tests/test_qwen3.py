@@ -349,7 +349,7 @@ def test_what_hugging_face_cannot_hold_is_refused():
 
 STEPS = 4
 GLOBAL = 8
-TIED = "qwen3_tied"  # the dense 2-layer debug flavor with tied embeddings, registered by the test (no such flavor ships)
+TIED = "qwen3_tied"  # the dense 2-layer debug flavor with tied embeddings, registered by the test (none ships)
 
 
 def register_tied() -> None:
