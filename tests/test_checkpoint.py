@@ -991,8 +991,6 @@ def test_hf_export_and_import_start_a_run_from_the_same_weights(reference, tmp_p
     handed to DCP in memory whose release is observed), and training from either starts from the same weights."""
     import weakref
 
-    import numpy as np
-
     from tools.convert_hf import from_hf, main as convert
 
     step = reference / "checkpoint" / "step-000020"
