@@ -37,6 +37,8 @@ BASE = [
     "--optimizer.implementation", "for-loop",
 ]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SHALLOW = ["--model.flavor", "debugmodel_L2"]
+"""The debug model with 2 layers: for layouts whose checks do not need depth (each layer costs every rank CPU time)."""
 
 
 def free_port() -> int:

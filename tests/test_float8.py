@@ -30,7 +30,7 @@ from parallelize.float8 import (
     is_float8_linear,
     module_filter,
 )
-from tests.parallel_harness import global_batches, run_layout, run_world
+from tests.parallel_harness import SHALLOW, global_batches, run_layout, run_world
 
 pytest.importorskip("torchao", reason="torchao is in the dev extra: pip install -e '.[dev]'")
 
@@ -286,7 +286,6 @@ STEPS, GLOBAL = 5, 8
 # scales precomputed after each optimizer step; activations cast on their TP shards with scales all-reduced.
 # (The rowwise recipe under FSDP 2 x TP 2 matched to a relative 3e-4 in losses when measured by hand; it is
 # left out of CI for time.)
-SHALLOW = ["--model.flavor", "debugmodel_L2"]  # 2 layers: depth adds nothing to these comparisons
 FSDP2_TP2_FLOAT8 = [*SHALLOW, "--training.local_batch_size", "4", "--parallelism.dp_shard", "2",
                     "--parallelism.tp", "2", *F8, "--float8.fsdp_float8_all_gather", "--float8.precompute_scale"]
 PP2_FSDP2_FLOAT8 = [*SHALLOW, "--training.local_batch_size", "4", "--parallelism.pp", "2",

@@ -15,23 +15,21 @@ import torch
 
 from engine.config import parse_args
 from parallelize.pipeline_parallel import split_backward_takes_custom_functions
-from tests.parallel_harness import global_batches, run_layout, run_world
+from tests.parallel_harness import SHALLOW, global_batches, run_layout, run_world
 
 STEPS = 3
 GLOBAL = 8
 
 
-def _layout(local: int, *args: str) -> list[str]:
-    """A layout's flags. Pipelines of 4 ranks train the 6-layer debug model (their 8 stages need blocks to hold);
-    the others its 2-layer flavor, whose per-layer costs (DTensor dispatch on every rank) are a third."""
-    return ["--training.local_batch_size", str(local), *([] if _deep(args) else SHALLOW), *args]
-
-
 def _deep(args) -> bool:
+    """Pipelines of 4 ranks train the 6-layer debug model (their 8 stages need blocks to hold); the other layouts
+    its 2-layer flavor."""
     return "--parallelism.pp" in args and int(args[args.index("--parallelism.pp") + 1]) >= 4
 
 
-SHALLOW = ["--model.flavor", "debugmodel_L2"]
+def _layout(local: int, *args: str, deep: bool = False) -> list[str]:
+    """A layout's flags, on the debug model of the depth it needs."""
+    return ["--training.local_batch_size", str(local), *([] if deep or _deep(args) else SHALLOW), *args]
 
 
 FSDP2_TP2 = ["--parallelism.dp_shard", "2", "--parallelism.tp", "2"]
@@ -150,8 +148,8 @@ def references(batches, tmp_path_factory):
     """The single-process runs of the 2-layer debug model (``False``) and of the 6-layer one that 4-stage pipelines
     train (``True``)."""
     dump = tmp_path_factory.mktemp("ref")
-    results = {deep: run_layout(["--training.local_batch_size", str(GLOBAL), *([] if deep else SHALLOW)], 1, 0,
-                                batches, str(dump / str(deep))) for deep in (False, True)}
+    results = {deep: run_layout(_layout(GLOBAL, deep=deep), 1, 0, batches, str(dump / str(deep)))
+               for deep in (False, True)}
     shutil.rmtree(dump)  # the results are in memory; a run's files only fill the disk
     return results
 

@@ -57,7 +57,7 @@ _DEBUG = TransformerModelArgs(
 
 llama3_flavors: dict[str, TransformerModelArgs] = {
     "debugmodel": _DEBUG,
-    # The debug model with 2 layers: layout parity tests that do not need depth run in a third of the time.
+    # The debug model with 2 layers, for tests whose checks do not need depth (each layer costs CPU time).
     "debugmodel_L2": dataclasses.replace(_DEBUG, n_layers=2),
     "1B": _llama3_2(dim=2048, n_layers=16, n_heads=32),
     "3B": _llama3_2(dim=3072, n_layers=28, n_heads=24),

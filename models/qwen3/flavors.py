@@ -53,7 +53,7 @@ qwen3_flavors: dict[str, Qwen3ModelArgs] = {
     # Small models for tests and debugging; the vocabulary comes from the tokenizer.
     "debugmodel": _DEBUG,
     "debugmodel_moe": _DEBUG_MOE,
-    # 2 layers: layout parity tests that do not need depth run in a third of the time.
+    # 2 layers, for tests whose checks do not need depth (each layer costs CPU time).
     "debugmodel_L2": dataclasses.replace(_DEBUG, n_layers=2),
     "debugmodel_moe_L2": dataclasses.replace(_DEBUG_MOE, n_layers=2),
     **_PUBLISHED,
