@@ -1,7 +1,20 @@
 """Shared test set-up."""
 
+import compileall
+import os
+
 import pytest
 import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def pytest_sessionstart(session):
+    """The project's modules compiled to bytecode once, before the suite starts its training processes: where
+    PYTHONDONTWRITEBYTECODE is set (as on CI's machines), each of those hundreds of processes would otherwise
+    compile the sources again (about 0.6 s of CPU each)."""
+    for package in (() if os.environ.get("NOPYC") else ("engine", "models", "parallelize", "tools")):
+        compileall.compile_dir(os.path.join(ROOT, package), quiet=1)
 
 
 @pytest.fixture(autouse=True, scope="module")
