@@ -76,9 +76,6 @@ if [ "$NGPU" = 1 ]; then
   WORLD_SIZE=1 RANK=0 LOCAL_RANK=0 exec "$PYTHON" -m engine.train "${args[@]}"
 fi
 
-# Several processes: the configuration, once, quietly, so that a user error prints one line and no launcher
-# traceback; then launch.
-WORLD_SIZE=$NGPU RANK=0 LOCAL_RANK=0 TESSERA_CHECK_ONLY=1 TESSERA_PARENT_PID=$$ "$PYTHON" -m engine.train "${args[@]}"
 # SIGTERM (SLURM preemption, or a user's kill) goes straight to the training processes, which save a
 # checkpoint at the next step boundary and exit 0 (checkpoint.enable); torchrun then exits 0 too. (torchrun
 # itself, signalled, would stop its workers after a grace period and exit non-zero.) engine.launch is torchrun
@@ -87,7 +84,10 @@ WORLD_SIZE=$NGPU RANK=0 LOCAL_RANK=0 TESSERA_CHECK_ONLY=1 TESSERA_PARENT_PID=$$ 
 # The ranks LOG_RANK shows print the run's log lines (engine.distributed.log_ranks), not rank 0 alone.
 # TESSERA_PARENT_PID: the launcher dies with this script, and the training processes with the launcher (a SIGKILL
 # to either leaves no process training).
-TESSERA_PARENT_PID=$$ TESSERA_LOG_RANKS="$LOG_RANK" OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} "$PYTHON" -m engine.launch \
+# TESSERA_CHECK_WORLD_SIZE: the launcher first checks the configuration for this world, once, so that a user
+# error prints one line before any training process starts.
+TESSERA_CHECK_WORLD_SIZE=$NGPU TESSERA_PARENT_PID=$$ TESSERA_LOG_RANKS="$LOG_RANK" \
+  OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} "$PYTHON" -m engine.launch \
   --nproc_per_node="$NGPU" --rdzv_backend=c10d --rdzv_endpoint="localhost:0" \
   --local-ranks-filter="$LOG_RANK" --role=rank --tee=3 \
   -m engine.train "${args[@]}" &

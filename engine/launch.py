@@ -27,9 +27,15 @@ import os
 import signal
 import socket
 import sys
-import threading
-import time
+import traceback
+import warnings
 from typing import Any, Optional
+
+from engine.lifetime import LAUNCHER_ENV, PARENT_ENV, exit_with_parent
+
+CHECK_ENV = "TESSERA_CHECK_WORLD_SIZE"
+"""run_train.sh sets it to NGPU: before starting any training process, the launcher checks the configuration as
+rank 0 of that world (``check_first``)."""
 
 
 class _QuietStops(logging.Filter):
@@ -39,61 +45,6 @@ class _QuietStops(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         message = str(record.msg)
         return not (message.startswith("failed (exitcode:") or message.startswith("Sending process"))
-
-
-LAUNCHER_ENV = "TESSERA_LAUNCHER"
-"""Set to 1 for the training processes: they record their user error for this launcher, which prints it."""
-
-PARENT_ENV = "TESSERA_PARENT_PID"
-"""The process id of the process that launched this one, which this one must not outlive (``exit_with_parent``):
-run_train.sh sets it for the launcher, the launcher for the training processes."""
-
-_PR_SET_PDEATHSIG = 1  # linux/prctl.h
-
-
-def _running(pid: int) -> bool:
-    """Whether process ``pid`` runs (a zombie, dead but not yet reaped, does not)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            stat = f.read()
-        return stat[stat.rindex(")") + 2] != "Z"
-    except FileNotFoundError:
-        return False
-    except OSError:  # no /proc
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            pass
-        return True
-
-
-def exit_with_parent() -> None:
-    """When PARENT_ENV names this process's parent: die (SIGKILL) as soon as that parent dies, as a kernel
-    parent-death signal on Linux, else from a thread that watches the parent. A parent that is gone already (it died
-    while this process started) ends this process now. A value that names another live process (inherited through
-    a process that did not set it) is ignored."""
-    text = os.environ.get(PARENT_ENV, "")
-    if not text.isdigit():
-        return
-    parent = int(text)
-    if parent == os.getpid() or (os.getppid() != parent and _running(parent)):
-        return
-    armed = False
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        armed = ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0
-    if not armed:
-        def watch() -> None:
-            while os.getppid() == parent:
-                time.sleep(0.5)
-            os.kill(os.getpid(), signal.SIGKILL)
-
-        threading.Thread(target=watch, name="tessera-exit-with-parent", daemon=True).start()
-    if os.getppid() != parent:
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def user_error(failure: Any) -> Optional[dict]:
@@ -128,6 +79,31 @@ def ignore_step_signal() -> None:
     signal.signal(signal.SIGUSR2, signal.SIG_IGN)
 
 
+def check_first(argv: list[str], world_size: int) -> int:
+    """engine.train.check_before_launch in a process forked from this one, which has torch imported already
+    (seconds less than a new interpreter); not in this process itself, which must hold no CUDA state while its
+    training processes run. Returns its exit status (0: launch)."""
+    with warnings.catch_warnings():  # Python 3.12 warns of fork in a process with threads; the child only reads
+        warnings.simplefilter("ignore", DeprecationWarning)
+        pid = os.fork()
+    if pid == 0:
+        status = 1
+        try:
+            os.environ[PARENT_ENV] = str(os.getppid())
+            exit_with_parent()
+            from engine.train import check_before_launch
+
+            status = check_before_launch(argv, world_size)
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(status)
+    status = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    return status if status >= 0 else 1
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     exit_with_parent()  # first: importing torch takes seconds
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -135,6 +111,12 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     ignore_step_signal()
     args = parse_args(argv)
+    world_size = os.environ.pop(CHECK_ENV, "")
+    if world_size:
+        assert args.module and args.training_script == "engine.train", args.training_script
+        status = check_first(args.training_script_args, int(world_size))
+        if status:
+            return status
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_QuietStops())
     os.environ[LAUNCHER_ENV] = "1"  # inherited by the training processes
     os.environ[PARENT_ENV] = str(os.getpid())  # the training processes die with this one

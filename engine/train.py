@@ -23,20 +23,36 @@ from engine.config import ConfigError, help_text, parse_args
 # The other imports sit in the functions that need them: --help answers before torch is loaded.
 
 
-def check(argv: list[str] | None = None, machine=None):
-    """Parse and validate the configuration for this world (and ``machine``, an engine.config.validation.Machine:
-    by default this one's); returns the config and its resolved Plan; raises ConfigError."""
+def check(argv: list[str] | None = None, machine=None, world_size: int | None = None):
+    """Parse and validate the configuration for this world (``world_size`` ranks, by default WORLD_SIZE's) and
+    ``machine`` (an engine.config.validation.Machine: by default this one's); returns the config and its resolved
+    Plan; raises ConfigError."""
     from engine.config.validation import Machine, validate
     from engine.data.datasets import check_data_config
     from engine.distributed import backend_from_env, world_size_from_env
 
     cfg = parse_args(argv)
     machine = machine or Machine.this()
-    plan = validate(cfg, world_size_from_env(), machine)
+    plan = validate(cfg, world_size or world_size_from_env(), machine)
     backend_from_env(machine.cuda)
     check_output_folders(cfg)
     check_data_config(cfg)
     return cfg, plan
+
+
+def check_before_launch(argv: list[str], world_size: int) -> int:
+    """The launcher's check before it starts ``world_size`` training processes (engine.launch, for run_train.sh):
+    the configuration, as rank 0 checks it, and the run folder not in use by a live run. A user error prints its
+    one ``error:`` line; returns the exit status (0: launch)."""
+    from engine.run_owner import check_free
+
+    try:
+        cfg, _ = check(argv, world_size=world_size)
+        check_free(cfg.job.dump_folder)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
+    return 0
 
 
 def check_output_folders(cfg) -> None:
@@ -104,7 +120,7 @@ def user_error(e: BaseException, status: int, show: bool) -> int:
     (engine/launch.py, which sets LAUNCHER_ENV) no rank prints: the launcher reads the ranks' files, prints the one
     line itself (torchrun's --tee would put "[rank0]:" before a rank's own) and exits with ``status``. Returns
     ``status``."""
-    from engine.launch import LAUNCHER_ENV
+    from engine.lifetime import LAUNCHER_ENV
 
     if show and os.environ.get(LAUNCHER_ENV) != "1":
         print(f"error: {e}", file=sys.stderr, flush=True)
@@ -144,7 +160,7 @@ def crashed_quietly(e: BaseException, world_size: int) -> bool:
     """Under Tessera's launcher with several ranks, a failure's traceback goes into this process's error file
     instead of the console: most often a collective failed because a peer died, and the launcher names that rank
     in one line; otherwise it prints torchrun's report, with every failed rank's traceback from these files."""
-    from engine.launch import LAUNCHER_ENV
+    from engine.lifetime import LAUNCHER_ENV
 
     if world_size < 2 or os.environ.get(LAUNCHER_ENV) != "1" or not os.environ.get("TORCHELASTIC_ERROR_FILE"):
         return False
@@ -155,7 +171,7 @@ def crashed_quietly(e: BaseException, world_size: int) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from engine.launch import exit_with_parent
+    from engine.lifetime import exit_with_parent
 
     exit_with_parent()  # under a launcher: not one moment longer than it
     argv = list(sys.argv[1:] if argv is None else argv)

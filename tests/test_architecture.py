@@ -23,7 +23,7 @@ LAYERS = [
                                         "engine.checkpoint.*", "engine.hf", "engine.metrics", "engine.plot",
                                         "engine.profiling"]),
     ("trainer", ["engine.build", "engine.step_guards", "engine.trainer"]),
-    ("entry point", ["engine.train", "engine.launch", "engine.run_owner", "engine.faults"]),
+    ("entry point", ["engine.lifetime", "engine.train", "engine.launch", "engine.run_owner", "engine.faults"]),
     ("tools", ["tools", "tools.*"]),
 ]
 

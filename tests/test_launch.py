@@ -308,7 +308,7 @@ def test_exit_with_parent_follows_only_its_own_parent():
     sleeper = subprocess.Popen(["sleep", "60"])
     gone = subprocess.Popen(["true"])
     gone.wait()
-    code = ("import os, sys; from engine.launch import PARENT_ENV, exit_with_parent; "
+    code = ("import os, sys; from engine.lifetime import PARENT_ENV, exit_with_parent; "
             "os.environ[PARENT_ENV] = {value}; exit_with_parent(); print('alive')")
     try:
         for value, alive in (("str(os.getppid())", True), ("str(os.getpid())", True), (f"'{sleeper.pid}'", True),

@@ -1,0 +1,64 @@
+"""A process that must not outlive the one that launched it (run_train.sh -> launcher -> training processes), and
+the environment the launcher hands its training processes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+
+LAUNCHER_ENV = "TESSERA_LAUNCHER"
+"""Set to 1 for the training processes: they record their user error for this launcher, which prints it."""
+
+PARENT_ENV = "TESSERA_PARENT_PID"
+"""The process id of the process that launched this one, which this one must not outlive (``exit_with_parent``):
+run_train.sh sets it for the launcher, the launcher for the training processes."""
+
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie, dead but not yet reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+        return stat[stat.rindex(")") + 2] != "Z"
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            pass
+        return True
+
+
+def exit_with_parent() -> None:
+    """When PARENT_ENV names this process's parent: die (SIGKILL) as soon as that parent dies, as a kernel
+    parent-death signal on Linux, else from a thread that watches the parent. A parent that is gone already (it died
+    while this process started) ends this process now. A value that names another live process (inherited through
+    a process that did not set it) is ignored."""
+    text = os.environ.get(PARENT_ENV, "")
+    if not text.isdigit():
+        return
+    parent = int(text)
+    if parent == os.getpid() or (os.getppid() != parent and _running(parent)):
+        return
+    armed = False
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        armed = ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0
+    if not armed:
+        def watch() -> None:
+            while os.getppid() == parent:
+                time.sleep(0.5)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        threading.Thread(target=watch, name="tessera-exit-with-parent", daemon=True).start()
+    if os.getppid() != parent:
+        os.kill(os.getpid(), signal.SIGKILL)
