@@ -539,7 +539,7 @@ class Trainer:
         if cfg.checkpoint.last_save_hf and self.step == cfg.training.steps:
             ckpt.export_hf(self.step, self.tokenizer.path)
         self.metrics.close()
-        if self.world.is_main:
+        if self.world.is_main and cfg.metrics.plots:
             self._plot()
         return logged
 

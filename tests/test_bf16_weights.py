@@ -24,7 +24,7 @@ from tests.test_model import build, debug_args
 # Few tokens per step: a CPU's bf16 matmuls (autocast's) run tens of times slower than its fp32 ones, and the
 # comparisons below are bit for bit (or within rounding), which any batch shows as well as a large one.
 SMALL = ["--model.flavor", "debugmodel_L2", "--training.seq_len", "32", "--training.local_batch_size", "2",
-         "--metrics.log_freq", "1", "--lr_scheduler.warmup_steps", "2", "--debug.deterministic"]
+         "--metrics.log_freq", "1", "--lr_scheduler.warmup_steps", "2", "--debug.deterministic", "--metrics.no-plots"]
 LEARNING = ["--training.seq_len", "64", "--training.local_batch_size", "4"]  # for a curve that must fall far
 
 

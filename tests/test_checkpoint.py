@@ -40,6 +40,7 @@ BASE = [  # the 2-layer debug model: saves, loads and reshards every kind of ten
     "--training.steps", "20", "--training.seq_len", "32", "--training.local_batch_size", "2",
     "--lr_scheduler.warmup_steps", "2", "--metrics.log_freq", "1", "--debug.deterministic",
     "--checkpoint.enable", "--checkpoint.interval", "10",
+    "--metrics.no-plots",  # drawn where they are checked (test_train, test_metrics): a second per run here
 ]
 # Multi-rank runs step the optimizer per tensor, as tests/parallel_harness.py's do: the first foreach step on
 # DTensors propagates shardings for seconds per rank on 2 cores, and DCP's optimizer state dict takes a step to

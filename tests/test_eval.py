@@ -16,7 +16,8 @@ from tests.parallel_harness import run_jobs
 ROOT = Path(__file__).resolve().parents[1]
 BASE = ["--model.flavor", "debugmodel_L2",  # 2 layers: depth adds nothing here
         "--training.seq_len", "32", "--training.local_batch_size", "4", "--training.global_batch_size", "4",
-        "--lr_scheduler.warmup_steps", "1", "--debug.deterministic", "--data.num_shards", "2"]
+        "--lr_scheduler.warmup_steps", "1", "--debug.deterministic", "--data.num_shards", "2",
+        "--metrics.no-plots"]
 
 
 def evaluate_job(world_size: int, rank: int, argv: list[str]) -> float:

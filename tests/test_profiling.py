@@ -12,7 +12,7 @@ from tests.parallel_harness import run_jobs
 
 SMALL = ["--model.flavor", "debugmodel_L2",  # 2 layers: depth adds nothing here
          "--training.seq_len", "64", "--training.local_batch_size", "2", "--metrics.log_freq", "1",
-         "--lr_scheduler.warmup_steps", "1"]
+         "--lr_scheduler.warmup_steps", "1", "--metrics.no-plots"]
 
 
 def _traced_steps(start_step: int, steps: int, *argv: str) -> dict[str, list[int]]:

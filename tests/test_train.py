@@ -13,7 +13,7 @@ from engine import train
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = ["--model.flavor", "debugmodel_L2",  # 2 layers: depth adds nothing here
          "--training.seq_len", "64", "--training.local_batch_size", "4", "--metrics.log_freq", "1",
-         "--lr_scheduler.warmup_steps", "2"]
+         "--lr_scheduler.warmup_steps", "2", "--metrics.no-plots"]  # plots: where they are checked
 
 
 def run_main(argv, capsys):
@@ -573,7 +573,7 @@ def test_short_run_writes_config_metrics_and_plots(tmp_path, capsys, jsonl_data)
     dump = str(tmp_path / "run")
     rc, out, err = run_main(
         ["--job.dump_folder", dump, *SMALL, "--training.steps", "12", "--data.path", jsonl_data,
-         "--data.text_field", "body", "--metrics.enable_tensorboard"], capsys)
+         "--data.text_field", "body", "--metrics.enable_tensorboard", "--metrics.plots"], capsys)
     assert rc == 0, err
     rows = read_jsonl(os.path.join(dump, "metrics.jsonl"))
     assert [r["step"] for r in rows] == list(range(1, 13))
@@ -581,12 +581,14 @@ def test_short_run_writes_config_metrics_and_plots(tmp_path, capsys, jsonl_data)
         assert key in rows[0]
     assert rows[-1]["loss"] < rows[0]["loss"]
     assert os.path.exists(os.path.join(dump, "config.toml"))
-    assert any(name.endswith(".png") for name in os.listdir(dump))
+    drawn = os.stat(os.path.join(dump, "loss.png")).st_mtime_ns
+    assert os.path.getsize(os.path.join(dump, "throughput.png")) > 0
     assert os.path.isdir(os.path.join(dump, "tb"))
-    # A second run in the same folder keeps the first run's metrics.
+    # A second run in the same folder keeps the first run's metrics (and, with metrics.no-plots, draws nothing).
     rc, out, err = run_main(["--job.dump_folder", dump, *SMALL, "--training.steps", "2", "--data.path",
                              jsonl_data, "--data.text_field", "body"], capsys)
     assert rc == 0, err
+    assert os.stat(os.path.join(dump, "loss.png")).st_mtime_ns == drawn
     assert len(read_jsonl(os.path.join(dump, "metrics.1.jsonl"))) == 12
     assert len(read_jsonl(os.path.join(dump, "metrics.jsonl"))) == 2
 

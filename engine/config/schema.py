@@ -267,6 +267,9 @@ class Metrics:
     metrics_rank<N>.<n>.jsonl); otherwise rank 0 only."""
     peak_flops: float = -1.0
     """Peak FLOP/s of one device for MFU; -1 looks the device up in a table (H100 bf16 989e12, ...)."""
+    plots: bool = True
+    """At the end of the run, draw loss.png and throughput.png (experts.png for MoE) into job.dump_folder from
+    metrics.jsonl; `python -m engine.plot FOLDER` draws them at any time."""
 
 
 @dataclass
