@@ -31,7 +31,7 @@ import traceback
 import warnings
 from typing import Any, Optional
 
-from engine.lifetime import LAUNCHER_ENV, PARENT_ENV, exit_with_parent
+from engine.lifetime import LAUNCHER_ENV, PARENT_ENV, exit_now, exit_with_parent
 
 CHECK_ENV = "TESSERA_CHECK_WORLD_SIZE"
 """run_train.sh sets it to NGPU: before starting any training process, the launcher checks the configuration as
@@ -74,8 +74,6 @@ def ignore_step_signal() -> None:
     """Ignore SIGUSR2, in this process and (inherited) the training processes: the SLURM templates send it to
     every process of the job step (scancel --signal), and each node's launch_node.sh turns it into SIGTERM for
     the training processes alone; torchrun itself must not die of it."""
-    import signal
-
     signal.signal(signal.SIGUSR2, signal.SIG_IGN)
 
 
@@ -139,4 +137,4 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())  # without the interpreter's slow teardown of torch

@@ -242,4 +242,6 @@ def run(argv: list[str], at_exit: contextlib.ExitStack) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from engine.lifetime import exit_now
+
+    exit_now(main())  # without the interpreter's slow teardown of torch

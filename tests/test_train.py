@@ -345,7 +345,11 @@ def test_launcher_ends_with_the_recorded_user_error(tmp_path, monkeypatch, capsy
         raise ChildFailedError("engine.train", failures)
 
     monkeypatch.setattr(torchrun, "run", run)
-    monkeypatch.setenv(launch.LAUNCHER_ENV, "0")  # launch.main sets it in this process: undone after the test
+    # launch.main sets these in this process: undone after the test (an ignored SIGUSR2 would be inherited by every
+    # later test's processes, and a shell cannot trap a signal ignored when it starts: test_slurm's launch_node.sh).
+    monkeypatch.setenv(launch.LAUNCHER_ENV, "0")
+    monkeypatch.setenv(launch.PARENT_ENV, "")
+    monkeypatch.setattr(launch, "ignore_step_signal", lambda: None)
     argv = ["--nproc_per_node=2", "--local-ranks-filter=0", "-m", "engine.train"]
     assert launch.main(argv) == 2
     err = capsys.readouterr().err

@@ -117,4 +117,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from engine.lifetime import exit_now
+
+    exit_now(main())  # without the interpreter's slow teardown of torch

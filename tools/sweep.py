@@ -367,4 +367,6 @@ def _report(rows: list[dict], paths: list[str], out: str) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from engine.lifetime import exit_now
+
+    exit_now(main())  # without the interpreter's slow teardown of torch
