@@ -27,11 +27,11 @@ def check(argv: list[str] | None = None, machine=None, world_size: int | None = 
     """Parse and validate the configuration for this world (``world_size`` ranks, by default WORLD_SIZE's) and
     ``machine`` (an engine.config.validation.Machine: by default this one's); returns the config and its resolved
     Plan; raises ConfigError."""
+    cfg = parse_args(argv)  # first: a mistyped flag or value is refused before torch is loaded
     from engine.config.validation import Machine, validate
     from engine.data.datasets import check_data_config
     from engine.distributed import backend_from_env, world_size_from_env
 
-    cfg = parse_args(argv)
     machine = machine or Machine.this()
     plan = validate(cfg, world_size or world_size_from_env(), machine)
     backend_from_env(machine.cuda)
