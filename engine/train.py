@@ -224,6 +224,7 @@ def run(argv: list[str], at_exit: contextlib.ExitStack) -> int:
     from engine.distributed import peer_user_error
     from engine.step_guards import TrainingDiverged
 
+    crashed = False
     try:
         trainer.train()
     except TrainingDiverged as e:  # every rank sees it
@@ -232,12 +233,14 @@ def run(argv: list[str], at_exit: contextlib.ExitStack) -> int:
         return user_error(e, 2, show=True)
     except Exception:  # a collective failed: maybe its peer left on a user error (above); then report that
         peer = peer_user_error()
-        if peer is None:
+        if peer is None:  # a crash, or a peer died: destroying the process group could wait on the dead peer
+            crashed = True
             raise
         trainer.checkpointer.close_alone()  # an async save the peer finished writing commits
         return user_error(ValueError(f"[rank {peer['rank']}] {peer['message']}"), peer["status"], show=rank == 0)
     finally:
-        destroy_distributed()
+        if not crashed:
+            destroy_distributed()
     return 0
 
 
