@@ -40,18 +40,24 @@ def check(argv: list[str] | None = None, machine=None, world_size: int | None = 
     return cfg, plan
 
 
-def check_before_launch(argv: list[str], world_size: int) -> int:
-    """The launcher's check before it starts ``world_size`` training processes (engine.launch, for run_train.sh):
-    the configuration, as rank 0 checks it, and the run folder not in use by a live run. A user error prints its
-    one ``error:`` line; returns the exit status (0: launch)."""
-    from engine.run_owner import check_free
+def check_run(argv: list[str], rank: int, world_size: int | None = None):
+    """``check``, and on rank 0 the run folder not in use by a live run on this machine: everything a run is
+    refused for before it starts. Returns the config and its Plan; raises ValueError."""
+    cfg, plan = check(argv, world_size=world_size)
+    if rank == 0:
+        from engine.run_owner import check_free
 
-    try:
-        cfg, _ = check(argv, world_size=world_size)
         check_free(cfg.job.dump_folder)
+    return cfg, plan
+
+
+def check_before_launch(argv: list[str], world_size: int) -> int:
+    """The launcher's check before it starts ``world_size`` training processes (engine.launch, for run_train.sh),
+    as rank 0 checks it. A user error prints its one ``error:`` line; returns the exit status (0: launch)."""
+    try:
+        check_run(argv, 0, world_size)
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        return 2
+        return user_error(e, 2, show=True)
     return 0
 
 
@@ -191,11 +197,7 @@ def run(argv: list[str], at_exit: contextlib.ExitStack) -> int:
     """Check, set up and train; returns the exit status. ``at_exit`` ends the run folder's ownership."""
     rank = int(os.environ.get("RANK", "0"))
     try:
-        cfg, plan = check(argv)
-        if rank == 0:  # a live run on this machine owns the folder: refused now, before anything starts
-            from engine.run_owner import check_free
-
-            check_free(cfg.job.dump_folder)
+        cfg, plan = check_run(argv, rank)
         if os.environ.get("TESSERA_CHECK_ONLY") == "1":
             return 0
         from engine.checkpoint.resume import plan_resume

@@ -13,7 +13,7 @@ def pytest_sessionstart(session):
     """The project's modules compiled to bytecode once, before the suite starts its training processes: where
     PYTHONDONTWRITEBYTECODE is set (as on CI's machines), each of those hundreds of processes would otherwise
     compile the sources again (about 0.6 s of CPU each)."""
-    for package in (() if os.environ.get("NOPYC") else ("engine", "models", "parallelize", "tools")):
+    for package in ("engine", "models", "parallelize", "tools"):
         compileall.compile_dir(os.path.join(ROOT, package), quiet=1)
 
 
