@@ -258,11 +258,14 @@ def test_a_resumed_run_goes_on_in_the_same_wandb_run(tmp_path, monkeypatch):
     id, so wandb sync joins them); a fresh run in the folder starts a new one."""
     no_wandb_login(tmp_path, monkeypatch)
     dump = tmp_path / "run"
-    ids = []
-    for fresh in (True, False, True):
-        run_script(WANDB_RUN + f"run({str(dump)!r}, 'offline', {fresh})")
-        ids.append((dump / "wandb_run_id").read_text().strip())
-    assert ids[0] == ids[1] != ids[2] and all(len(i) == 8 for i in ids)
+    # The three runs one after the other in one child process (wandb's service starts once).
+    printed = run_script(WANDB_RUN + f"""
+for fresh in (True, False, True):
+    run({str(dump)!r}, 'offline', fresh)
+    print('run id:', open({str(dump / "wandb_run_id")!r}).read().strip())
+""").stdout
+    ids = [line.split()[-1] for line in printed.splitlines() if line.startswith("run id:")]
+    assert len(ids) == 3 and ids[0] == ids[1] != ids[2] and all(len(i) == 8 for i in ids), printed
     runs = sorted(glob.glob(str(dump / "wandb" / "offline-run-*")))
     assert len(runs) == 3
     names = [os.path.basename(r) for r in runs]  # offline-run-<time>-<id>[-<n>]
@@ -295,20 +298,23 @@ def test_a_run_resumed_behind_the_wandb_run_warns_or_rewinds_it(tmp_path, monkey
     the wandb run is rewound to step 3 (wandb.init(resume_from="<id>?_step=3")) and nothing is dropped."""
     no_wandb_login(tmp_path, monkeypatch)
     dump = str(tmp_path / "run")
-    first = run_script(WANDB_RESUME + f"run({dump!r}, range(1, 7), True, 1, False)").stdout
+    # The five runs one after the other in one child process (wandb's service starts once), each one's output
+    # after a line of its own.
+    runs = [(range(1, 7), True, 1, False), ([4, 5], False, 4, False), ([6], False, 6, False), ([3], False, 3, True),
+            ([4], False, 4, True)]
+    script = "".join(f"print('=== run', flush=True)\nrun({dump!r}, {list(steps)}, {fresh}, {first_step}, {rewind})\n"
+                     for steps, fresh, first_step, rewind in runs)
+    first, warned, caught_up, rewound, ahead = run_script(WANDB_RESUME + script).stdout.split("=== run\n")[1:]
     assert "resume_from: None" in first and "warning" not in first
     run_id = (tmp_path / "run" / "wandb_run_id").read_text().strip()
-    warned = run_script(WANDB_RESUME + f"run({dump!r}, [4, 5], False, 4, False)").stdout
     (line,) = [line for line in warned.splitlines() if "warning" in line]
     assert f"wandb run {run_id} already has steps up to 6" in line and "drops steps 4 to 6" in line, line
     assert "metrics.wandb_rewind" in line
     # The JSONL now ends at step 5: the next resume from step 6 on is behind nothing and says nothing.
-    assert "warning" not in run_script(WANDB_RESUME + f"run({dump!r}, [6], False, 6, False)").stdout
-    rewound = run_script(WANDB_RESUME + f"run({dump!r}, [3], False, 3, True)").stdout
+    assert "warning" not in caught_up
     assert f"resume_from: ('{run_id}', 2)" in rewound and "warning" not in rewound
     assert (tmp_path / "run" / "wandb_run_id").read_text().strip() == run_id
-    ahead = run_script(WANDB_RESUME + f"run({dump!r}, [4], False, 4, True)").stdout  # nothing to rewind
-    assert "resume_from: None" in ahead and "warning" not in ahead
+    assert "resume_from: None" in ahead and "warning" not in ahead  # nothing to rewind
 
 
 def test_console_line_shows_peak_active_and_reserved_memory():
