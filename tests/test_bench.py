@@ -688,7 +688,7 @@ def test_hopper_levers_rope_clip_and_bf16_compare_like_with_like(monkeypatch):
     for name, (q, k) in outs.items():
         torch.testing.assert_close(q.float(), reference[0].float(), rtol=0, atol=2e-2, msg=name)  # bf16 rounding
         torch.testing.assert_close(k.float(), reference[1].float(), rtol=0, atol=2e-2, msg=name)
-    params = hopper_levers.lever_clip(1, device="cpu", flavor="debugmodel")
+    params = hopper_levers.lever_clip(1, device="cpu", flavor="debugmodel_L2")
     explicit, folded = params.values()
     assert max((a - b).abs().max().item() for a, b in zip(explicit, folded)) < 1e-6
     assert max(a.abs().max().item() for a in folded) > 0  # the step moved the parameters
@@ -707,7 +707,7 @@ def test_hopper_levers_rope_clip_and_bf16_compare_like_with_like(monkeypatch):
         return counted
 
     monkeypatch.setattr(torch, "compile", recording_compile)
-    fp32, split, _ = hopper_levers.lever_bf16(1, device="cpu", flavor="debugmodel", tokens=16).values()
+    fp32, split, _ = hopper_levers.lever_bf16(1, device="cpu", flavor="debugmodel_L2", tokens=16).values()
     monkeypatch.setattr(torch, "compile", compile_)
     # The same update; the split one from the bf16 rounding of the gradients (the clip's norm moves with it).
     assert max((a - b).abs().max().item() for a, b in zip(fp32, split)) < 1e-6
