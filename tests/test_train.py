@@ -176,8 +176,8 @@ def test_log_rank_shows_that_ranks_log_lines(tmp_path):
     """LOG_RANK=1 shows rank 1's own lines (its stage's memory under PP, say), not an empty console; its metrics
     are its own (the loss is the global one on every rank)."""
     env = {**os.environ, "PYTHON": sys.executable, "NGPU": "2", "LOG_RANK": "1"}
-    proc = subprocess.run([RUN_TRAIN_SH, "--job.dump_folder", str(tmp_path / "run"), "--training.steps", "2",
-                           "--lr_scheduler.warmup_steps", "1", "--parallelism.pp", "2", "--metrics.log_freq", "1"],
+    proc = subprocess.run([RUN_TRAIN_SH, "--job.dump_folder", str(tmp_path / "run"), *SMALL, "--training.steps", "2",
+                           "--lr_scheduler.warmup_steps", "1", "--parallelism.pp", "2"],
                           capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
