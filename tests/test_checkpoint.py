@@ -392,6 +392,11 @@ def resume_probe_job(world_size: int, rank: int, steps: int, argv: list[str]) ->
     return everyone
 
 
+def probe_or_train_job(world_size: int, rank: int, kind: str, *args) -> list[dict] | str:
+    """``resume_probe_job`` or the harness's ``train_job``, so that one start of a world's ranks runs both."""
+    return (resume_probe_job if kind == "probe" else train_job)(world_size, rank, *args)
+
+
 def test_resume_fsdp4_checkpoint_on_other_layouts(tmp_path):
     """An FSDP 4 run's step-4 checkpoint, resumed on FSDP 2 x TP 2, PP 2 x FSDP 2, FSDP 2 and one rank: every
     model and optimizer value arrives, the next steps read the same samples, and training on from there gives
@@ -416,16 +421,16 @@ def test_resume_fsdp4_checkpoint_on_other_layouts(tmp_path):
     uninterrupted = metrics(saved)
     for world, jobs in layouts.items():
         argv = [*BASE, *RESHARD, "--checkpoint.folder", str(saved / "checkpoint"), "--checkpoint.load_step", "4"]
-        results = run_jobs(world, resume_probe_job, {
-            name: (2, [*argv, "--job.dump_folder", str(tmp_path / name), *args]) for name, args in jobs.items()
-        }, str(tmp_path / f"world{world}"))
+        probes = {name: ("probe", 2, [*argv, "--job.dump_folder", str(tmp_path / name), *args])
+                  for name, args in jobs.items()}
         # Train on: each layout from its own copy of the step-4 checkpoint to step 8.
         trained = {}
         for name, args in jobs.items():
             dump = tmp_path / f"{name}_trained"
             shutil.copytree(saved / "checkpoint" / "step-000004", dump / "checkpoint" / "step-000004")
-            trained[name] = ([*BASE, *RESHARD, "--job.dump_folder", str(dump), *args], {})
-        run_jobs(world, train_job, trained, str(tmp_path / f"world{world}_trained"))
+            trained[f"{name}_trained"] = ("train", [*BASE, *RESHARD, "--job.dump_folder", str(dump), *args], {})
+        results = run_jobs(world, probe_or_train_job, {**probes, **trained}, str(tmp_path / f"world{world}"))
+        results = {name: results[name] for name in jobs}
         for name in jobs:
             resumed = metrics(tmp_path / f"{name}_trained")
             assert sorted(resumed) == [5, 6, 7, 8], (name, sorted(resumed))
