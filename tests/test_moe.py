@@ -222,3 +222,23 @@ def test_a_moe_model_trains_logs_its_expert_load_and_balances(tmp_path, capsys):
     state = read_full(step_folder(str(tmp_path / "aux0" / "checkpoint"), 6), "model.")
     biases = [v for k, v in state.items() if k.endswith("expert_bias")]
     assert len(biases) == 5 and all(b.abs().sum() > 0 for b in biases)
+
+
+def test_every_shipped_moe_config_balances_its_experts():
+    """A MoE config without load balancing collapses: the debug MoE model routed every token of some layers to 2
+    of its 8 experts within 50 steps. Every shipped config of a MoE flavor weighs the auxiliary loss or uses a flavor
+    with DeepSeek-V3's expert bias."""
+    import glob
+
+    from engine.config import parse_args
+    from models.registry import get_model_spec
+
+    moe_configs = []
+    for path in sorted(glob.glob("train_configs/*.toml")):
+        model = parse_args(["--config", path]).model
+        args = get_model_spec(model.name).flavors[model.flavor]
+        if getattr(args, "moe", None) is None:
+            continue
+        moe_configs.append(path)
+        assert model.moe_aux_loss_coeff > 0 or args.moe.load_balance_coeff is not None, path
+    assert len(moe_configs) >= 3, moe_configs
