@@ -146,7 +146,6 @@ def _register(name: str, **changes):
 
 @pytest.mark.parametrize("changes, argv, field", [
     ({"tie_embeddings": True}, ["--parallelism.pp", "2"], "parallelism.pp"),
-    ({"tie_embeddings": True}, ["--parallelism.tp", "2"], "parallelism.tp"),
     # MoE layers under TP are sharded by FSDP over the TP ranks: TP alone has no FSDP
     ({"moe": MoEArgs(num_experts=4, top_k=2, hidden_dim=64)}, ["--parallelism.tp", "2"], "parallelism.tp"),
 ])

@@ -11,6 +11,7 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
+from torch.distributed.tensor import Shard
 
 from models.llama3 import Llama3HFAdapter
 from models.llama3.model import Transformer, count_params, flops_per_token, num_params
@@ -371,6 +372,14 @@ def qk_norm_layout(trainer) -> dict:
             "mesh": list(getattr(getattr(norm, "device_mesh", None), "mesh_dim_names", None) or [])}
 
 
+def tied_weight(trainer) -> dict:
+    """A probe: whether the output projection still shares the embedding's weight, and that weight's placements."""
+    model = trainer.model_parts[0]
+    weight = model.tok_embeddings.weight
+    return {"shared": model.output.weight is weight,
+            "placements": [str(p) for p in getattr(weight, "placements", [])]}
+
+
 def _layout_job(world_size: int, rank: int, args: list[str], batches, dump: str, probe=None):
     register_tied()  # in every rank (they are forked from a server that never ran this test)
     return run_layout(args, world_size, rank, batches, dump, probe)
@@ -386,30 +395,37 @@ LAYOUTS = {
     # the MoE flavor on two pipeline stages, and with each sequence split over two ranks
     "moe_pp2": (_args("debugmodel_moe_L2"), ["--parallelism.pp", "2", "--parallelism.pp_schedule", "1F1B"]),
     "moe_cp2": (_args("debugmodel_moe_L2"), ["--parallelism.cp", "2"]),
-    # tied embeddings: one parameter in FSDP's root unit, initialized once
+    # tied embeddings: one parameter in FSDP's root unit, initialized once; under TP one parameter sharded on the
+    # vocabulary, with the logits and with the output fused into the loss
     "tied_fsdp2": (_args("debugmodel_L2", "--training.local_batch_size", "4", model=TIED),
                    ["--parallelism.dp_shard", "2"]),
+    "tied_tp2": (_args("debugmodel_L2", model=TIED), ["--parallelism.tp", "2"]),
+    "tied_tp2_fused_loss": (_args("debugmodel_L2", model=TIED), ["--parallelism.tp", "2",
+                                                                 "--training.loss_chunk_tokens", "100"]),
 }
+PROBES = {"tp2": qk_norm_layout, "tied_fsdp2": tied_weight, "tied_tp2": tied_weight, "tied_tp2_fused_loss": tied_weight}
 
 
 def test_layouts_match_one_process(tmp_path):
     """On 2 gloo ranks (CPU): the dense debug flavor (QK-norm, heads 64 wide) on TP 2, the MoE one on FSDP 2 with
-    per-op activation checkpointing, PP 2 and CP 2, and the dense one with tied embeddings on FSDP 2 each give the
-    losses and
-    gradient norms of every step, and the first step's gradients of every parameter, of one process; the QK-norm
-    weights are replicated on the TP mesh."""
+    per-op activation checkpointing, PP 2 and CP 2, and the dense one with tied embeddings on FSDP 2 and on TP 2
+    each give the losses and gradient norms of every step, and the first step's gradients of every parameter, of
+    one process; the QK-norm weights are replicated on the TP mesh, and a tied weight stays one parameter."""
     from engine.config import parse_args
 
     register_tied()
     batches = global_batches(GLOBAL, STEPS)
-    references = {}
+    references, runs = {}, {}
     for name, (args, _) in LAYOUTS.items():
         # one process takes the whole global batch: local_batch_size = GLOBAL (the last one given wins)
-        references[name] = run_layout([*args, "--training.local_batch_size", str(GLOBAL)], 1, 0, batches,
-                                      str(tmp_path / f"ref_{name}"))
+        argv = [*args, "--training.local_batch_size", str(GLOBAL)]
+        key = repr(parse_args(argv))  # the tied layouts share one reference run
+        if key not in runs:
+            runs[key] = run_layout(argv, 1, 0, batches, str(tmp_path / f"ref_{name}"))
+        references[name] = runs[key]
         assert references[name]["losses"][-1] < references[name]["losses"][0], name
     assert parse_args(LAYOUTS["tied_fsdp2"][0]).model.name == TIED
-    jobs = {name: ([*args, *extra], batches, str(tmp_path / name), qk_norm_layout if name == "tp2" else None)
+    jobs = {name: ([*args, *extra], batches, str(tmp_path / name), PROBES.get(name))
             for name, (args, extra) in LAYOUTS.items()}
     results = run_jobs(2, _layout_job, jobs, str(tmp_path / "w2"))
     shutil.rmtree(tmp_path)
@@ -433,8 +449,11 @@ def test_layouts_match_one_process(tmp_path):
     moe = results["moe_fsdp2_ac"]
     assert moe["built"]["checkpointed"] == moe["built"]["blocks"] == 2 and moe["built"]["dtensor_params"]
     assert any("experts.w1" in k for k in moe["grads"])
-    assert "output.weight" not in results["tied_fsdp2"]["grads"]  # parameters() holds the tied weight once
+    for name in ("tied_fsdp2", "tied_tp2", "tied_tp2_fused_loss"):
+        assert "output.weight" not in results[name]["grads"], name  # parameters() holds the tied weight once
+        assert results[name]["probe"]["shared"], name
     assert results["tied_fsdp2"]["built"]["dtensor_params"]
+    assert results["tied_tp2"]["probe"]["placements"] == [str(Shard(0))]  # on the vocabulary
 
 
 def test_compiled_moe_blocks_under_per_op_checkpointing_match_eager(tmp_path):
@@ -453,7 +472,6 @@ def test_layouts_the_family_cannot_be_split_by_are_refused():
     from engine.config.validation import validate
 
     for flavor, argv, field in (("debugmodel_moe", ["--parallelism.tp", "2"], "parallelism.tp"),
-                                ("0.6B", ["--parallelism.tp", "2"], "parallelism.tp"),
                                 ("0.6B", ["--parallelism.pp", "2"], "parallelism.pp")):
         with pytest.raises(ConfigError, match=f"^{field}: qwen3/{flavor} "):
             validate(parse_args(["--model.name", "qwen3", "--model.flavor", flavor, *argv]), 2)

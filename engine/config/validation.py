@@ -339,13 +339,10 @@ def validate_parallelism(cfg: Config, world_size: int, spec, machine: Optional[M
 def _validate_model_layout(cfg: Config, dims: ParallelDims, args) -> None:
     """What a flavor's tied embeddings and Mixture-of-Experts blocks cannot be split by, and what ep needs."""
     flavor = f"{cfg.model.name}/{cfg.model.flavor}"
-    if getattr(args, "tie_embeddings", False):
-        for degree, key, why in ((dims.pp, "pp", "pipeline stages would hold the embedding and the output apart"),
-                                 (dims.tp, "tp", "tensor parallelism would shard the shared weight twice")):
-            if degree > 1:
-                raise ConfigError(f"parallelism.{key}: {flavor} ties its output projection to the input embedding, "
-                                  f"and {why}; set parallelism.{key} = 1 and shard it with FSDP "
-                                  "(parallelism.dp_shard)")
+    if getattr(args, "tie_embeddings", False) and dims.pp > 1:
+        raise ConfigError(f"parallelism.pp: {flavor} ties its output projection to the input embedding, and pipeline "
+                          "stages would hold the embedding and the output apart; set parallelism.pp = 1 and shard "
+                          "it with FSDP (parallelism.dp_shard) or tensor parallelism (parallelism.tp)")
     if cfg.model.moe_aux_loss_coeff and dims.pp > 1:
         raise ConfigError("model.moe_aux_loss_coeff: the auxiliary loss of the experts on earlier pipeline stages "
                           "does not reach the last stage's loss; set it to 0 with parallelism.pp > 1 (a flavor's "

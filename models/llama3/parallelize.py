@@ -12,7 +12,8 @@ in float8), and AC, compile and FSDP (with its float8 weight all-gather when con
 layers as they wrap any other. See parallelize/float8.py.
 
 Tensor parallel layout (Megatron-style, with sequence parallelism):
-- tok_embeddings: vocabulary-parallel (rowwise on the vocabulary), output sharded on the sequence;
+- tok_embeddings: vocabulary-parallel (rowwise on the vocabulary), output sharded on the sequence (a tied output
+  projection shares its weight, sharded on the vocabulary as the colwise output's would be);
 - each block: norms sequence-parallel; the attention and MLP inputs are all-gathered over the sequence;
   wq/wk/wv and w1/w3 colwise (each rank holds whole heads), wo and w2 rowwise with a reduce-scatter back
   to sequence shards;
@@ -154,6 +155,10 @@ def parallelize_llama(model: nn.Module, dims: ParallelDims, cfg: Any, device_typ
         float8_comm = f8.enable and f8.recipe == "tensorwise" and float8_tp_comm_supported(tp_mesh)
         root_plan = {k: v for k, v in tp_plan_root(not p.disable_loss_parallel).items() if getattr(model, k) is not None}
         apply_tp(model, tp_mesh, root_plan)
+        if model.args.tie_embeddings and model.tok_embeddings is not None and model.output is not None:
+            # Each style distributed its module's own copy of the shared weight, both on the vocabulary: tie again.
+            assert model.output.weight.placements == model.tok_embeddings.weight.placements == (Shard(0),)
+            model.output.weight = model.tok_embeddings.weight
         model.linear_loss = vocab_parallel_linear_cross_entropy_sum  # training.loss_chunk_tokens under TP
         model.sequence_shards = dims.tp  # a stage without the embedding gets Shard(1) of the hidden state
         for block in model.layers.values():

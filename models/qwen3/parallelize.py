@@ -11,8 +11,8 @@ plan, which does not touch them.
 What the family runs on (engine/config/validation.py refuses the rest before anything is built):
 - dense and untied (debugmodel, 8B, 14B, 32B): every layout Llama 3 runs on (FSDP/HSDP/DDP, TP, CP, PP, float8, AC,
   compile);
-- tied embeddings (0.6B, 1.7B, 4B): no TP (the embedding and the output would be sharded as two parameters) and
-  no PP (the shared weight cannot be on two stages);
+- tied embeddings (0.6B, 1.7B, 4B): every layout but PP (the shared weight cannot be on two stages); under TP
+  the embedding and the output share one weight sharded on the vocabulary;
 - MoE blocks (30B-A3B, 235B-A22B, debugmodel_moe): every layout, expert parallelism (parallelism.ep) included; under
   TP the MoE layers run on each rank's sequence shard and are sharded by FSDP, so TP needs data parallelism.
 """
@@ -40,10 +40,6 @@ def tp_plan_qk_norm() -> dict:
 def parallelize_qwen3(model: nn.Module, dims: ParallelDims, cfg: Any, device_type: str) -> nn.Module:
     """Apply the plan for ``dims`` and ``cfg`` to ``model`` (on the meta device) in place; returns it."""
     if dims.tp_enabled:
-        # Validation refuses this layout first (one error line naming parallelism.tp); this is the backstop.
-        if model.args.tie_embeddings:
-            raise ValueError("parallelism.tp: a Qwen3 flavor with tied embeddings cannot be split by tensor "
-                             "parallelism; set parallelism.tp = 1")
         tp_mesh = dims.mesh("tp")
         for block in model.layers.values():
             if block.attention.q_norm is not None:
