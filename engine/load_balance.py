@@ -1,7 +1,8 @@
 """Load balancing of a model's Mixture-of-Experts layers (models/moe.py) over a training run.
 
-Per microbatch: the layers' mean auxiliary loss, weighted by model.moe_aux_loss_coeff, joins the loss that is
-differentiated (not the logged loss, which stays the cross-entropy). Per optimizer step: the tokens each expert
+The layers' mean auxiliary loss, weighted by model.moe_aux_loss_coeff, is trained as if added to each microbatch's
+loss (not to the logged loss, which stays the cross-entropy): each layer gets its share of that weight and adds
+the gradient in backward (models/moe.py), on whichever pipeline stage it is. Per optimizer step: the tokens each expert
 received are summed over the ranks holding other tokens, each layer's expert bias (when its flavor balances
 without an auxiliary loss) moves towards its less loaded experts, and the step's expert load (per layer: the
 busiest expert's tokens over the mean) is kept for the next log.
@@ -23,29 +24,29 @@ class LoadBalance:
     """The MoE layers of this rank's model parts, and what the loop does with them (nothing for a dense model)."""
 
     def __init__(self, parts: list[nn.Module], aux_loss_coeff: float, groups: list[dist.ProcessGroup],
-                 device: torch.device):
+                 device: torch.device, total_layers: int, microbatches: int, loss_scale: float):
         """``groups``: process groups whose ranks together hold every token of a step (dp x cp, and tp when the
-        MoE layers run on sequence shards); the expert counts are summed over them, the auxiliary loss averaged."""
+        MoE layers run on sequence shards); the expert counts are summed over them, the auxiliary loss averaged.
+        The auxiliary loss is the mean over the model's ``total_layers`` MoE layers (every pipeline stage's) and
+        over a step's ``microbatches`` forwards; backward runs the loss times ``loss_scale``."""
         self.layers = [m for part in parts for m in part.modules() if isinstance(m, MoE)]
-        self.coeff = aux_loss_coeff
         self.groups = groups
         self.token_ranks = math.prod(dist.get_world_size(g) for g in groups)
+        if aux_loss_coeff:  # the ranks' gradients are summed: each rank's share of the mean
+            weight = aux_loss_coeff * loss_scale / (total_layers * microbatches * self.token_ranks)
+            for layer in self.layers:
+                layer.aux_loss_weight = weight
         self._aux_sum = torch.zeros((), device=device)
         self._aux_count = 0
         self._load: Optional[Tensor] = None
         self.last_counts: Optional[Tensor] = None
         """The last step's tokens per expert, summed over the ranks: ``[layers, experts]``."""
 
-    def aux_term(self, microbatches: int) -> Optional[Tensor]:
-        """After a microbatch's forward: the term to add to its loss before backward (the coefficient times the
-        layers' mean auxiliary loss, divided by the step's ``microbatches`` and the ranks holding other tokens,
-        whose gradients are summed), or None without MoE layers or coefficient."""
-        if not self.layers:
-            return None
-        aux = torch.stack([layer.aux_loss for layer in self.layers]).mean()
-        self._aux_sum += aux.detach()
-        self._aux_count += 1
-        return self.coeff * aux / (microbatches * self.token_ranks) if self.coeff else None
+    def record_aux_loss(self) -> None:
+        """After a microbatch's forward (without pipeline stages): keep the layers' mean auxiliary loss for the log."""
+        if self.layers:
+            self._aux_sum += torch.stack([layer.aux_loss.detach() for layer in self.layers]).mean()
+            self._aux_count += 1
 
     @torch.no_grad()
     def after_step(self) -> None:

@@ -37,6 +37,7 @@ from engine.step_guards import TrainingDiverged, check_finite, release_cached_me
 from models.registry import get_model_spec
 from models.attention import select_sdpa_backend
 from models.loss import IGNORE_INDEX, cross_entropy_sum
+from models.moe import MoE
 from parallelize import pipeline_parallel as pipeline
 from parallelize.bf16_weights import bf16_weights_apply, split_linear_weights
 from parallelize.compile import compile_loss, tag_compile_caches
@@ -109,6 +110,7 @@ class Trainer:
             model = spec.model_cls(self.model_args)
         self.num_flops_per_token = spec.flops_per_token(self.model_args, cfg.training.seq_len)
         self.num_params = sum(p.numel() for p in model.parameters())
+        moe_layers = sum(isinstance(m, MoE) for m in model.modules())  # on every pipeline stage
         if self.device.type == "cpu":
             check_host_memory(cfg.model.flavor, self.num_params, self.dims, world.world_size)
         with agree_on_user_errors():  # the checkpoint to load holds this model's tensors, with its shapes
@@ -143,7 +145,9 @@ class Trainer:
         # Under TP each rank runs the MoE layers on its own sequence shard: their counts add up over tp too.
         token_groups = [g for g in (self.loss_group, self.dims.group("tp") if self.dims.tp_enabled else None)
                         if g is not None]
-        self.balance = LoadBalance(parts, cfg.model.moe_aux_loss_coeff, token_groups, self.device)
+        self.balance = LoadBalance(parts, cfg.model.moe_aux_loss_coeff, token_groups, self.device, moe_layers,
+                                   self.grad_accum * (self.plan.pp_microbatches if self.dims.pp_enabled else 1),
+                                   self.backward_scale)
         self._num_targets = 1  # the current step's global target count, for the pipeline's loss function
         if self.dims.pp_enabled:
             self.pp_schedule = self._pipeline_schedule()
@@ -259,9 +263,8 @@ class Trainer:
             with loss_context(self.loss_parallel):
                 loss = self._loss_sum(out, mb) / num_targets
                 del out
-                aux = self.balance.aux_term(len(microbatches))  # MoE: what the logged loss leaves out
-                trained = loss if aux is None else loss + aux
-                (trained * self.backward_scale if self.backward_scale != 1 else trained).backward()
+                self.balance.record_aux_loss()  # MoE: trained through the layers' outputs (models/moe.py)
+                (loss * self.backward_scale if self.backward_scale != 1 else loss).backward()
             total_loss += to_local_scalar(loss.detach())
         return total_loss
 

@@ -10,7 +10,9 @@ Load balancing, both optional:
 - the auxiliary loss of Switch/GShard, ``E * sum_e f_e * P_e`` (f_e: the fraction of tokens routed to expert e,
   so that the f_e add up to top_k; P_e: its mean router probability), as transformers' load_balancing_loss_func
   computes it, so that a Hugging Face config's router_aux_loss_coef means the same here; kept in ``aux_loss``
-  for the trainer to add with its coefficient;
+  (for the log) and trained with the weight ``aux_loss_weight`` (the trainer's): its gradient enters in backward
+  through the layer's output, as Megatron-Core does, so that it trains on any pipeline stage without joining the
+  last stage's loss;
 - DeepSeek-V3's auxiliary-loss-free balancing: an ``expert_bias`` added to the scores for the choice of experts
   only (not to the weights), moved after each optimizer step towards the under-loaded experts
   (``update_expert_bias``, from the tokens each expert received over the step, ``tokens_per_expert``).
@@ -147,6 +149,22 @@ def grouped_matmul(x: Tensor, w: Tensor, counts: Tensor) -> Tensor:
     return _grouped_mm_loop(x, w, counts)
 
 
+class _AuxLossGradient(torch.autograd.Function):
+    """The identity on a MoE layer's output, which gives the layer's auxiliary loss the gradient ``weight`` when the
+    output's gradient arrives: the auxiliary loss trains as if ``weight * aux_loss`` had been added to the loss."""
+
+    @staticmethod
+    def forward(ctx, out: Tensor, aux_loss: Tensor, weight: float) -> Tensor:
+        ctx.save_for_backward(aux_loss)
+        ctx.weight = weight
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        (aux_loss,) = ctx.saved_tensors
+        return grad, torch.full_like(aux_loss, ctx.weight), None
+
+
 class GroupedExperts(nn.Module):
     """``num_experts`` SwiGLU MLPs with stacked weights: w1 (gate) and w3 (up) ``[E, hidden, dim]``, w2 (down)
     ``[E, dim, hidden]``, each expert's slice laid out as an ``nn.Linear`` weight."""
@@ -214,6 +232,8 @@ class MoE(nn.Module):
                              else None, persistent=True)
         self.register_buffer("tokens_per_expert", torch.zeros(args.num_experts), persistent=False)
         self.aux_loss: Optional[Tensor] = None
+        # The auxiliary loss's weight in the trained loss (0: not trained); the trainer sets it (see _AuxLossGradient).
+        self.aux_loss_weight = 0.0
         # How the routed experts run on the sorted token-expert pairs: ``run_experts(experts, x, counts)``; None
         # runs them here (a parallel plan sets it: expert parallelism's all-to-all dispatch).
         self.run_experts: Optional[Callable[[nn.Module, Tensor, Tensor], Tensor]] = None
@@ -252,6 +272,8 @@ class MoE(nn.Module):
         out = torch.zeros_like(x).index_add_(0, token, routed.to(x.dtype))
         if self.shared_experts is not None:
             out = out + self.shared_experts(x, torch.tensor([x.shape[0]], device=x.device))
+        if self.aux_loss_weight and torch.is_grad_enabled():
+            out = _AuxLossGradient.apply(out, self.aux_loss, self.aux_loss_weight)
         return out.reshape(shape)
 
     @torch.no_grad()

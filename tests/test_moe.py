@@ -114,6 +114,23 @@ def test_gradients_reach_every_expert_that_got_tokens_and_the_router():
     assert layer.shared_experts.w2.grad.abs().sum() > 0
 
 
+def test_the_auxiliary_loss_weight_trains_it_as_if_it_were_added_to_the_loss():
+    """With ``aux_loss_weight`` w, backward through the layer's output alone gives every parameter and the input
+    the gradients of ``loss + w * aux_loss``: what lets the auxiliary loss train on any pipeline stage."""
+    x = torch.randn(4, 6, DIM)
+    grads = {}
+    for name, weight in (("added", 0.0), ("weighted", 0.3), ("untrained", 0.0)):
+        layer = build(num_shared_experts=1)
+        layer.aux_loss_weight = weight
+        inp = x.clone().requires_grad_()
+        loss = layer(inp).square().sum()
+        (loss + 0.3 * layer.aux_loss if name == "added" else loss).backward()
+        grads[name] = {"input": inp.grad, **{n: p.grad for n, p in layer.named_parameters()}}
+    for key, grad in grads["added"].items():
+        torch.testing.assert_close(grads["weighted"][key], grad, msg=lambda m: f"{key}: {m}")
+    assert not torch.allclose(grads["untrained"]["router.gate.weight"], grads["added"]["router.gate.weight"])
+
+
 def test_expert_bias_moves_towards_the_less_loaded_experts_and_counts_restart():
     layer = build(load_balance_coeff=0.01)
     layer.tokens_per_expert.copy_(torch.tensor([10.0, 0, 5, 5, 5, 5, 5, 5]))
@@ -179,10 +196,15 @@ def test_impossible_expert_parallel_layouts_are_one_error_naming_the_field(flavo
 
 
 def test_compiled_moe_matches_eager_without_a_graph_break():
+    """Forward, auxiliary loss, expert counts and gradients (the auxiliary loss's included) of the compiled layer."""
     layer = build(num_shared_experts=1, load_balance_coeff=1e-3)
+    layer.aux_loss_weight = 0.3
     x = torch.randn(2, 9, DIM, requires_grad=True)
     eager = layer(x)
     eager_aux, eager_counts = layer.aux_loss, layer.tokens_per_expert.clone()
+    eager.square().sum().backward()
+    eager_grads = {n: p.grad for n, p in layer.named_parameters()}
+    layer.zero_grad(set_to_none=True)
     layer.tokens_per_expert.zero_()
     compiled = torch.compile(layer, fullgraph=True)
     out = compiled(x)
@@ -190,7 +212,8 @@ def test_compiled_moe_matches_eager_without_a_graph_break():
     torch.testing.assert_close(layer.aux_loss, eager_aux)
     assert torch.equal(layer.tokens_per_expert, eager_counts)
     out.square().sum().backward()
-    assert layer.experts.w2.grad is not None
+    for name, p in layer.named_parameters():
+        torch.testing.assert_close(p.grad, eager_grads[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
 
 def test_a_moe_model_trains_logs_its_expert_load_and_balances(tmp_path, capsys):

@@ -395,6 +395,10 @@ LAYOUTS = {
     # the MoE flavor on two pipeline stages, and with each sequence split over two ranks
     "moe_pp2": (_args("debugmodel_moe_L2"), ["--parallelism.pp", "2", "--parallelism.pp_schedule", "1F1B"]),
     "moe_cp2": (_args("debugmodel_moe_L2"), ["--parallelism.cp", "2"]),
+    # the auxiliary loss trained on both stages (the first stage's layers too); its reference takes the
+    # pipeline's 2 microbatches as 2 accumulation steps, whose statistics it is computed on
+    "moe_pp2_aux": (_args("debugmodel_moe_L2", "--model.moe_aux_loss_coeff", "0.5"),
+                    ["--parallelism.pp", "2", "--parallelism.pp_schedule", "1F1B"]),
     # tied embeddings: one parameter in FSDP's root unit, initialized once; under TP one parameter sharded on the
     # vocabulary, with the logits and with the output fused into the loss
     "tied_fsdp2": (_args("debugmodel_L2", "--training.local_batch_size", "4", model=TIED),
@@ -403,6 +407,8 @@ LAYOUTS = {
     "tied_tp2_fused_loss": (_args("debugmodel_L2", model=TIED), ["--parallelism.tp", "2",
                                                                  "--training.loss_chunk_tokens", "100"]),
 }
+REFERENCES = {"moe_pp2_aux": [*LAYOUTS["moe_pp2_aux"][0], "--training.local_batch_size", str(GLOBAL // 2),
+                               "--training.global_batch_size", str(GLOBAL)]}  # else the layout's, on one process
 PROBES = {"tp2": qk_norm_layout, "tied_fsdp2": tied_weight, "tied_tp2": tied_weight, "tied_tp2_fused_loss": tied_weight}
 
 
@@ -418,7 +424,7 @@ def test_layouts_match_one_process(tmp_path):
     references, runs = {}, {}
     for name, (args, _) in LAYOUTS.items():
         # one process takes the whole global batch: local_batch_size = GLOBAL (the last one given wins)
-        argv = [*args, "--training.local_batch_size", str(GLOBAL)]
+        argv = REFERENCES.get(name, [*args, "--training.local_batch_size", str(GLOBAL)])
         key = repr(parse_args(argv))  # the tied layouts share one reference run
         if key not in runs:
             runs[key] = run_layout(argv, 1, 0, batches, str(tmp_path / f"ref_{name}"))
@@ -449,6 +455,7 @@ def test_layouts_match_one_process(tmp_path):
     moe = results["moe_fsdp2_ac"]
     assert moe["built"]["checkpointed"] == moe["built"]["blocks"] == 2 and moe["built"]["dtensor_params"]
     assert any("experts.w1" in k for k in moe["grads"])
+    assert results["moe_pp2_aux"]["losses"][-1] != results["moe_pp2"]["losses"][-1]  # the auxiliary loss trained
     for name in ("tied_fsdp2", "tied_tp2", "tied_tp2_fused_loss"):
         assert "output.weight" not in results[name]["grads"], name  # parameters() holds the tied weight once
         assert results[name]["probe"]["shared"], name
@@ -457,11 +464,13 @@ def test_layouts_match_one_process(tmp_path):
 
 
 def test_compiled_moe_blocks_under_per_op_checkpointing_match_eager(tmp_path):
-    """A MoE block records its auxiliary loss and expert counts in its forward: compiled inside per-op
-    checkpointing (parallelize/compile.py lets the recompute skip them) it trains as the eager model does."""
+    """A MoE block records its auxiliary loss and expert counts in its forward and trains the auxiliary loss
+    through its output: compiled inside per-op checkpointing (parallelize/compile.py lets the recompute skip the
+    counts) it trains as the eager model does."""
     batches = global_batches(GLOBAL, 3)
-    eager = run_layout(_args("debugmodel_moe_L2"), 1, 0, batches, str(tmp_path / "eager"))
-    compiled = run_layout(_args("debugmodel_moe_L2", "--compile.enable", "--activation_checkpoint.mode", "selective"),
+    args = _args("debugmodel_moe_L2", "--model.moe_aux_loss_coeff", "0.5")
+    eager = run_layout(args, 1, 0, batches, str(tmp_path / "eager"))
+    compiled = run_layout([*args, "--compile.enable", "--activation_checkpoint.mode", "selective"],
                           1, 0, batches, str(tmp_path / "compiled"))
     assert compiled["losses"] == pytest.approx(eager["losses"], rel=1e-5)
     assert compiled["grad_norms"] == pytest.approx(eager["grad_norms"], rel=1e-5)

@@ -343,10 +343,6 @@ def _validate_model_layout(cfg: Config, dims: ParallelDims, args) -> None:
         raise ConfigError(f"parallelism.pp: {flavor} ties its output projection to the input embedding, and pipeline "
                           "stages would hold the embedding and the output apart; set parallelism.pp = 1 and shard "
                           "it with FSDP (parallelism.dp_shard) or tensor parallelism (parallelism.tp)")
-    if cfg.model.moe_aux_loss_coeff and dims.pp > 1:
-        raise ConfigError("model.moe_aux_loss_coeff: the auxiliary loss of the experts on earlier pipeline stages "
-                          "does not reach the last stage's loss; set it to 0 with parallelism.pp > 1 (a flavor's "
-                          "expert bias balances the load without it)")
     moe = getattr(args, "moe", None)
     if dims.ep > 1:
         if moe is None:
