@@ -24,34 +24,33 @@ class LoadBalance:
     """The MoE layers of this rank's model parts, and what the loop does with them (nothing for a dense model)."""
 
     def __init__(self, parts: list[nn.Module], aux_loss_coeff: float, groups: list[dist.ProcessGroup],
-                 device: torch.device, total_layers: int, microbatches: int, loss_scale: float):
+                 device: torch.device, total_layers: int, microbatches: int, loss_scale: float,
+                 pp_group: Optional[dist.ProcessGroup] = None):
         """``groups``: process groups whose ranks together hold every token of a step (dp x cp, and tp when the
         MoE layers run on sequence shards); the expert counts are summed over them, the auxiliary loss averaged.
         The auxiliary loss is the mean over the model's ``total_layers`` MoE layers (every pipeline stage's) and
-        over a step's ``microbatches`` forwards; backward runs the loss times ``loss_scale``."""
+        over a step's ``microbatches`` forwards; backward runs the loss times ``loss_scale``. ``pp_group``: the
+        pipeline stages' group, over which the logged auxiliary loss is averaged."""
         self.layers = [m for part in parts for m in part.modules() if isinstance(m, MoE)]
         self.groups = groups
+        self.total_layers = total_layers
+        self.pp_group = pp_group
+        self.device = device
+        self.stepped = False
         self.token_ranks = math.prod(dist.get_world_size(g) for g in groups)
         if aux_loss_coeff:  # the ranks' gradients are summed: each rank's share of the mean
             weight = aux_loss_coeff * loss_scale / (total_layers * microbatches * self.token_ranks)
             for layer in self.layers:
                 layer.aux_loss_weight = weight
-        self._aux_sum = torch.zeros((), device=device)
-        self._aux_count = 0
         self._load: Optional[Tensor] = None
         self.last_counts: Optional[Tensor] = None
         """The last step's tokens per expert, summed over the ranks: ``[layers, experts]``."""
-
-    def record_aux_loss(self) -> None:
-        """After a microbatch's forward (without pipeline stages): keep the layers' mean auxiliary loss for the log."""
-        if self.layers:
-            self._aux_sum += torch.stack([layer.aux_loss.detach() for layer in self.layers]).mean()
-            self._aux_count += 1
 
     @torch.no_grad()
     def after_step(self) -> None:
         """After the optimizer step: the step's expert counts summed over the ranks, each layer's bias update, the
         step's load kept for the log (device tensors: no host sync here)."""
+        self.stepped = True
         if not self.layers:
             return
         counts = torch.stack([layer.tokens_per_expert for layer in self.layers])
@@ -70,14 +69,20 @@ class LoadBalance:
             layer.tokens_per_expert.zero_()
 
     def log_values(self) -> dict:
-        """The metrics of the window since the previous log: ``moe_aux_loss`` (mean over its microbatches),
-        ``expert_load`` (the last step's, per layer of this rank) and ``expert_load_max``; {} for a dense model."""
-        if not self.layers or self._load is None:
+        """The metrics of the window since the previous log: ``moe_aux_loss`` (the mean over every MoE layer, on
+        every pipeline stage, and the window's training forwards), ``expert_load`` (the last step's, per layer of
+        this rank) and ``expert_load_max``; {} for a dense model. Every rank calls it at the same steps."""
+        if not self.total_layers or not self.stepped:
             return {}
-        load = self._load.tolist()
-        values = {"expert_load": load, "expert_load_max": max(load)}
-        if self._aux_count:  # (not under PP, where the last stage's loss is the pipeline's)
-            values["moe_aux_loss"] = (self._aux_sum / self._aux_count).item()
-            self._aux_sum.zero_()
-            self._aux_count = 0
+        sums = torch.zeros(2, device=self.device)  # [auxiliary losses, forwards], over this rank's layers
+        for layer in self.layers:
+            sums += layer.aux_loss_sum
+            layer.aux_loss_sum.zero_()
+        if self.pp_group is not None:  # a stage may hold no MoE layer: every rank of the group joins
+            dist.all_reduce(sums, group=self.pp_group)
+        total, forwards = sums.tolist()
+        values = {"moe_aux_loss": total / forwards} if forwards else {}
+        if self._load is not None:
+            load = self._load.tolist()
+            values.update(expert_load=load, expert_load_max=max(load))
         return values

@@ -147,7 +147,7 @@ class Trainer:
                         if g is not None]
         self.balance = LoadBalance(parts, cfg.model.moe_aux_loss_coeff, token_groups, self.device, moe_layers,
                                    self.grad_accum * (self.plan.pp_microbatches if self.dims.pp_enabled else 1),
-                                   self.backward_scale)
+                                   self.backward_scale, self.dims.group("pp") if self.dims.pp_enabled else None)
         self._num_targets = 1  # the current step's global target count, for the pipeline's loss function
         if self.dims.pp_enabled:
             self.pp_schedule = self._pipeline_schedule()
@@ -263,7 +263,7 @@ class Trainer:
             with loss_context(self.loss_parallel):
                 loss = self._loss_sum(out, mb) / num_targets
                 del out
-                self.balance.record_aux_loss()  # MoE: trained through the layers' outputs (models/moe.py)
+                # A MoE layer's auxiliary loss trains through the layer's output in this backward (models/moe.py).
                 (loss * self.backward_scale if self.backward_scale != 1 else loss).backward()
             total_loss += to_local_scalar(loss.detach())
         return total_loss

@@ -231,6 +231,8 @@ class MoE(nn.Module):
         self.register_buffer("expert_bias", torch.zeros(args.num_experts) if args.load_balance_coeff is not None
                              else None, persistent=True)
         self.register_buffer("tokens_per_expert", torch.zeros(args.num_experts), persistent=False)
+        # The training forwards' auxiliary losses, summed, and how many forwards: for the log (the trainer resets it).
+        self.register_buffer("aux_loss_sum", torch.zeros(2), persistent=False)
         self.aux_loss: Optional[Tensor] = None
         # The auxiliary loss's weight in the trained loss (0: not trained); the trainer sets it (see _AuxLossGradient).
         self.aux_loss_weight = 0.0
@@ -249,6 +251,7 @@ class MoE(nn.Module):
         if self.expert_bias is not None:
             self.expert_bias = torch.zeros(self.args.num_experts, device=device)
         self.tokens_per_expert = torch.zeros(self.args.num_experts, device=device)
+        self.aux_loss_sum = torch.zeros(2, device=device)
 
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape
@@ -258,11 +261,14 @@ class MoE(nn.Module):
         flat = experts.reshape(-1)
         # histc, not bincount: a fixed output size, which compiles without a graph break.
         counts = torch.histc(flat.float(), bins=a.num_experts, min=0, max=a.num_experts).to(torch.int64)
-        if not _RECOMPUTING["active"]:
-            with torch.no_grad():
-                self.tokens_per_expert.add_(counts.to(self.tokens_per_expert.dtype))
         # f_e: the fraction of tokens routed to expert e; P_e: its mean probability.
         self.aux_loss = a.num_experts * torch.sum(counts.float() / x.shape[0] * probs.mean(dim=0))
+        if not _RECOMPUTING["active"]:
+            training = torch.is_grad_enabled()  # an evaluation's forwards run without gradients
+            with torch.no_grad():
+                self.tokens_per_expert.add_(counts.to(self.tokens_per_expert.dtype))
+                if training:
+                    self.aux_loss_sum.add_(torch.stack([self.aux_loss, torch.ones_like(self.aux_loss)]))
         # Dispatch: the token-expert pairs sorted by expert (a stable sort keeps each expert's tokens in order).
         order = torch.argsort(flat, stable=True)
         token = order // a.top_k

@@ -380,6 +380,11 @@ def tied_weight(trainer) -> dict:
             "placements": [str(p) for p in getattr(weight, "placements", [])]}
 
 
+def moe_log(trainer) -> dict:
+    """A probe: the first step's logged MoE values (every rank logs; a pipeline averages over its stages)."""
+    return trainer.balance.log_values()
+
+
 def _layout_job(world_size: int, rank: int, args: list[str], batches, dump: str, probe=None):
     register_tied()  # in every rank (they are forked from a server that never ran this test)
     return run_layout(args, world_size, rank, batches, dump, probe)
@@ -409,7 +414,7 @@ LAYOUTS = {
 }
 REFERENCES = {"moe_pp2_aux": [*LAYOUTS["moe_pp2_aux"][0], "--training.local_batch_size", str(GLOBAL // 2),
                                "--training.global_batch_size", str(GLOBAL)]}  # else the layout's, on one process
-PROBES = {"tp2": qk_norm_layout, "tied_fsdp2": tied_weight, "tied_tp2": tied_weight, "tied_tp2_fused_loss": tied_weight}
+PROBES = {"moe_pp2_aux": moe_log, "tp2": qk_norm_layout, "tied_fsdp2": tied_weight, "tied_tp2": tied_weight, "tied_tp2_fused_loss": tied_weight}
 
 
 def test_layouts_match_one_process(tmp_path):
@@ -427,7 +432,8 @@ def test_layouts_match_one_process(tmp_path):
         argv = REFERENCES.get(name, [*args, "--training.local_batch_size", str(GLOBAL)])
         key = repr(parse_args(argv))  # the tied layouts share one reference run
         if key not in runs:
-            runs[key] = run_layout(argv, 1, 0, batches, str(tmp_path / f"ref_{name}"))
+            runs[key] = run_layout(argv, 1, 0, batches, str(tmp_path / f"ref_{name}"),
+                                   moe_log if name == "moe_pp2_aux" else None)
         references[name] = runs[key]
         assert references[name]["losses"][-1] < references[name]["losses"][0], name
     assert parse_args(LAYOUTS["tied_fsdp2"][0]).model.name == TIED
@@ -456,6 +462,9 @@ def test_layouts_match_one_process(tmp_path):
     assert moe["built"]["checkpointed"] == moe["built"]["blocks"] == 2 and moe["built"]["dtensor_params"]
     assert any("experts.w1" in k for k in moe["grads"])
     assert results["moe_pp2_aux"]["losses"][-1] != results["moe_pp2"]["losses"][-1]  # the auxiliary loss trained
+    # logged as the mean over both stages' layers and the 2 microbatches, as one process logs it
+    logged, one = results["moe_pp2_aux"]["probe"], references["moe_pp2_aux"]["probe"]
+    assert logged["moe_aux_loss"] == pytest.approx(one["moe_aux_loss"], rel=1e-5) and len(logged["expert_load"]) == 1
     for name in ("tied_fsdp2", "tied_tp2", "tied_tp2_fused_loss"):
         assert "output.weight" not in results[name]["grads"], name  # parameters() holds the tied weight once
         assert results[name]["probe"]["shared"], name
