@@ -36,7 +36,6 @@ class LoadBalance:
         self.total_layers = total_layers
         self.pp_group = pp_group
         self.device = device
-        self.stepped = False
         self.token_ranks = math.prod(dist.get_world_size(g) for g in groups)
         if aux_loss_coeff:  # the ranks' gradients are summed: each rank's share of the mean
             weight = aux_loss_coeff * loss_scale / (total_layers * microbatches * self.token_ranks)
@@ -50,7 +49,6 @@ class LoadBalance:
     def after_step(self) -> None:
         """After the optimizer step: the step's expert counts summed over the ranks, each layer's bias update, the
         step's load kept for the log (device tensors: no host sync here)."""
-        self.stepped = True
         if not self.layers:
             return
         counts = torch.stack([layer.tokens_per_expert for layer in self.layers])
@@ -71,8 +69,8 @@ class LoadBalance:
     def log_values(self) -> dict:
         """The metrics of the window since the previous log: ``moe_aux_loss`` (the mean over every MoE layer, on
         every pipeline stage, and the window's training forwards), ``expert_load`` (the last step's, per layer of
-        this rank) and ``expert_load_max``; {} for a dense model. Every rank calls it at the same steps."""
-        if not self.total_layers or not self.stepped:
+        this rank) and ``expert_load_max``; {} for a dense model. Every rank calls it, after the same steps."""
+        if not self.total_layers:
             return {}
         sums = torch.zeros(2, device=self.device)  # [auxiliary losses, forwards], over this rank's layers
         for layer in self.layers:

@@ -145,9 +145,11 @@ class Trainer:
         # Under TP each rank runs the MoE layers on its own sequence shard: their counts add up over tp too.
         token_groups = [g for g in (self.loss_group, self.dims.group("tp") if self.dims.tp_enabled else None)
                         if g is not None]
+        # Forwards per optimizer step: the accumulation microbatches, each split again by a pipeline.
+        self.forwards_per_step = self.grad_accum * (self.plan.pp_microbatches if self.dims.pp_enabled else 1)
         self.balance = LoadBalance(parts, cfg.model.moe_aux_loss_coeff, token_groups, self.device, moe_layers,
-                                   self.grad_accum * (self.plan.pp_microbatches if self.dims.pp_enabled else 1),
-                                   self.backward_scale, self.dims.group("pp") if self.dims.pp_enabled else None)
+                                   self.forwards_per_step, self.backward_scale,
+                                   self.dims.group("pp") if self.dims.pp_enabled else None)
         self._num_targets = 1  # the current step's global target count, for the pipeline's loss function
         if self.dims.pp_enabled:
             self.pp_schedule = self._pipeline_schedule()
@@ -214,8 +216,7 @@ class Trainer:
             self.model_parts, self.pp_stage_ids, self.pp_stage_count, self.dims.group("pp"), self.device
         )
         # One schedule step per optimizer step: every gradient-accumulation batch's microbatches go through it.
-        n_microbatches = self.plan.pp_microbatches * self.grad_accum
-        return pipeline.build_schedule(stages, p.pp_schedule, n_microbatches, loss_fn, p.pp_schedule_csv)
+        return pipeline.build_schedule(stages, p.pp_schedule, self.forwards_per_step, loss_fn, p.pp_schedule_csv)
 
     def _to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         non_blocking = self.device.type == "cuda"

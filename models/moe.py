@@ -263,8 +263,8 @@ class MoE(nn.Module):
         counts = torch.histc(flat.float(), bins=a.num_experts, min=0, max=a.num_experts).to(torch.int64)
         # f_e: the fraction of tokens routed to expert e; P_e: its mean probability.
         self.aux_loss = a.num_experts * torch.sum(counts.float() / x.shape[0] * probs.mean(dim=0))
+        training = torch.is_grad_enabled()  # an evaluation's forwards run without gradients
         if not _RECOMPUTING["active"]:
-            training = torch.is_grad_enabled()  # an evaluation's forwards run without gradients
             with torch.no_grad():
                 self.tokens_per_expert.add_(counts.to(self.tokens_per_expert.dtype))
                 if training:
@@ -278,7 +278,7 @@ class MoE(nn.Module):
         out = torch.zeros_like(x).index_add_(0, token, routed.to(x.dtype))
         if self.shared_experts is not None:
             out = out + self.shared_experts(x, torch.tensor([x.shape[0]], device=x.device))
-        if self.aux_loss_weight and torch.is_grad_enabled():
+        if self.aux_loss_weight and training:
             out = _AuxLossGradient.apply(out, self.aux_loss, self.aux_loss_weight)
         return out.reshape(shape)
 
