@@ -523,6 +523,7 @@ dist.init_process_group("cuda:gloo", store=dist.HashStore(), rank=0, world_size=
 future = dcp.async_save({"w": torch.arange(4.0)}, storage_writer=dcp.FileSystemWriter(sys.argv[1]),
                         process_group=async_save_group("async"))
 future.result()
+dist.destroy_process_group()  # as the trainer does: a group left to interpreter exit can abort it (SIGABRT)
 print("saved")
 """
 
