@@ -291,8 +291,8 @@ def _worker(rank: int, world_size: int, port: int, fn, jobs: dict[str, tuple], o
 
 # Modules every rank imports. A forkserver (one per test session) imports them once, and each rank is forked from
 # it ready to run, instead of every spawned rank importing torch and the engine again (seconds per rank on 2 cores).
-# datasets (the loader's), torch._dynamo (torch.use_deterministic_algorithms imports it), Inductor (about 1 s for
-# each rank that compiles) and the plots' matplotlib are imported lazily by the engine, so they are named here too.
+# datasets (the loader's), torch._dynamo (torch.use_deterministic_algorithms imports it), Inductor (for the ranks
+# that compile) and the plots' matplotlib are imported lazily by the engine, so they are named here too.
 PRELOAD = ["torch", "torch.distributed.tensor", "torch._dynamo", "torch._inductor.compile_fx", "datasets",
            "engine.trainer", "engine.data.loader", "engine.plot", "tests.parallel_harness"]
 

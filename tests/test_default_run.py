@@ -7,7 +7,7 @@ first logged value, and metrics.jsonl and the PNG plots are written. Only the du
 
 When other tests run in the same session, the job starts in the background as the session's tests start
 (``tests/conftest.py``) and is checked last: it runs on one thread at idle scheduling priority, so it takes only the
-CPU time the other tests leave unused (about a third of the suite's, on 2 cores) instead of a minute of its own.
+CPU time the other tests leave unused instead of a minute of its own (docs/testing.md).
 """
 
 import json
