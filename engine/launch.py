@@ -18,6 +18,8 @@ Every process dies with the one that launched it (``exit_with_parent``): run_tra
 run_train.sh, the training processes with the launcher, each by a SIGKILL from the kernel, so a killed launcher
 (the out-of-memory killer, a container stopping) never leaves orphans training, writing into the run folder and
 holding GPUs. torchrun starts its workers as session leaders, out of reach of a signal to its process group.
+When a failed rank 0 was killed before it could end its ownership of the run folder (engine/run_owner.py), the
+launcher ends it.
 """
 
 from __future__ import annotations
@@ -102,6 +104,19 @@ def check_first(argv: list[str], world_size: int) -> int:
     return status if status >= 0 else 1
 
 
+def end_ownership_of(training_args: list[str], failures: dict[int, Any]) -> None:
+    """End the run folder's ownership when the failed rank 0 that held it could not (torchrun kills a rank that
+    does not stop within its grace period), so that the folder is left as any other ending leaves it."""
+    from engine.config import parse_args
+    from engine.run_owner import remove_if_ended
+
+    try:
+        folder = parse_args(training_args).job.dump_folder
+    except ValueError:  # the training processes reported the configuration's error
+        return
+    remove_if_ended(folder, {f.pid for f in failures.values()})
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     exit_with_parent()  # first: importing torch takes seconds
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -121,6 +136,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         run(args)
     except ChildFailedError as e:
+        end_ownership_of(args.training_script_args, e.failures)
         recorded = {rank: user_error(f) for rank, f in e.failures.items()}
         recorded = {rank: info for rank, info in recorded.items() if info is not None}
         if not recorded:

@@ -144,6 +144,43 @@ def check_free(folder: str) -> None:
         raise refusal(folder, record)
 
 
+def remove_record(folder: str, gone: dict) -> bool:
+    """Remove the owner record ``gone`` of ``folder``, unless another run replaced it meanwhile; whether it did."""
+    path = os.path.join(folder, OWNER_FILE)
+    aside = f"{path}.{uuid.uuid4().hex}.gone"
+    try:
+        os.rename(path, aside)
+    except FileNotFoundError:
+        return False
+    try:
+        with open(aside) as f:
+            text = f.read()
+        try:
+            taken = json.loads(text).get("token")
+        except (ValueError, AttributeError):
+            taken = text
+        if taken != gone.get("token"):  # a new owner came first: put its record back
+            try:
+                os.link(aside, path)
+            except FileExistsError:
+                pass
+            return False
+        return True
+    finally:
+        os.unlink(aside)
+
+
+def remove_if_ended(folder: str, pids: set[int]) -> bool:
+    """Remove the owner record of ``folder`` when one of ``pids`` (processes this one launched, now ended) wrote
+    it on this machine: a rank 0 killed before it could end its ownership. Whether it did."""
+    record = read_owner(folder)
+    if record is None or record.get("damaged") or record.get("pid") not in pids:
+        return False
+    if local_owner_alive(record) is not False:
+        return False
+    return remove_record(folder, record)
+
+
 class RunOwner:
     """This run's ownership of ``folder``: ``acquire`` it, a thread keeps the heartbeat, ``release`` ends it.
     ``on_lost(message)`` is called, from the heartbeat thread, when another run has replaced the record."""
@@ -193,7 +230,7 @@ class RunOwner:
                     why = "its process is gone"
                 if alive:
                     raise refusal(self.folder, record)
-                if self._take_over(record):
+                if remove_record(self.folder, record):
                     what = "a damaged owner record" if record.get("damaged") else f"the run of {describe(record)}"
                     self.log(f"job.dump_folder: taking {self.folder} over from {what}: {why}")
             else:
@@ -203,30 +240,6 @@ class RunOwner:
             os.unlink(self._tmp)
         self._thread = threading.Thread(target=self._beat, name="tessera-run-owner", daemon=True)
         self._thread.start()
-
-    def _take_over(self, gone: dict) -> bool:
-        """Remove the record of the owner ``gone``, unless another run replaced it meanwhile; whether it did."""
-        aside = f"{self.path}.{self.record['token']}.gone"
-        try:
-            os.rename(self.path, aside)
-        except FileNotFoundError:
-            return False
-        try:
-            with open(aside) as f:
-                text = f.read()
-            try:
-                taken = json.loads(text).get("token")
-            except (ValueError, AttributeError):
-                taken = text
-            if taken != gone.get("token"):  # a new owner came first: put its record back
-                try:
-                    os.link(aside, self.path)
-                except FileExistsError:
-                    pass
-                return False
-            return True
-        finally:
-            os.unlink(aside)
 
     def _beat(self) -> None:
         interval = self.timeout / 10

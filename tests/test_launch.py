@@ -186,23 +186,29 @@ def test_a_launcher_killed_on_four_ranks_under_fsdp2_tp2_then_the_resume_is_bit_
     assert curve(cut, range(4, 7)) == curve(whole, range(4, 7))
 
 
-def test_a_killed_rank_ends_the_run_with_one_line_naming_it(tmp_path):
+@pytest.mark.parametrize("killed", [1, 0])
+def test_a_killed_rank_ends_the_run_with_one_line_naming_it(tmp_path, killed):
+    """Rank 1 killed: rank 0's collective fails and it ends its ownership of the run folder itself. Rank 0 killed
+    (the owner): the launcher ends that ownership, as it does when torchrun has to kill a rank 0 that did not
+    stop in time."""
     proc = launch(tmp_path / "run", *FOR_LOOP, "--training.steps", "100000", "--checkpoint.interval", "3",
                   "--checkpoint.async_mode", "async", ngpu=2)
     checkpoints = str(tmp_path / "run" / "checkpoint")
     wait_until(lambda: any(ok for _, _, ok in list_steps(checkpoints)), 240, "a committed checkpoint")
-    rank1 = next(pid for pid in workers(proc) if rank_of(pid) == 1)
-    os.kill(rank1, signal.SIGKILL)
+    victim = next(pid for pid in workers(proc) if rank_of(pid) == killed)
+    if killed == 0:
+        assert read_owner(str(tmp_path / "run"))["pid"] == victim
+    os.kill(victim, signal.SIGKILL)
     t0 = time.time()
     status = proc.wait(timeout=120)
     print(f"launcher exited {time.time() - t0:.2f}s after the kill")
     out = Path(f"{tmp_path / 'run'}.log").read_text()
     assert status == 1, out[-3000:]
     errors = [line for line in out.splitlines() if "error" in line.lower() or "Traceback" in line]
-    assert errors == [f"error: rank 1 (process {rank1} on {socket.gethostname()}) was killed by SIGKILL (the "
-                      "out-of-memory killer sends it: see dmesg); the other ranks stopped. Run the same command "
-                      "again to resume from the newest committed checkpoint"], out[-3000:]
-    assert not (tmp_path / "run" / OWNER_FILE).exists()  # rank 0 ended its ownership
+    assert errors == [f"error: rank {killed} (process {victim} on {socket.gethostname()}) was killed by SIGKILL "
+                      "(the out-of-memory killer sends it: see dmesg); the other ranks stopped. Run the same "
+                      "command again to resume from the newest committed checkpoint"], out[-3000:]
+    assert not (tmp_path / "run" / OWNER_FILE).exists()
     # What a resume would load is whole: the newest step folder with its commit marker.
     steps = list_steps(checkpoints)
     cfg = parse_args([*BASE, "--job.dump_folder", str(tmp_path / "run")])
@@ -261,6 +267,24 @@ def test_an_owner_whose_pid_runs_another_program_or_whose_host_rebooted_is_gone(
         run.acquire()
         assert len(lines) == 1 and lines[0].endswith("its process is gone"), lines
         run.release()
+
+
+def test_the_launcher_removes_only_the_record_of_its_own_ended_rank(tmp_path):
+    from engine.run_owner import remove_if_ended
+
+    sleeper = subprocess.Popen(["sleep", "60"])
+    try:
+        from engine.run_owner import _start_time
+
+        write_owner(tmp_path, pid=sleeper.pid, start_time=_start_time(sleeper.pid))
+        assert not remove_if_ended(str(tmp_path), {sleeper.pid})  # it lives
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    assert not remove_if_ended(str(tmp_path), {sleeper.pid + 1})  # not one of the launcher's
+    assert (tmp_path / OWNER_FILE).exists()
+    assert remove_if_ended(str(tmp_path), {sleeper.pid})
+    assert not (tmp_path / OWNER_FILE).exists() and list(tmp_path.iterdir()) == []
 
 
 def test_an_owner_on_another_host_is_judged_by_its_heartbeat(tmp_path):
