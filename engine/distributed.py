@@ -164,9 +164,10 @@ def announce_user_error(message: str, status: int) -> None:
         store.set(_USER_ERROR_KEY, json.dumps({"rank": dist.get_rank(), "message": message, "status": status}))
 
 
-def peer_user_error(wait_seconds: float = 5.0) -> Optional[dict]:
+def peer_user_error(wait_seconds: float = 1.0) -> Optional[dict]:
     """The user error another rank announced (``{"rank", "message", "status"}``), waiting up to ``wait_seconds``
-    for it; None when none comes (this rank's failure is its own)."""
+    for it; None when none comes (this rank's failure is its own). A short wait: the announcing rank's key is
+    stored before it leaves, so before any collective fails for its leaving."""
     store = _default_store()
     if store is None or dist.get_world_size() == 1:
         return None
