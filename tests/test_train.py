@@ -533,15 +533,15 @@ def test_garbage_collection_runs_between_steps(tmp_path, capsys, monkeypatch):
 
 @pytest.mark.parametrize("release", [True, False])
 def test_first_steps_cached_memory_is_released_before_its_log(tmp_path, capsys, monkeypatch, release):
-    """training.empty_cache_after_first_step (default): the allocator's cache is emptied once, after the first
-    step and before its log resets the peak statistics, so that the first step's record holds its own peak and
-    the next windows' peaks start from what the run keeps reserved; off: never."""
+    """training.empty_cache_after_first_step: the allocator's cache is emptied once, after the first step and
+    before its log resets the peak statistics, so that the first step's record holds its own peak and the next
+    windows' peaks start from what the run keeps reserved; off (the default): never."""
     from engine import metrics, trainer
 
     events = []
     monkeypatch.setattr(trainer, "release_cached_memory", lambda device: events.append(("release", device.type)))
     monkeypatch.setattr(metrics, "reset_peak_memory", lambda device: events.append(("reset", device.type)))
-    flag = [] if release else ["--training.no-empty_cache_after_first_step"]
+    flag = ["--training.empty_cache_after_first_step"] if release else []
     rc, out, err = run_main(["--job.dump_folder", str(tmp_path / "run"), *SMALL, "--training.steps", "3", *flag],
                             capsys)
     assert rc == 0, err

@@ -102,10 +102,10 @@ class Training:
     """Fuse the output projection with the cross-entropy over chunks of this many tokens, so the [tokens,
     vocabulary] logits never exist whole (GiBs less peak memory at a 128k vocabulary, the same FLOPs); works with
     TP and PP. 0 = off (logits, then the loss)."""
-    empty_cache_after_first_step: bool = True
-    """On CUDA: after the first step (compilation, autotuning, optimizer state created), return the caching
-    allocator's free blocks to the GPU once (torch.cuda.empty_cache), so memory only that step used is not held
-    idle for the rest of the run. false: keep it reserved."""
+    empty_cache_after_first_step: bool = False
+    """On CUDA: after the first step (compilation, autotuning, optimizer state created), synchronize the GPU and
+    return the caching allocator's free blocks to it once, so memory only that step used is not held idle. Off
+    by default until the GPU check has run it on every path, FSDP2 included."""
     gc_freq: int = 50
     """Python's garbage collector runs between steps, every this many steps, instead of whenever its allocation
     counters say (a collection in the middle of a step on one rank holds up every other rank at the next
