@@ -17,7 +17,7 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from engine.config import LRScheduler as LRSchedulerConfig
 from engine.config import Optimizer as OptimizerConfig
-from parallelize.bf16_weights import fp32_weights, master_weight, split
+from parallelize.bf16_weights import master_weight, split
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
@@ -68,6 +68,12 @@ def _adam_update(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs
             p.copy_(w)
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 class AdamWWithBf16Weights(torch.optim.Optimizer):
     """AdamW (or Adam) over parameters of which the linear weights are split bf16 weights (``set_low_halves``;
     parallelize/bf16_weights.py): each update rebuilds the fp32 weight from the bf16 parameter and its low half,
@@ -107,10 +113,15 @@ class AdamWWithBf16Weights(torch.optim.Optimizer):
         self.lows = lows
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """torch casts loaded moments to their parameter's dtype: the split weights are made fp32 for the load
-        (their moments stay fp32), then split again."""
-        with fp32_weights(self.lows):
-            super().load_state_dict(state_dict)
+        """torch casts loaded moments to their parameter's dtype, bf16 for a split weight: they are put back as
+        the fp32 values loaded."""
+        saved = [i for group in state_dict["param_groups"] for i in group["params"]]
+        params = [p for group in self.param_groups for p in group["params"]]
+        moments = {p: state_dict["state"][i] for i, p in zip(saved, params) if i in state_dict["state"]}
+        super().load_state_dict(state_dict)
+        for p, state in moments.items():
+            for key in ("exp_avg", "exp_avg_sq"):
+                self.state[p][key] = state[key].to(device=p.device, dtype=torch.float32)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -123,11 +134,11 @@ class AdamWWithBf16Weights(torch.optim.Optimizer):
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                state = self.state[p]
-                params.append(p)
-                grads.append(p.grad)
-                exp_avgs.append(state["exp_avg"])
-                exp_avg_sqs.append(state["exp_avg_sq"])
+                state = self.state[p]  # DTensors (FSDP2): their shards, updated in place
+                params.append(_local(p))
+                grads.append(_local(p.grad))
+                exp_avgs.append(_local(state["exp_avg"]))
+                exp_avg_sqs.append(_local(state["exp_avg_sq"]))
                 lows.append(self.lows.get(p))
                 steps.append(state["step"])
             if not params:

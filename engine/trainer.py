@@ -39,10 +39,10 @@ from models.attention import select_sdpa_backend
 from models.loss import IGNORE_INDEX, cross_entropy_sum
 from models.moe import MoE
 from parallelize import pipeline_parallel as pipeline
-from parallelize.bf16_weights import bf16_weights_apply, split_linear_weights
+from parallelize.bf16_weights import bf16_weights_apply, split_fsdp_weights, split_linear_weights
 from parallelize.compile import compile_loss, tag_compile_caches
 from parallelize.context_parallel import shard_sequence
-from parallelize.fsdp import gradient_divide_factor, set_replica_all_reduce
+from parallelize.fsdp import gradient_divide_factor, mixed_precision_policy, set_replica_all_reduce
 from parallelize.float8 import float8_after_optimizer_step
 from parallelize.tensor_parallel import loss_context, reduce_partial_grads, to_local_scalar
 
@@ -162,7 +162,12 @@ class Trainer:
         )
         self.bf16_weights = use_bf16 and bf16_weights_apply(cfg.training.bf16_weights, self.dims.distributed,
                                                             self.grad_accum)
-        self.optimizer = build_optimizer(self.model, cfg.optimizer, self.device, bf16_weights=self.bf16_weights)
+        # Under FSDP2 with bf16 parameters (CUDA): every shard stored as bf16 + low half, when asked for.
+        self.fsdp_bf16_weights = cfg.training.fsdp_bf16_weights and self.dims.data_parallel and mixed_precision_policy(
+            cfg.training.mixed_precision_param, cfg.training.mixed_precision_reduce, self.device.type
+        ).param_dtype == torch.bfloat16
+        self.optimizer = build_optimizer(self.model, cfg.optimizer, self.device,
+                                         bf16_weights=self.bf16_weights or self.fsdp_bf16_weights)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.training.steps)
         # The training state so far: a checkpoint of this run, or initial weights, or a fresh start.
         self.step = 0
@@ -176,6 +181,8 @@ class Trainer:
 
         if self.bf16_weights:  # from the final weights (initialized or loaded), before the first forward
             self.optimizer.set_low_halves(split_linear_weights(self.model_parts))
+        elif self.fsdp_bf16_weights:
+            self.optimizer.set_low_halves(split_fsdp_weights(self.model_parts))
         self.doc_masking = cfg.model.attn_mask == "block_causal"
         if world.logs:
             print(
@@ -185,6 +192,7 @@ class Trainer:
                 + (f" ({sdpa_choice})" if cfg.model.attn == "sdpa" else "")
                 + ("; bf16 autocast" + (" on bf16 weights (fp32 masters split in two)" if self.bf16_weights
                                         else "") if use_bf16 else "")
+                + ("; FSDP2 on bf16 weights (fp32 masters split in two)" if self.fsdp_bf16_weights else "")
                 + (f"; float8 {cfg.float8.recipe}{' (emulated)' if cfg.float8.emulate else ''}: "
                    f"{plan.float8_layers[0]} of {plan.float8_layers[1]} linear layers" if cfg.float8.enable else ""),
                 flush=True,

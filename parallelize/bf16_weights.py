@@ -24,16 +24,20 @@ What does not change:
 
 Memory: 4 bytes per weight element as before (2 + 2), no bf16 copies in flight, bf16 gradients (half the bytes).
 
-Where (``bf16_weights_apply``): bf16 autocast on CUDA, no FSDP, one rank, no gradient accumulation. FSDP2 casts
-each weight once per all-gather already; a pipeline's microbatches and gradient accumulation would add the
-gradients up in bf16; tensor-parallel weights are DTensors. Those layouts keep plain autocast, as does
-``training.bf16_weights = false``.
+Where (``bf16_weights_apply``): bf16 autocast on CUDA, no FSDP, one rank, no gradient accumulation. A
+pipeline's microbatches and gradient accumulation would add the gradients up in bf16; tensor-parallel weights
+are DTensors. Those layouts keep plain autocast, as does ``training.bf16_weights = false``.
+
+Under FSDP2 (``split_fsdp_weights``, ``training.fsdp_bf16_weights``): every parameter's shard is split (FSDP2
+needs one dtype per unit), so the all-gather reads bf16 shards with no cast, the gradients are reduced in
+``mixed_precision_reduce`` as before and kept as bf16 shards, and the low halves stay sharded beside them. The
+bf16 values the blocks compute with are the ones FSDP's cast gave; a gradient reduced over several ranks is
+rounded to bf16 once more (on one rank it is the same).
 """
 
 from __future__ import annotations
 
-import contextlib
-from typing import Iterable, Iterator
+from typing import Iterable
 
 import torch
 from torch import nn
@@ -91,18 +95,51 @@ def state_dict_weight(high: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
     return master_weight(high, low)
 
 
+def _low_name(name: str) -> str:
+    return f"{name}_low"
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _like(local: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``local`` as the same kind of tensor as ``like``: a DTensor with its mesh, placements and shape, or as is."""
+    if not isinstance(like, DTensor):
+        return local
+    return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False, shape=like.shape,
+                              stride=like.stride())
+
+
 def _state_dict_hook(module: nn.Module, state_dict: dict, prefix: str, local_metadata) -> None:
-    """The fp32 weight in the state dict, as without split weights (``state_dict_weight``: GPU or CPU)."""
-    state_dict[prefix + "weight"] = state_dict_weight(module._parameters["weight"].detach(), module._buffers[LOW])
+    """The fp32 weights in the state dict, as without split weights (``state_dict_weight``: GPU or CPU)."""
+    for name in module._split_names:
+        high = module._parameters[name].detach()
+        state_dict[prefix + name] = _like(state_dict_weight(_local(high), module._buffers[_low_name(name)]), high)
 
 
 def _load_state_dict_pre_hook(module: nn.Module, state_dict: dict, prefix: str, *args) -> None:
     """Loading an fp32 weight: its low half into the buffer; load_state_dict then copies it into the bf16
     parameter, rounding to nearest even, which is the high half."""
-    value = state_dict.get(prefix + "weight")
-    if value is not None:
-        with torch.no_grad():
-            module._buffers[LOW].copy_(split(value.detach().to(module._buffers[LOW].device, torch.float32))[1])
+    for name in module._split_names:
+        value = state_dict.get(prefix + name)
+        if value is not None:
+            low = module._buffers[_low_name(name)]
+            value = _local(value.detach())
+            assert value.shape == low.shape, (prefix + name, value.shape, low.shape)
+            with torch.no_grad():
+                low.copy_(split(value.to(low.device, torch.float32))[1])
+
+
+def _keep_low(module: nn.Module, name: str, low: torch.Tensor) -> None:
+    """Register ``low`` as parameter ``name``'s low half (a buffer outside the state dict) and, once per
+    module, the hooks that give and take fp32 weights."""
+    if not hasattr(module, "_split_names"):
+        module._split_names = []
+        module.register_state_dict_post_hook(_state_dict_hook)
+        module.register_load_state_dict_pre_hook(_load_state_dict_pre_hook)
+    module._split_names.append(name)
+    module.register_buffer(_low_name(name), low, persistent=False)
 
 
 def split_linear_weights(parts: Iterable[nn.Module]) -> dict[nn.Parameter, torch.Tensor]:
@@ -119,25 +156,31 @@ def split_linear_weights(parts: Iterable[nn.Module]) -> dict[nn.Parameter, torch
             assert not isinstance(weight, DTensor), "split weights are for one rank"
             high, low = split(weight.detach())
             weight.data = high
-            module.register_buffer(LOW, low, persistent=False)
-            module.register_state_dict_post_hook(_state_dict_hook)
-            module.register_load_state_dict_pre_hook(_load_state_dict_pre_hook)
+            _keep_low(module, "weight", low)
             lows[weight] = low
     return lows
 
 
-@contextlib.contextmanager
-def fp32_weights(lows: dict[nn.Parameter, torch.Tensor]) -> Iterator[None]:
-    """The split weights of ``lows`` (parameter -> low half) as fp32 parameters for the duration (each rebuilt
-    exactly), split again after: for code that takes a parameter's dtype for its own (torch's optimizer casts
-    loaded state to it)."""
-    with torch.no_grad():
-        for p, low in lows.items():
-            p.data = master_weight(p.data, low)
-        try:
-            yield
-        finally:
-            for p, low in lows.items():
-                high, new_low = split(p.data)
-                p.data = high
-                low.copy_(new_low)
+def split_fsdp_weights(parts: Iterable[nn.Module]) -> dict[nn.Parameter, torch.Tensor]:
+    """Store every parameter of ``parts`` (FSDP2 modules, not yet run) as bf16 + low half, shard by shard:
+    FSDP2 converts its sharded parameters in place (``_apply``), keeping the Parameter objects, so an optimizer
+    built over them keeps them. Returns parameter -> low half (this rank's shard), for the optimizer. Call it
+    once the weights are final (initialized or loaded) and before the first forward."""
+    lows: dict[nn.Parameter, torch.Tensor] = {}
+    for part in parts:
+        owner = {id(p): (m, n) for m in part.modules() for n, p in m.named_parameters(recurse=False)}
+
+        def to_high(t: torch.Tensor) -> torch.Tensor:
+            if id(t) not in owner:  # a buffer: as it is
+                return t
+            assert isinstance(t, DTensor) and t.dtype == torch.float32, (owner[id(t)][1], type(t), t.dtype)
+            high, low = split(t.detach().to_local())
+            module, name = owner[id(t)]
+            _keep_low(module, name, low)
+            lows[module._parameters[name]] = low
+            return _like(high, t)
+
+        part._apply(to_high)
+    for p, low in lows.items():
+        assert p.dtype == torch.bfloat16 and p.to_local().shape == low.shape, (p.dtype, p.shape, low.shape)
+    return lows

@@ -350,3 +350,119 @@ def test_compiled_update_in_the_trainer_follows_torchs_fused_adamw(tmp_path, cap
     assert ours[0]["loss"] == plain[0]["loss"]
     assert [r["loss"] for r in ours] == pytest.approx([r["loss"] for r in plain], rel=2e-4)
     assert ours[-1]["loss"] < ours[0]["loss"] - 1.0
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Under FSDP2 (training.fsdp_bf16_weights): every parameter's shard split
+# ------------------------------------------------------------------------------------------------------------
+
+FSDP_SPLIT_LINE = "FSDP2 on bf16 weights (fp32 masters split in two)"
+# The clip off (as above), and gradients reduced in bf16: FSDP2 then holds the same bf16 values either way (fp32
+# reductions are rounded to bf16 once more on split weights), so the two runs can be compared bit for bit.
+FSDP_EXACT = ["--training.max_norm", "1e9", "--training.mixed_precision_reduce", "bfloat16"]
+
+
+def _bf16_fsdp_policy(param: str, reduce: str, device_type: str):
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from parallelize.fsdp import DTYPES
+
+    return MixedPrecisionPolicy(param_dtype=DTYPES[param], reduce_dtype=DTYPES[reduce])
+
+
+def _use_bf16_fsdp(setattr_) -> None:
+    """FSDP2's bf16 mixed precision on the CPU too, as on CUDA (the plan's policy and the trainer's view of it)."""
+    import models.llama3.parallelize as llama3_plan
+
+    setattr_(trainer, "mixed_precision_policy", _bf16_fsdp_policy)
+    setattr_(llama3_plan, "mixed_precision_policy", _bf16_fsdp_policy)
+
+
+@pytest.fixture
+def cpu_bf16_fsdp(monkeypatch):
+    _use_bf16_fsdp(monkeypatch.setattr)
+
+
+def fsdp_bf16_job(world_size: int, rank: int, argv: list[str]):
+    """A training run on this rank with FSDP2's bf16 policy on the CPU; rank 0 returns its (loss, grad_norm)
+    curve and whether it ran on split weights."""
+    from tests.parallel_harness import train_job
+
+    _use_bf16_fsdp(setattr)
+    printed = train_job(world_size, rank, ["--job.dump_folder", argv[0], *SMALL, *argv[1:]])
+    if rank:
+        return None
+    return _curve(read_metrics(os.path.join(argv[0], "metrics.jsonl"))), FSDP_SPLIT_LINE in printed
+
+
+@pytest.mark.parametrize("world, layout", [
+    (3, ["--parallelism.dp_shard", "3"]),  # shards of uneven sizes (FSDP2 pads them)
+    (4, ["--parallelism.dp_replicate", "2", "--parallelism.dp_shard", "2", *COMPILED_OP_AC]),
+], ids=["fsdp3", "hsdp2x2_compile_op_ac"])
+def test_fsdp_split_weights_train_as_fsdps_bf16_bit_for_bit(world, layout, tmp_path):
+    """FSDP2 with bf16 parameters, on split shards and on fp32 shards (torch's foreach AdamW): 4 steps of the
+    same losses and gradient norms, bit for bit."""
+    from tests.parallel_harness import run_jobs
+
+    common = ["--training.steps", "4", *FSDP_EXACT, *layout]
+    runs = run_jobs(world, fsdp_bf16_job, {
+        "split": ([str(tmp_path / "split"), *common, "--training.fsdp_bf16_weights"],),
+        "plain": ([str(tmp_path / "plain"), *common, "--optimizer.implementation", "foreach"],),
+    }, str(tmp_path / "out"))
+    (split_curve, split_on), (plain_curve, plain_on) = runs["split"], runs["plain"]
+    assert split_on and not plain_on
+    assert split_curve == plain_curve
+    assert split_curve[-1][0] < split_curve[0][0] - 0.1
+
+
+def _checkpoint_weights(dump) -> dict[str, torch.Tensor]:
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = os.path.join(dump, "weights.pt")
+    dcp_to_torch_save(step_folder(str(dump / "checkpoint"), 2), out)
+    state = torch.load(out, weights_only=False)
+    return {k: v for k, v in state.items() if isinstance(v, torch.Tensor) and k.startswith("model.")}
+
+
+def test_fsdp_split_weights_save_fp32_masters_and_resume_either_way(tmp_path, capsys, cpu_bf16_fsdp):
+    """FSDP2 on one rank: the checkpoint of a run on split shards holds the fp32 weights that a run on fp32
+    shards holds, bit for bit but for the ties that split weights store 1 ulp lower (about 1 element in 65,536;
+    a lost low half would put nearly every element off by up to half a bf16 step); resumed at step 2 on split
+    shards and on fp32 shards, both continue the curve."""
+    ckpt = ["--training.steps", "4", "--parallelism.fsdp_single_rank", *FSDP_EXACT, "--checkpoint.enable",
+            "--checkpoint.interval", "2"]
+    whole, out = _train(tmp_path / "whole", capsys, *ckpt, "--training.fsdp_bf16_weights")
+    assert FSDP_SPLIT_LINE in out
+    plain, _ = _train(tmp_path / "plain", capsys, *ckpt, "--optimizer.implementation", "foreach")
+    assert _curve(whole) == _curve(plain)
+    ours, theirs = _checkpoint_weights(tmp_path / "whole"), _checkpoint_weights(tmp_path / "plain")
+    assert ours.keys() == theirs.keys() and len(ours) > 10
+    for key, value in ours.items():
+        assert value.dtype == torch.float32, key
+        off = (value - theirs[key]).abs()
+        assert off.max() < 1e-6 and (off > 0).float().mean() < 1e-4, (key, off.max(), (off > 0).sum())
+    for name, extra in (("split", ["--training.fsdp_bf16_weights"]), ("fp32", ["--optimizer.implementation",
+                                                                                "foreach"])):
+        dump = tmp_path / name
+        shutil.copytree(tmp_path / "whole", dump)
+        shutil.rmtree(step_folder(str(dump / "checkpoint"), 4))
+        rows, out = _train(dump, capsys, *ckpt, *extra)
+        assert "resumed from step 2" in out
+        assert _curve([r for r in rows if r["step"] > 2][-2:]) == _curve(whole[2:]), name
+
+
+def test_fsdp_split_weights_refuse_what_they_do_not_cover():
+    from engine.config import ConfigError, parse_args
+    from engine.config.validation import validate
+
+    def error(world: int, *args: str) -> str:
+        with pytest.raises(ConfigError) as e:
+            validate(parse_args(["--training.fsdp_bf16_weights", *args]), world, check_paths=False)
+        return str(e.value)
+
+    assert "this layout has no FSDP" in error(1)
+    assert "mixed_precision_param = bfloat16" in error(2, "--training.mixed_precision_param", "float32")
+    assert "not with parallelism.tp > 1" in error(4, "--parallelism.tp", "2")
+    assert "not with parallelism.pp > 1" in error(4, "--parallelism.pp", "2")
+    assert "not with gradient accumulation" in error(2, "--training.global_batch_size", "32")
+    validate(parse_args(["--training.fsdp_bf16_weights", "--parallelism.fsdp_single_rank"]), 1, check_paths=False)

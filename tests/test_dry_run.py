@@ -372,6 +372,18 @@ def test_fsdp_estimate_ends_with_the_roots_reduce_scatter():
     assert est.phase == "backward end" and est.peak / 2**30 == pytest.approx(45.70, rel=0.01)
 
 
+def test_fsdp_estimate_on_split_shards_keeps_bf16_gradients():
+    """training.fsdp_bf16_weights: the same parameter bytes (bf16 + low half), the sharded gradients in bf16."""
+    argv = ["--config", "train_configs/debug_model.toml", "--model.flavor", "8B_L8", "--training.seq_len", "8192",
+            "--training.local_batch_size", "1", "--compile.enable", "--activation_checkpoint.mode", "selective",
+            "--parallelism.fsdp_single_rank"]
+    plain, split = (memory.analytic_rows(cfg, memory.validate_layout(cfg, 1), memory.model_shape(cfg))[0].estimate
+                    for cfg in (parse_args(argv), parse_args([*argv, "--training.fsdp_bf16_weights"])))
+    assert split.params == plain.params and split.optimizer == plain.optimizer
+    assert split.grads == plain.grads / 2
+    assert split.peak < plain.peak - 1.5 * 2**30
+
+
 def test_memory_command(capsys):
     rc = memory.main(["--config", "train_configs/llama3_8b.toml", "--model.flavor", "8B_L8",
                       "--activation_checkpoint.mode", "full", "--gpu-memory-gib", "80"])

@@ -79,7 +79,9 @@ def estimate(shape: ModelShape, stages: list[StageParams], lay: RankLayout) -> M
     split = pr.split_weights  # one rank: local elements are whole (local == tp)
 
     def grad_bytes(part: PartSizes) -> int:
-        """Gradients of ``part``: fp32, but bf16 on split bf16 matmul weights."""
+        """Gradients of ``part``: fp32, but bf16 on split bf16 matmul weights or split FSDP shards."""
+        if pr.bf16_grads:
+            return 2 * part.local
         return 4 * part.local - (2 * part.matmul_tp if split else 0)
 
     params = 0 if lay.cpu_offload else 4 * P
@@ -172,7 +174,7 @@ def estimate(shape: ModelShape, stages: list[StageParams], lay: RankLayout) -> M
         # First the unsharded gradients and the reduce-scatter's fp32 input they are copied into; then (the
         # gradients freed) the input and the output, which is the root's sharded gradient (counted in grads
         # until now; with CPU offload it is copied out from there).
-        root_sharded = 0 if lay.cpu_offload else 4 * root.local
+        root_sharded = 0 if lay.cpu_offload else grad_bytes(root)
         reduce = max((pr.compute + 4) * root.tp, 4 * root.tp + 4 * root.local)
         moments["backward end"] = Moment(grads - root_sharded, 0, 0, reduce)
     else:

@@ -211,13 +211,19 @@ class Precision:
     """Autocast casts the fp32 matmul weights to bf16 in each forward (its cache can keep the copies)."""
     split_weights: bool = False
     """The matmul weights are split bf16 weights (parallelize/bf16_weights.py): no casts, bf16 gradients."""
+    bf16_grads: bool = False
+    """Every sharded gradient is bf16 (FSDP2 on split bf16 weights, training.fsdp_bf16_weights)."""
 
 
-def precision_for(param_dtype: str, data_parallel: bool, bf16_weights: bool = False) -> Precision:
-    """The compute precision on CUDA: FSDP2 mixed precision when the model is data parallel, else autocast,
-    on split bf16 weights where ``bf16_weights`` (parallelize/bf16_weights.py)."""
+def precision_for(param_dtype: str, data_parallel: bool, bf16_weights: bool = False,
+                  fsdp_bf16_weights: bool = False) -> Precision:
+    """The compute precision on CUDA: FSDP2 mixed precision when the model is data parallel (its shards split
+    where ``fsdp_bf16_weights``), else autocast, on split bf16 weights where ``bf16_weights``
+    (parallelize/bf16_weights.py)."""
     if param_dtype != "bfloat16":
         return Precision("fp32", 4, 4, 1, 1, 4)
+    if data_parallel and fsdp_bf16_weights:
+        return Precision("bf16 (FSDP mixed precision, bf16 weights)", 2, 2, 1, 1, 2, bf16_grads=True)
     if data_parallel:
         return Precision("bf16 (FSDP mixed precision)", 2, 2, 1, 1, 2)
     if bf16_weights:
@@ -232,7 +238,7 @@ def layout_precision(cfg, dims) -> Precision:
 
     t = cfg.training
     split = bf16_weights_apply(t.bf16_weights, dims.distributed, grad_accumulation_steps(cfg, dims.dp))
-    return precision_for(t.mixed_precision_param, dims.data_parallel, split)
+    return precision_for(t.mixed_precision_param, dims.data_parallel, split, t.fsdp_bf16_weights)
 
 
 @dataclass

@@ -98,6 +98,10 @@ class Training:
     """On one CUDA GPU with bf16 autocast, no FSDP or other parallelism, no gradient accumulation: keep the linear
     weights in bf16 plus a 16-bit low half (exactly the fp32 weight) instead of casting them in every pass; same
     numbers, memory and fp32 checkpoints (parallelize/bf16_weights.py). false = plain autocast."""
+    fsdp_bf16_weights: bool = False
+    """On CUDA under FSDP2 (FSDP, HSDP or fsdp_single_rank) with bf16 mixed precision: keep every parameter's
+    shard as bf16 plus a 16-bit low half, so the all-gather reads bf16 with no cast and gradients are kept in
+    bf16; fp32 checkpoints as before. Not with PP, TP, EP, CPU offload, float8 all-gather or accumulation."""
     loss_chunk_tokens: int = 0
     """Fuse the output projection with the cross-entropy over chunks of this many tokens, so the [tokens,
     vocabulary] logits never exist whole (GiBs less peak memory at a 128k vocabulary, the same FLOPs); works with

@@ -318,6 +318,8 @@ def validate_parallelism(cfg: Config, world_size: int, spec, machine: Optional[M
         if not dims.data_parallel:
             raise ConfigError("parallelism.fsdp_cpu_offload: FSDP does the offloading, and this layout has no FSDP; "
                               "set parallelism.fsdp_single_rank = true on one GPU, or use data parallelism")
+    if t.fsdp_bf16_weights:
+        _validate_fsdp_bf16_weights(cfg, dims)
     if dims.pp > 1:
         _validate_pipeline(cfg, dims, args)
     if dims.cp > 1:
@@ -523,6 +525,26 @@ def pp_microbatches(cfg: Config, dims) -> int:
     if p.pp_microbatches != -1:
         return p.pp_microbatches
     return num_stages(dims.pp, p.pp_schedule, p.pp_virtual_stages)
+
+
+def _validate_fsdp_bf16_weights(cfg: Config, dims) -> None:
+    """training.fsdp_bf16_weights: FSDP2 with bf16 parameters, and none of what it does not cover."""
+    t, p = cfg.training, cfg.parallelism
+    if not dims.data_parallel:
+        raise ConfigError("training.fsdp_bf16_weights: splits FSDP2's parameter shards, and this layout has no FSDP; "
+                          "set parallelism.fsdp_single_rank = true on one GPU, or use data parallelism")
+    if t.mixed_precision_param != "bfloat16":
+        raise ConfigError(f"training.fsdp_bf16_weights: needs training.mixed_precision_param = bfloat16 (got "
+                          f"{t.mixed_precision_param})")
+    conflicts = [name for name, on in (
+        ("parallelism.pp > 1", dims.pp > 1), ("parallelism.tp > 1", dims.tp > 1), ("parallelism.ep > 1", dims.ep > 1),
+        ("parallelism.fsdp_cpu_offload", p.fsdp_cpu_offload),
+        ("float8.fsdp_float8_all_gather", cfg.float8.enable and cfg.float8.fsdp_float8_all_gather),
+        ("gradient accumulation (training.global_batch_size)", grad_accumulation_steps(cfg, dims.dp) > 1),
+    ) if on]
+    if conflicts:
+        raise ConfigError(f"training.fsdp_bf16_weights: not with {', '.join(conflicts)} (their gradients or "
+                          "weights would be added up or cast in bf16); turn it off for this layout")
 
 
 def grad_accumulation_steps(cfg: Config, dp: int) -> int:
