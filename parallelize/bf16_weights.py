@@ -168,16 +168,19 @@ def split_fsdp_weights(parts: Iterable[nn.Module]) -> dict[nn.Parameter, torch.T
     once the weights are final (initialized or loaded) and before the first forward."""
     lows: dict[nn.Parameter, torch.Tensor] = {}
     for part in parts:
-        owner = {id(p): (m, n) for m in part.modules() for n, p in m.named_parameters(recurse=False)}
+        owners: dict[int, list] = {}  # a tied parameter has several (module, name)
+        for m in part.modules():
+            for n, p in m.named_parameters(recurse=False, remove_duplicate=False):
+                owners.setdefault(id(p), []).append((m, n))
 
         def to_high(t: torch.Tensor) -> torch.Tensor:
-            if id(t) not in owner:  # a buffer: as it is
+            if id(t) not in owners or t in lows:  # a buffer, or a tied parameter split already: as it is
                 return t
-            assert isinstance(t, DTensor) and t.dtype == torch.float32, (owner[id(t)][1], type(t), t.dtype)
+            assert isinstance(t, DTensor) and t.dtype == torch.float32, (owners[id(t)][0][1], type(t), t.dtype)
             high, low = split(t.detach().to_local())
-            module, name = owner[id(t)]
-            _keep_low(module, name, low)
-            lows[module._parameters[name]] = low
+            for module, name in owners[id(t)]:
+                _keep_low(module, name, low)
+            lows[t] = low
             return _like(high, t)
 
         part._apply(to_high)

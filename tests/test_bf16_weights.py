@@ -466,3 +466,45 @@ def test_fsdp_split_weights_refuse_what_they_do_not_cover():
     assert "not with parallelism.pp > 1" in error(4, "--parallelism.pp", "2")
     assert "not with gradient accumulation" in error(2, "--training.global_batch_size", "32")
     validate(parse_args(["--training.fsdp_bf16_weights", "--parallelism.fsdp_single_rank"]), 1, check_paths=False)
+
+
+def tied_split_job(world_size: int, rank: int):
+    """A module whose embedding and output projection share one weight, under FSDP2 over the ranks, split."""
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from parallelize.bf16_weights import split_fsdp_weights
+
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.mid, self.out = nn.Embedding(10, 6), nn.Linear(6, 6), nn.Linear(6, 10, bias=False)
+            self.out.weight = self.emb.weight
+
+        def forward(self, x):
+            return self.out(self.mid(self.emb(x)))
+
+    torch.manual_seed(0)
+    model = Tied()
+    mesh = init_device_mesh("cpu", (world_size,))
+    policy = _bf16_fsdp_policy("bfloat16", "float32", "cpu")
+    fully_shard(model.mid, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    before = {k: v.full_tensor() for k, v in model.state_dict().items()}
+    lows = split_fsdp_weights([model])
+    after = {k: v.full_tensor() for k, v in model.state_dict().items()}
+    model(torch.randint(0, 10, (3, 4))).float().sum().backward()
+    return {"lows": len(lows), "tied": model.out.weight is model.emb.weight,
+            "dtypes": {n: (p.dtype, p.grad.dtype) for n, p in model.named_parameters()},
+            "state": {k: (v.dtype, bool(torch.equal(v, before[k]))) for k, v in after.items()}}
+
+
+def test_a_tied_weight_is_split_once_and_its_state_dict_entries_stay_fp32(tmp_path):
+    from tests.parallel_harness import run_jobs
+
+    result = run_jobs(2, tied_split_job, {"tied": ()}, str(tmp_path))["tied"]
+    assert result["lows"] == 3 and result["tied"]  # emb/out's weight, mid's weight and bias
+    assert set(result["dtypes"].values()) == {(torch.bfloat16, torch.bfloat16)}
+    assert result["state"] == {k: (torch.float32, True) for k in ("emb.weight", "mid.weight", "mid.bias",
+                                                                  "out.weight")}
