@@ -54,6 +54,7 @@ CKPT = ["--training.steps", "6", "--checkpoint.enable", "--checkpoint.interval",
         "--model.sdpa_backend", "math"]
 MOE = ["--config", "train_configs/qwen3_moe_debug.toml", *SMALL[2:]]  # Qwen3-MoE debug: 8 experts, top 2
 EMPTY_CACHE = ["--training.empty_cache_after_first_step"]
+BF16_WEIGHTS = ["--training.fsdp_bf16_weights"]
 L2_8B = ["--model.flavor", "8B_L2", "--training.seq_len", "8192", "--training.local_batch_size", "1",
          "--training.steps", "5"]
 
@@ -124,6 +125,9 @@ def runs() -> list[Run]:
                                                       "--training.global_batch_size", "8"]),
         Run("fsdp_fused_adamw", SMALL + FSDP + ["--optimizer.implementation", "fused"]),
         Run("fsdp_foreach_adamw", SMALL + FSDP + ["--optimizer.implementation", "foreach"]),
+        # FSDP2's shards stored as bf16 + low half (training.fsdp_bf16_weights).
+        Run("fsdp_bf16_weights", SMALL + FSDP + COMPILE + OP_AC + BF16_WEIGHTS),
+        Run("fsdp_bf16_weights_float8", SMALL + FSDP + COMPILE + OP_AC + FLOAT8 + BF16_WEIGHTS),
         # The crash of FSDP2 + compile with the default (fused) AdamW, at the shape it was found at, with the
         # cache emptied after the first step (the device synchronized first), which it crashed with.
         Run("fsdp_compile_8b_l2", SMALL + FSDP + COMPILE + L2_8B + EMPTY_CACHE),
@@ -139,6 +143,10 @@ def runs() -> list[Run]:
         # Processes sharing the GPU over gloo, against one process (fp32: the comparison is tight).
         Run("one_fp32", SMALL + FP32),
         Run("gloo_fsdp2", SMALL + FP32 + ["--parallelism.dp_shard", "2", "--training.local_batch_size", "4"],
+            ngpu=2, env={"TESSERA_BACKEND": "gloo"}),
+        # FSDP 2 in bf16 on split shards, against FSDP2 on the one rank (the same global batch).
+        Run("gloo_fsdp2_bf16_weights", SMALL + BF16_WEIGHTS + ["--parallelism.dp_shard", "2",
+                                                               "--training.local_batch_size", "4"],
             ngpu=2, env={"TESSERA_BACKEND": "gloo"}),
         Run("gloo_hsdp2x2", SMALL + FP32 + ["--parallelism.dp_replicate", "2", "--parallelism.dp_shard", "2",
                                             "--training.local_batch_size", "2"], ngpu=4, env={"TESSERA_BACKEND": "gloo"}),
@@ -426,6 +434,9 @@ def checks(c: Checker) -> list[tuple[str, list[str], Callable[[], Check]]]:
         ("FSDP2 one rank, gradient accumulation", *close("fsdp_grad_accumulation", "fsdp", 2e-2)),
         ("FSDP2 one rank, fused AdamW", *close("fsdp_fused_adamw", "fsdp", 1e-2)),
         ("FSDP2 one rank, foreach AdamW", *close("fsdp_foreach_adamw", "fsdp", 1e-2)),
+        ("FSDP2 one rank, bf16 weights, compiled, per-op AC",
+         *close("fsdp_bf16_weights", "fsdp_compile_op_ac", 1e-2)),
+        ("FSDP2 one rank, bf16 weights, float8", *close("fsdp_bf16_weights_float8", "float8_tensorwise", 5e-2)),
         ("FSDP2 one rank, compiled, 8B_L2 seq 8192, default AdamW",
          *trains("fsdp_compile_8b_l2", "5 steps, finite losses")),
         ("FSDP2 one rank, compiled, per-op AC, float8, 8B_L2 seq 8192",
@@ -443,6 +454,7 @@ def checks(c: Checker) -> list[tuple[str, list[str], Callable[[], Check]]]:
     out += [
         ("HF export, transformers' logits", ["hf_export"], c.hf_logits),
         ("gloo FSDP 2 (2 processes)", *close("gloo_fsdp2", "one_fp32", 1e-3)),
+        ("gloo FSDP 2, bf16 weights (2 processes)", *close("gloo_fsdp2_bf16_weights", "fsdp", 2e-2)),
         ("gloo HSDP 2 x 2 (4 processes)", *close("gloo_hsdp2x2", "one_fp32", 1e-3)),
         ("gloo TP 2 (2 processes)", *close("gloo_tp2", "one_fp32", 1e-3)),
         ("gloo CP 2 (2 processes)", *close("gloo_cp2", "one_fp32", 1e-3)),

@@ -222,8 +222,9 @@ ANCHOR_STUB = r"""for spec in "$@"; do
 done
 """
 MATRIX_CONFIGS = ["bf16_compile_ac_op", "fp8_compile_ac_op", "bf16_autocast", "fp8_autocast", "eager_ac_op",
-                  "fsdp1_compile_ac_op", "noac_compile", "qwen3_moe_compile_ac_op", "qwen3_dense_compile_ac_op", "fullac_compile", "bf16_compile_ac_alt",
-                  "fp8_compile_ac_alt", "fused_loss", "cudnn_sdpa", "fused_loss_cudnn", "bf16_snapshot",
+                  "fsdp1_compile_ac_op", "fsdp1_bf16w_compile_ac_op", "fsdp1_fp8_compile_ac_op",
+                  "fsdp1_bf16w_fp8_compile_ac_op", "noac_compile", "qwen3_moe_compile_ac_op",
+                  "qwen3_dense_compile_ac_op", "fullac_compile", "bf16_compile_ac_alt", "fp8_compile_ac_alt", "fused_loss", "cudnn_sdpa", "fused_loss_cudnn", "bf16_snapshot",
                   "bf16_noautotune", "fp8_noautotune"]
 
 
@@ -291,7 +292,8 @@ def test_matrix_configurations_are_valid_on_hopper(tmp_path):
         argv = " ".join(r["argv"])
         assert ("--model.flavor 8B_L8 --training.seq_len 8192 --training.local_batch_size 1 --training.steps 25 "
                 "--metrics.log_freq 5") in argv, argv
-    assert sum("--float8.enable" in r["argv"] for r in rows) == 4
+    assert sum("--float8.enable" in r["argv"] for r in rows) == 6
+    assert sum("--training.fsdp_bf16_weights" in r["argv"] for r in rows) == 2
     assert sum("alternate" in r["argv"] for r in rows) == 2
     assert sum("--training.no-bf16_weights" in r["argv"] for r in rows) == 2
     assert sum("--compile.no-autotune" in r["argv"] for r in rows) == 2
@@ -344,7 +346,8 @@ def test_run_ends_with_the_command_that_runs_what_its_budget_skipped(tmp_path):
     assert "=== python3 bench/cuda_cp_check.py" in proc.stdout and _asked(proc) == []
     lines = proc.stdout.splitlines()
     command = lines[lines.index("skipped for the time budget; the next call runs them with:") + 1].strip()
-    skipped = ["bf16_compile_ac_op", "fp8_compile_ac_op", "eager_ac_op", "fsdp1_compile_ac_op", "noac_compile"]
+    skipped = ["bf16_compile_ac_op", "fp8_compile_ac_op", "eager_ac_op", "fsdp1_compile_ac_op",
+               "fsdp1_bf16w_compile_ac_op", "noac_compile"]
     assert command == f"python3 bench/run.py --only {','.join(skipped)}", command
     table = _table(proc)
     assert all("no result" in table[name] for name in skipped) and "32,000" in table["fullac_compile"], table
