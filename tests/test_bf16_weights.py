@@ -415,6 +415,18 @@ def test_fsdp_split_weights_train_as_fsdps_bf16_bit_for_bit(world, layout, tmp_p
     assert split_curve[-1][0] < split_curve[0][0] - 0.1
 
 
+def test_fsdp_split_weights_under_float8_train_as_fsdps_bf16(tmp_path, capsys, cpu_bf16_fsdp):
+    """torchao's Float8Linear (emulated) on split FSDP2 shards, on one rank: the float8 casts read the
+    all-gathered bf16 weights either way, so the curve is plain FSDP's, bit for bit."""
+    pytest.importorskip("torchao")
+    common = ["--training.steps", "4", "--parallelism.fsdp_single_rank", "--float8.enable", "--float8.emulate",
+              *FSDP_EXACT]
+    ours, out = _train(tmp_path / "split", capsys, *common, "--training.fsdp_bf16_weights")
+    assert FSDP_SPLIT_LINE in out and "float8 tensorwise (emulated)" in out
+    plain, _ = _train(tmp_path / "plain", capsys, *common, "--optimizer.implementation", "foreach")
+    assert _curve(ours) == _curve(plain)
+
+
 def _checkpoint_weights(dump) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
