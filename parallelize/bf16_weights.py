@@ -145,13 +145,21 @@ def _keep_low(module: nn.Module, name: str, low: torch.Tensor) -> None:
 def split_linear_weights(parts: Iterable[nn.Module]) -> dict[nn.Parameter, torch.Tensor]:
     """Store every linear weight of ``parts`` as bf16 + low half (in place: the same Parameter objects, so an
     optimizer built over them keeps them); returns parameter -> low half, for the optimizer. Call it once the
-    weights are final (initialized or loaded) and before the first forward (compiled blocks trace then)."""
+    weights are final (initialized or loaded) and before the first forward (compiled blocks trace then). A weight
+    that another module shares (an output projection tied to the embedding) stays fp32: the embedding would
+    otherwise read bf16 and start the residual stream in bf16."""
     lows: dict[nn.Parameter, torch.Tensor] = {}
     for part in parts:
+        holders: dict[int, int] = {}
+        for module in part.modules():
+            for _, p in module.named_parameters(recurse=False, remove_duplicate=False):
+                holders[id(p)] = holders.get(id(p), 0) + 1
         for module in part.modules():
             if not isinstance(module, nn.Linear) or LOW in module._buffers:
                 continue
             weight = module._parameters["weight"]
+            if holders[id(weight)] > 1:
+                continue
             assert weight is not None and weight.dtype == torch.float32, (type(module), weight)
             assert not isinstance(weight, DTensor), "split weights are for one rank"
             high, low = split(weight.detach())

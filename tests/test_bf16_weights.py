@@ -253,6 +253,20 @@ def test_clip_norm_of_bf16_gradients_is_computed_in_fp32():
     assert torch.cat([p.grad.float() for p in bf16]).norm().item() == pytest.approx(1.0, rel=1e-2)
 
 
+def test_a_tied_output_weight_stays_fp32_on_one_gpu():
+    """An output projection tied to the embedding is not split (the embedding would read bf16); the other linear
+    weights are, and the state dict gives fp32 for every name."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 6), torch.nn.Linear(6, 6), torch.nn.Linear(6, 10, bias=False))
+    model[2].weight = model[0].weight
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    lows = split_linear_weights([model])
+    assert list(lows) == [model[1].weight] and model[0].weight.dtype == torch.float32
+    after = model.state_dict()
+    assert {k: v.dtype for k, v in after.items()} == {k: torch.float32 for k in before}
+    assert all(torch.equal(after[k], _as_stored(k, before[k]) if k == "1.weight" else before[k]) for k in before)
+
+
 def test_where_split_weights_apply():
     assert bf16_weights_apply(True, distributed=False, grad_accum=1)
     assert not bf16_weights_apply(False, distributed=False, grad_accum=1)
