@@ -537,7 +537,7 @@ def _validate_fsdp_bf16_weights(cfg: Config, dims) -> None:
         raise ConfigError(f"training.fsdp_bf16_weights: needs training.mixed_precision_param = bfloat16 (got "
                           f"{t.mixed_precision_param})")
     conflicts = [name for name, on in (
-        ("parallelism.pp > 1", dims.pp > 1), ("parallelism.tp > 1", dims.tp > 1), ("parallelism.ep > 1", dims.ep > 1),
+        ("parallelism.pp > 1", dims.pp > 1),
         ("parallelism.fsdp_cpu_offload", p.fsdp_cpu_offload),
         ("float8.fsdp_float8_all_gather", cfg.float8.enable and cfg.float8.fsdp_float8_all_gather),
         ("gradient accumulation (training.global_batch_size)", grad_accumulation_steps(cfg, dims.dp) > 1),
