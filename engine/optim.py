@@ -75,10 +75,11 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 class AdamWWithBf16Weights(torch.optim.Optimizer):
-    """AdamW (or Adam) over parameters of which the linear weights are split bf16 weights (``set_low_halves``;
-    parallelize/bf16_weights.py): each update rebuilds the fp32 weight from the bf16 parameter and its low half,
-    reads the bf16 gradient the matmul wrote, and writes both halves back; the other parameters are fp32 as
-    usual. The state is torch's AdamW's (``step``, a float32 tensor on the parameter's device as torch's fused
+    """AdamW (or Adam) over parameters of which some are split bf16 weights (``set_low_halves``;
+    parallelize/bf16_weights.py: the linear weights on one GPU, every FSDP2 shard under
+    training.fsdp_bf16_weights, updated shard by shard): each update rebuilds the fp32 weight from the bf16
+    parameter and its low half, reads the bf16 gradient, and writes both halves back; the other parameters are
+    fp32 as usual. The state is torch's AdamW's (``step``, a float32 tensor on the parameter's device as torch's fused
     kernels keep it, fp32 ``exp_avg`` and ``exp_avg_sq``), made when the optimizer is built, so checkpoints are
     interchangeable with runs without split weights. ``grad_scale`` (a device tensor, set by
     ``clip_grad_norm_``) divides every gradient as the update reads it, as in torch's fused kernels (which also
@@ -121,7 +122,8 @@ class AdamWWithBf16Weights(torch.optim.Optimizer):
         super().load_state_dict(state_dict)
         for p, state in moments.items():
             for key in ("exp_avg", "exp_avg_sq"):
-                self.state[p][key] = state[key].to(device=p.device, dtype=torch.float32)
+                if key in state:
+                    self.state[p][key] = state[key].to(device=p.device, dtype=torch.float32)
 
     @torch.no_grad()
     def step(self, closure=None):
