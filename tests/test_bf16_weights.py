@@ -413,9 +413,10 @@ def fsdp_bf16_job(world_size: int, rank: int, argv: list[str]):
     (3, ["--parallelism.dp_shard", "3"]),  # shards of uneven sizes (FSDP2 pads them)
     (4, ["--parallelism.dp_replicate", "2", "--parallelism.dp_shard", "2", *COMPILED_OP_AC]),
     (4, ["--parallelism.dp_shard", "2", "--parallelism.tp", "2"]),
+    (4, ["--parallelism.dp_shard", "2", "--parallelism.pp", "2", "--training.local_batch_size", "4"]),
     (2, ["--config", "train_configs/qwen3_moe_debug.toml", "--model.flavor", "debugmodel_moe_L2",
          "--parallelism.dp_shard", "2", "--parallelism.ep", "2"]),
-], ids=["fsdp3", "hsdp2x2_compile_op_ac", "fsdp2_tp2", "moe_ep2"])
+], ids=["fsdp3", "hsdp2x2_compile_op_ac", "fsdp2_tp2", "pp2_fsdp2", "moe_ep2"])
 def test_fsdp_split_weights_train_as_fsdps_bf16_bit_for_bit(world, layout, tmp_path):
     """FSDP2 with bf16 parameters, on split shards and on fp32 shards (torch's foreach AdamW): 4 steps of the
     same losses and gradient norms, bit for bit."""
@@ -491,7 +492,6 @@ def test_fsdp_split_weights_refuse_what_they_do_not_cover():
 
     assert "this layout has no FSDP" in error(1)
     assert "mixed_precision_param = bfloat16" in error(2, "--training.mixed_precision_param", "float32")
-    assert "not with parallelism.pp > 1" in error(4, "--parallelism.pp", "2")
     assert "not with gradient accumulation" in error(2, "--training.global_batch_size", "32")
     validate(parse_args(["--training.fsdp_bf16_weights", "--parallelism.fsdp_single_rank"]), 1, check_paths=False)
 

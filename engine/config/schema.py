@@ -101,7 +101,7 @@ class Training:
     fsdp_bf16_weights: bool = False
     """On CUDA under FSDP2 (FSDP, HSDP or fsdp_single_rank) with bf16 mixed precision: keep every parameter's
     shard as bf16 plus a 16-bit low half, so the all-gather reads bf16 with no cast and gradients are kept in
-    bf16; fp32 checkpoints as before. Not with PP, CPU offload, float8 all-gather or gradient accumulation."""
+    bf16; fp32 checkpoints as before. Not with CPU offload, float8 all-gather or gradient accumulation."""
     loss_chunk_tokens: int = 0
     """Fuse the output projection with the cross-entropy over chunks of this many tokens, so the [tokens,
     vocabulary] logits never exist whole (GiBs less peak memory at a 128k vocabulary, the same FLOPs); works with

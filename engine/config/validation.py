@@ -536,15 +536,16 @@ def _validate_fsdp_bf16_weights(cfg: Config, dims) -> None:
     if t.mixed_precision_param != "bfloat16":
         raise ConfigError(f"training.fsdp_bf16_weights: needs training.mixed_precision_param = bfloat16 (got "
                           f"{t.mixed_precision_param})")
-    conflicts = [name for name, on in (
-        ("parallelism.pp > 1", dims.pp > 1),
-        ("parallelism.fsdp_cpu_offload", p.fsdp_cpu_offload),
-        ("float8.fsdp_float8_all_gather", cfg.float8.enable and cfg.float8.fsdp_float8_all_gather),
-        ("gradient accumulation (training.global_batch_size)", grad_accumulation_steps(cfg, dims.dp) > 1),
+    conflicts = [f"{name} ({why})" for name, on, why in (
+        ("parallelism.fsdp_cpu_offload", p.fsdp_cpu_offload, "the shards would be updated on the CPU"),
+        ("float8.fsdp_float8_all_gather", cfg.float8.enable and cfg.float8.fsdp_float8_all_gather,
+         "its all-gather casts fp32 shards"),
+        ("gradient accumulation (training.global_batch_size)", grad_accumulation_steps(cfg, dims.dp) > 1,
+         "each batch's sharded gradients would be added up in bf16"),
     ) if on]
     if conflicts:
-        raise ConfigError(f"training.fsdp_bf16_weights: not with {', '.join(conflicts)} (their gradients or "
-                          "weights would be added up or cast in bf16); turn it off for this layout")
+        raise ConfigError(f"training.fsdp_bf16_weights: not with {'; '.join(conflicts)}; turn it off for this "
+                          "layout")
 
 
 def grad_accumulation_steps(cfg: Config, dp: int) -> int:
