@@ -111,10 +111,9 @@ def end_ownership_of(training_args: list[str], failures: dict[int, Any]) -> None
     from engine.run_owner import remove_if_ended
 
     try:
-        folder = parse_args(training_args).job.dump_folder
-    except ValueError:  # the training processes reported the configuration's error
-        return
-    remove_if_ended(folder, {f.pid for f in failures.values()})
+        remove_if_ended(parse_args(training_args).job.dump_folder, {f.pid for f in failures.values()})
+    except Exception:  # a configuration error (the ranks report it) or an unreadable folder: the ranks' failure
+        pass           # is what the launcher reports, never this clean-up's
 
 
 def main(argv: Optional[list[str]] = None) -> int:
