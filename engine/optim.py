@@ -17,7 +17,7 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from engine.config import LRScheduler as LRSchedulerConfig
 from engine.config import Optimizer as OptimizerConfig
-from parallelize.bf16_weights import master_weight, split
+from parallelize.bf16_weights import local_tensor, master_weight, split
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
@@ -66,12 +66,6 @@ def _adam_update(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs
             low.copy_(new_low)
         else:
             p.copy_(w)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 class AdamWWithBf16Weights(torch.optim.Optimizer):
@@ -137,10 +131,10 @@ class AdamWWithBf16Weights(torch.optim.Optimizer):
                 if p.grad is None:
                     continue
                 state = self.state[p]  # DTensors (FSDP2): their shards, updated in place
-                params.append(_local(p))
-                grads.append(_local(p.grad))
-                exp_avgs.append(_local(state["exp_avg"]))
-                exp_avg_sqs.append(_local(state["exp_avg_sq"]))
+                params.append(local_tensor(p))
+                grads.append(local_tensor(p.grad))
+                exp_avgs.append(local_tensor(state["exp_avg"]))
+                exp_avg_sqs.append(local_tensor(state["exp_avg_sq"]))
                 lows.append(self.lows.get(p))
                 steps.append(state["step"])
             if not params:
@@ -327,7 +321,7 @@ def clip_grad_norm_(parameters, max_norm: float, pp_group=None,
     by_device: dict = {}
     with torch.no_grad():
         for p in params:
-            g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            g = local_tensor(p.grad)
             by_device.setdefault((g.device, g.dtype), []).append(g)
         for (device, _), grads in by_device.items():
             torch._foreach_mul_(grads, coef.to(device))

@@ -43,7 +43,6 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-LOW = "weight_low"
 
 
 def bf16_weights_apply(enabled: bool, distributed: bool, grad_accum: int) -> bool:
@@ -99,7 +98,8 @@ def _low_name(name: str) -> str:
     return f"{name}_low"
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``t`` (a DTensor's local tensor), or ``t`` itself."""
     return t.to_local() if isinstance(t, DTensor) else t
 
 
@@ -115,7 +115,7 @@ def _state_dict_hook(module: nn.Module, state_dict: dict, prefix: str, local_met
     """The fp32 weights in the state dict, as without split weights (``state_dict_weight``: GPU or CPU)."""
     for name in module._split_names:
         high = module._parameters[name].detach()
-        state_dict[prefix + name] = _like(state_dict_weight(_local(high), module._buffers[_low_name(name)]), high)
+        state_dict[prefix + name] = _like(state_dict_weight(local_tensor(high), module._buffers[_low_name(name)]), high)
 
 
 def _load_state_dict_pre_hook(module: nn.Module, state_dict: dict, prefix: str, *args) -> None:
@@ -125,7 +125,7 @@ def _load_state_dict_pre_hook(module: nn.Module, state_dict: dict, prefix: str, 
         value = state_dict.get(prefix + name)
         if value is not None:
             low = module._buffers[_low_name(name)]
-            value = _local(value.detach())
+            value = local_tensor(value.detach())
             assert value.shape == low.shape, (prefix + name, value.shape, low.shape)
             with torch.no_grad():
                 low.copy_(split(value.to(low.device, torch.float32))[1])
@@ -142,6 +142,15 @@ def _keep_low(module: nn.Module, name: str, low: torch.Tensor) -> None:
     module.register_buffer(_low_name(name), low, persistent=False)
 
 
+def _holders(part: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
+    """Each parameter of ``part`` (by id) with every (module, name) holding it: a tied one has several."""
+    holders: dict[int, list[tuple[nn.Module, str]]] = {}
+    for module in part.modules():
+        for name, p in module.named_parameters(recurse=False, remove_duplicate=False):
+            holders.setdefault(id(p), []).append((module, name))
+    return holders
+
+
 def split_linear_weights(parts: Iterable[nn.Module]) -> dict[nn.Parameter, torch.Tensor]:
     """Store every linear weight of ``parts`` as bf16 + low half (in place: the same Parameter objects, so an
     optimizer built over them keeps them); returns parameter -> low half, for the optimizer. Call it once the
@@ -150,15 +159,12 @@ def split_linear_weights(parts: Iterable[nn.Module]) -> dict[nn.Parameter, torch
     otherwise read bf16 and start the residual stream in bf16."""
     lows: dict[nn.Parameter, torch.Tensor] = {}
     for part in parts:
-        holders: dict[int, int] = {}
+        holders = _holders(part)
         for module in part.modules():
-            for _, p in module.named_parameters(recurse=False, remove_duplicate=False):
-                holders[id(p)] = holders.get(id(p), 0) + 1
-        for module in part.modules():
-            if not isinstance(module, nn.Linear) or LOW in module._buffers:
+            if not isinstance(module, nn.Linear) or _low_name("weight") in module._buffers:
                 continue
             weight = module._parameters["weight"]
-            if holders[id(weight)] > 1:
+            if len(holders[id(weight)]) > 1:
                 continue
             assert weight is not None and weight.dtype == torch.float32, (type(module), weight)
             assert not isinstance(weight, DTensor), "split weights are for one rank"
@@ -176,10 +182,7 @@ def split_fsdp_weights(parts: Iterable[nn.Module]) -> dict[nn.Parameter, torch.T
     once the weights are final (initialized or loaded) and before the first forward."""
     lows: dict[nn.Parameter, torch.Tensor] = {}
     for part in parts:
-        owners: dict[int, list] = {}  # a tied parameter has several (module, name)
-        for m in part.modules():
-            for n, p in m.named_parameters(recurse=False, remove_duplicate=False):
-                owners.setdefault(id(p), []).append((m, n))
+        owners = _holders(part)
 
         def to_high(t: torch.Tensor) -> torch.Tensor:
             if id(t) not in owners or t in lows:  # a buffer, or a tied parameter split already: as it is
