@@ -9,10 +9,12 @@ where it is missing). Optional shared experts see every token.
 Load balancing, both optional:
 - the auxiliary loss of Switch/GShard, ``E * sum_e f_e * P_e`` (f_e: the fraction of tokens routed to expert e,
   so that the f_e add up to top_k; P_e: its mean router probability), as transformers' load_balancing_loss_func
-  computes it, so that a Hugging Face config's router_aux_loss_coef means the same here; kept in ``aux_loss``
-  (for the log) and trained with the weight ``aux_loss_weight`` (the trainer's): its gradient enters in backward
-  through the layer's output, as Megatron-Core does, so that it trains on any pipeline stage without joining the
-  last stage's loss;
+  computes it, so that a Hugging Face config's router_aux_loss_coef means the same here. It is trained with the
+  weight ``aux_loss_weight`` (the trainer's): its gradient enters in backward through the layer's output, as
+  Megatron-Core does, so that it trains on any pipeline stage without joining the last stage's loss. Over
+  several ranks (``sum_over_ranks``, set when it is trained) f_e and P_e are those of the forward's tokens on
+  every rank, as one process computes them on the whole batch: each rank trains the global f_e times its own
+  tokens' share of P_e (``aux_loss``), terms that add up over the ranks to the global loss (the value logged);
 - DeepSeek-V3's auxiliary-loss-free balancing: an ``expert_bias`` added to the scores for the choice of experts
   only (not to the weights), moved after each optimizer step towards the under-loaded experts
   (``update_expert_bias``, from the tokens each expert received over the step, ``tokens_per_expert``).
@@ -216,8 +218,9 @@ class TokenChoiceRouter(nn.Module):
 
 
 class MoE(nn.Module):
-    """The MoE feed-forward layer: ``x [B, S, dim] -> [B, S, dim]``. After a forward, ``aux_loss`` holds the
-    layer's auxiliary load-balancing loss and ``tokens_per_expert`` has the tokens routed to each expert added."""
+    """The MoE feed-forward layer: ``x [B, S, dim] -> [B, S, dim]``. After a forward, ``aux_loss`` holds this
+    rank's term of the layer's auxiliary load-balancing loss (the whole loss on one process) and
+    ``tokens_per_expert`` has the tokens routed to each expert added."""
 
     def __init__(self, dim: int, args: MoEArgs):
         super().__init__()
@@ -236,6 +239,9 @@ class MoE(nn.Module):
         self.aux_loss: Optional[Tensor] = None
         # The auxiliary loss's weight in the trained loss (0: not trained); the trainer sets it (see _AuxLossGradient).
         self.aux_loss_weight = 0.0
+        # Sums a tensor over the ranks holding the step's other tokens (set by the trainer when the auxiliary loss
+        # is trained over several ranks); None: this rank's tokens are the forward's.
+        self.sum_over_ranks: Optional[Callable[[Tensor], Tensor]] = None
         # How the routed experts run on the sorted token-expert pairs: ``run_experts(experts, x, counts)``; None
         # runs them here (a parallel plan sets it: expert parallelism's all-to-all dispatch).
         self.run_experts: Optional[Callable[[nn.Module, Tensor, Tensor], Tensor]] = None
@@ -261,14 +267,13 @@ class MoE(nn.Module):
         flat = experts.reshape(-1)
         # histc, not bincount: a fixed output size, which compiles without a graph break.
         counts = torch.histc(flat.float(), bins=a.num_experts, min=0, max=a.num_experts).to(torch.int64)
-        # f_e: the fraction of tokens routed to expert e; P_e: its mean probability.
-        self.aux_loss = a.num_experts * torch.sum(counts.float() / x.shape[0] * probs.mean(dim=0))
         training = torch.is_grad_enabled()  # an evaluation's forwards run without gradients
+        self.aux_loss, logged = self._aux_loss(counts, probs, training)
         if not _RECOMPUTING["active"]:
             with torch.no_grad():
                 self.tokens_per_expert.add_(counts.to(self.tokens_per_expert.dtype))
                 if training:
-                    self.aux_loss_sum.add_(torch.stack([self.aux_loss, torch.ones_like(self.aux_loss)]))
+                    self.aux_loss_sum.add_(torch.stack([logged, torch.ones_like(logged)]))
         # Dispatch: the token-expert pairs sorted by expert (a stable sort keeps each expert's tokens in order).
         order = torch.argsort(flat, stable=True)
         token = order // a.top_k
@@ -281,6 +286,21 @@ class MoE(nn.Module):
         if self.aux_loss_weight and training:
             out = _AuxLossGradient.apply(out, self.aux_loss, self.aux_loss_weight)
         return out.reshape(shape)
+
+    def _aux_loss(self, counts: Tensor, probs: Tensor, training: bool) -> tuple[Tensor, Tensor]:
+        """(this rank's term of the auxiliary loss, the loss's value): ``E * sum_e f_e * P_e`` with f_e the
+        fraction of the forward's tokens routed to expert e and P_e the mean of their probabilities for it, summed
+        over the ranks by ``sum_over_ranks`` in a training forward. The term, ``E * sum_e f_e * p_e`` with p_e
+        this rank's probabilities for e summed and divided by every rank's token count, is what trains: its
+        gradient is the global loss's for this rank's tokens."""
+        e = self.args.num_experts
+        own = probs.sum(dim=0)
+        stats = torch.cat([counts.float(), own.detach(), own.new_full((1,), probs.shape[0])])
+        if training and self.sum_over_ranks is not None:
+            stats = self.sum_over_ranks(stats)
+        tokens = stats[2 * e]
+        fraction = stats[:e] / tokens
+        return e * torch.sum(fraction * own) / tokens, e * torch.sum(fraction * stats[e:2 * e]) / tokens
 
     @torch.no_grad()
     def update_expert_bias(self) -> None:

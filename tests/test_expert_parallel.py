@@ -3,7 +3,10 @@ gloo ranks (CPU, fp32, deterministic), its experts spread over ep ranks and comp
 
 Each layout trains the same global batches from the same initial weights as one process and must give its losses
 and gradient norms (relative 1e-5), its first-step gradients of every parameter, and its routing: the tokens each
-expert received in the first step, summed over the ranks, equal to the single process's."""
+expert received in the first step, summed over the ranks, equal to the single process's. The load-balancing loss is
+trained (its statistics over every rank's tokens, as one process's over the batch), except under the pipeline,
+whose microbatches are forwards of their own (as gradient accumulation's): that layout is held to a run without
+it."""
 
 import shutil
 
@@ -15,10 +18,12 @@ from tests.parallel_harness import global_batches, run_layout, run_world
 STEPS = 3
 GLOBAL = 8
 MOE = ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe_L2"]  # 2 layers: depth adds nothing here
+# A weight at which the loss's gradient moves the router's gradients well past the tolerances.
+AUX = ["--model.moe_aux_loss_coeff", "0.1"]
 
 
-def _layout(local: int, *args: str) -> list[str]:
-    return [*MOE, "--training.local_batch_size", str(local), *args]
+def _layout(local: int, *args: str, aux: bool = True) -> list[str]:
+    return [*MOE, "--training.local_batch_size", str(local), *args, *(AUX if aux else [])]
 
 
 def _dims(**degrees: int) -> list[str]:
@@ -43,7 +48,7 @@ LAYOUTS = {
         # attention TP-split, the MoE layers on each rank's sequence shard, FSDP over tp too
         "ep2_tp2": _layout(4, *_dims(dp_shard=2, tp=2, ep=2)),
         "fsdp2_tp2": _layout(4, *_dims(dp_shard=2, tp=2)),
-        "pp2_ep2": _layout(4, *_dims(pp=2, dp_shard=2, ep=2), "--parallelism.pp_schedule", "1F1B"),
+        "pp2_ep2": _layout(4, *_dims(pp=2, dp_shard=2, ep=2), "--parallelism.pp_schedule", "1F1B", aux=False),
         "hsdp2_ep2": _layout(2, *_dims(dp_replicate=2, dp_shard=2, ep=2)),
     },
 }
@@ -65,11 +70,19 @@ def batches():
 
 
 @pytest.fixture(scope="module")
-def reference(batches, tmp_path_factory):
-    dump = tmp_path_factory.mktemp("ref")
-    result = run_layout(_layout(GLOBAL), 1, 0, batches, str(dump), probe=routing)
-    shutil.rmtree(dump)
-    return result
+def references(batches, tmp_path_factory):
+    """One process's run, with the load-balancing loss trained (True) and without it (False)."""
+    results = {}
+    for aux in (True, False):
+        dump = tmp_path_factory.mktemp("ref")
+        results[aux] = run_layout(_layout(GLOBAL, aux=aux), 1, 0, batches, str(dump), probe=routing)
+        shutil.rmtree(dump)
+    return results
+
+
+@pytest.fixture(scope="module")
+def reference(references):
+    return references[True]
 
 
 @pytest.fixture(scope="module", params=sorted(LAYOUTS))
@@ -87,9 +100,15 @@ def test_reference_trains_and_routes_every_token(reference):
     assert counts.shape == (2, 8) and bool((counts.sum(1) == GLOBAL * 64 * 2).all())  # 2 layers, 8 experts, top-2
 
 
-def test_layouts_match_one_process(world_results, reference):
+def test_the_trained_load_balancing_loss_changes_the_gradients(references):
+    """What makes the layouts' check of it one that can fail."""
+    assert references[True]["grad_norms"] != pytest.approx(references[False]["grad_norms"], rel=1e-4)
+
+
+def test_layouts_match_one_process(world_results, references):
     for name, result in world_results.items():
         assert "error" not in result, (name, result.get("error"))
+        reference = references[AUX[0] in next(ls[name] for ls in LAYOUTS.values() if name in ls)]
         assert result["losses"] == pytest.approx(reference["losses"], rel=1e-5), name
         assert result["grad_norms"] == pytest.approx(reference["grad_norms"], rel=1e-5), name
         assert set(result["grads"]) == set(reference["grads"]), name

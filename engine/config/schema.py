@@ -48,7 +48,8 @@ class Model:
     size for flavors that do not fix one (debugmodel)."""
     moe_aux_loss_coeff: float = 0.0
     """Weight of the Mixture-of-Experts auxiliary load-balancing loss in the trained loss (0: off; Hugging Face
-    configs call it router_aux_loss_coef). Logged for MoE flavors either way, with each layer's expert load."""
+    configs call it router_aux_loss_coef). Trained, it is computed over each forward's tokens on every rank, as
+    one process computes it on the whole batch. Logged for MoE flavors either way, with each layer's expert load."""
 
 
 @dataclass
