@@ -65,13 +65,18 @@ def exit_with_parent() -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+def _shut_threads_down() -> None:
+    """What the interpreter does first at exit: the threading module's exit hooks, among them concurrent.futures'
+    (which tells idle thread-pool workers, such as Inductor's compile pool's, to stop), then a join of every
+    non-daemon thread. ``threading._shutdown`` is private: this is the one place that calls it."""
+    threading._shutdown()
+
+
 def exit_now(status: int | None) -> None:
     """End this process with ``status`` (None: 0), as ``sys.exit`` would but without the interpreter tearing its
-    modules down one by one, which takes torch's a second or more in every process. Non-daemon threads are
-    joined and exit handlers run first, and the standard streams are flushed."""
-    for thread in threading.enumerate():
-        if thread is not threading.main_thread() and not thread.daemon:
-            thread.join()
+    modules down one by one, which takes torch's a second or more in every process. Threads are shut down as at
+    the interpreter's exit and exit handlers run first, and the standard streams are flushed."""
+    _shut_threads_down()
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         try:

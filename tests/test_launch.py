@@ -344,3 +344,15 @@ def test_exit_with_parent_follows_only_its_own_parent():
     finally:
         sleeper.kill()
         sleeper.wait()
+
+
+def test_exit_now_ends_like_the_interpreter_with_an_idle_thread_pool():
+    """``exit_now`` (every entry point's end) stops an idle thread pool's workers (Inductor compiles through one:
+    a first compiled run never ended), waits for a running non-daemon thread, then runs the exit handlers and
+    exits with the status given."""
+    code = ("import atexit, concurrent.futures, threading, time; from engine.lifetime import exit_now; "
+            "pool = concurrent.futures.ThreadPoolExecutor(2); pool.submit(lambda: 1).result(); "
+            "atexit.register(lambda: print('atexit', flush=True)); "
+            "threading.Thread(target=lambda: (time.sleep(0.5), print('thread', flush=True))).start(); exit_now(7)")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert (proc.returncode, proc.stdout.split()) == (7, ["thread", "atexit"]), proc.stderr[-2000:]
