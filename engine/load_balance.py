@@ -49,8 +49,8 @@ class LoadBalance:
         """The last step's tokens per expert, summed over the ranks: ``[layers, experts]``."""
 
     def _sum_over_ranks(self, t: Tensor) -> Tensor:
-        """``t`` summed over the token groups, in place (a fresh tensor of the layer's forward; compiled forwards
-        trace the all-reduce)."""
+        """``t`` (a fresh tensor: a layer's statistics, the step's counts) summed over the token groups, in place;
+        compiled forwards trace the all-reduce."""
         for group in self.groups:
             dist.all_reduce(t, group=group)
         return t
@@ -61,9 +61,7 @@ class LoadBalance:
         step's load kept for the log (device tensors: no host sync here)."""
         if not self.layers:
             return
-        counts = torch.stack([layer.tokens_per_expert for layer in self.layers])
-        for group in self.groups:
-            dist.all_reduce(counts, group=group)
+        counts = self._sum_over_ranks(torch.stack([layer.tokens_per_expert for layer in self.layers]))
         self.last_counts = counts.clone()
         mean = counts.mean(dim=1).clamp(min=1e-9)
         self._load = counts.max(dim=1).values / mean
