@@ -243,13 +243,20 @@ def scales_gradients(optimizer: Optional[torch.optim.Optimizer]) -> bool:
 
 def _fp32_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
     """The L2 norm of plain tensors of any float dtypes, each tensor's norm computed and returned in fp32
-    (torch's ``get_total_norm`` returns a bf16 tensor's norm in bf16: 3 significant digits)."""
+    (torch's ``get_total_norm`` returns a bf16 tensor's norm in bf16: 3 significant digits). On CPU each norm is
+    accumulated in fp64: torch's CPU norm kernels lose digits on large fp32 tensors (most when a few large values
+    sit among many small ones, as in an embedding's gradient), which moved gradient norms with the layout."""
     by_kind: dict = {}
     for i, t in enumerate(tensors):
         by_kind.setdefault((t.device, t.dtype), []).append(i)
     norms: list = [None] * len(tensors)
-    for indices in by_kind.values():
-        for i, n in zip(indices, torch._foreach_norm([tensors[i] for i in indices], 2.0, dtype=torch.float32)):
+    for (device, _), indices in by_kind.items():
+        group = [tensors[i] for i in indices]
+        if device.type == "cpu":
+            found = [torch.linalg.vector_norm(t, dtype=torch.float64).float() for t in group]
+        else:
+            found = torch._foreach_norm(group, 2.0, dtype=torch.float32)
+        for i, n in zip(indices, found):
             norms[i] = n.to(tensors[0].device)
     return torch.linalg.vector_norm(torch.stack(norms))  # in the tensors' order, as torch's
 
