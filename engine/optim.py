@@ -285,13 +285,16 @@ def _sharded_squares(mesh, grads: list) -> torch.Tensor:
 
 
 def clip_grad_norm_(parameters, max_norm: float, pp_group=None,
-                    optimizer: Optional[torch.optim.Optimizer] = None, scale_in_optimizer: bool = True) -> torch.Tensor:
+                    optimizer: Optional[torch.optim.Optimizer] = None, scale_in_optimizer: bool = True,
+                    uncounted=()) -> torch.Tensor:
     """Clip the gradients to a total L2 norm of ``max_norm``; returns the total norm before clipping.
 
     Gradients may be DTensors sharded or replicated over any mesh dimensions (FSDP, TP, ...), on several
     meshes at once: each mesh's squared norm is summed over the dimensions its gradients are sharded on
     (replicated ones counted once), then the meshes are combined. With pipeline stages
-    (``pp_group``) every stage holds different parameters, so their squared norms are summed over it.
+    (``pp_group``) every stage holds different parameters, so their squared norms are summed over it;
+    ``uncounted`` parameters (a copy of a weight another stage holds: a tied output projection) are clipped
+    but left out of the norm.
 
     With a fused Adam/AdamW ``optimizer`` (``scales_gradients``) the gradients are not scaled here: the
     optimizer's kernel divides each one by ``optimizer.grad_scale`` (set here to the inverse of the clip
@@ -304,8 +307,11 @@ def clip_grad_norm_(parameters, max_norm: float, pp_group=None,
     from torch.distributed.tensor import DTensor
 
     params = [p for p in parameters if p.grad is not None]
+    skip = {id(p) for p in uncounted}
     by_mesh: dict = {}
     for p in params:
+        if id(p) in skip:
+            continue
         key = p.grad.device_mesh if isinstance(p.grad, DTensor) else None
         by_mesh.setdefault(key, []).append(p.grad)
     squares = []

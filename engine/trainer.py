@@ -136,6 +136,11 @@ class Trainer:
         self.pp_has_first, self.pp_has_last = self.stages.has_first, self.stages.has_last
         self.model_parts = parts
         self.model = parts[0] if len(parts) == 1 else nn.ModuleList(parts)
+        # An output projection tied to the embedding, the two on different stages: their gradients are summed.
+        self.tied = pipeline.TiedEmbedding(
+            parts, pipeline.stage_owners(self.dims.pp, cfg.parallelism.pp_schedule, cfg.parallelism.pp_virtual_stages),
+            self.dims.mesh("root"), self.device,
+        ) if self.dims.pp_enabled and getattr(self.model_args, "tie_embeddings", False) else None
         self.loss_parallel = self.dims.tp_enabled and not cfg.parallelism.disable_loss_parallel
         # The loss is divided by the global token count, so data-parallel gradients must be summed; FSDP2
         # averages them (a sum with a pre-multiplier, which gloo lacks), so backward runs on the loss times
@@ -319,12 +324,15 @@ class Trainer:
         loss = self.forward_backward(microbatches)
         if self.dims.tp_enabled and not self.dims.data_parallel:
             reduce_partial_grads(self.model.parameters())  # once, not in every op that reads them
+        if self.tied is not None:
+            self.tied.sum_gradients()
         events.point(self.step, "mid_step")
         # With the fused optimizer the clip factor is applied inside its kernel (engine/optim.py), unless
         # ``after_clip`` reads the clipped gradients before it runs.
         grad_norm = clip_grad_norm_(self.model.parameters(), self.cfg.training.max_norm, self.dims.group("pp")
                                     if self.dims.pp_enabled else None,
-                                    optimizer=self.optimizer, scale_in_optimizer=after_clip is None)
+                                    optimizer=self.optimizer, scale_in_optimizer=after_clip is None,
+                                    uncounted=self.tied.uncounted if self.tied is not None else ())
         # On this rank's device, as the loss: under FSDP's CPU offload the gradients, so their norm, are in host
         # memory, and the log step stacks the two.
         grad_norm = grad_norm.to(self.device, non_blocking=True)

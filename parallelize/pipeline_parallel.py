@@ -19,6 +19,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 # Schedule name -> (torch.distributed.pipelining.schedules class, whether it runs several stages per rank).
 # torch's pipelining package imports torch._dynamo (about a second per process), so it is imported only by a
@@ -253,6 +254,54 @@ def _stage_class():
 
         setattr(Stage, inference, infer_keeping_buffers)
     return Stage
+
+
+class TiedEmbedding:
+    """An output projection tied to the input embedding, on two pipeline stages.
+
+    The first stage holds the embedding, the last stage a copy of it as its output projection, drawn as the
+    embedding (the model's ``init_weights``) or loaded from the same tensor. After each backward ``sum_gradients``
+    adds the two gradients, over the pair of pp ranks holding them (the same coordinates on every other mesh
+    dimension, so the same shards), or on one rank when a V schedule puts both stages there: both copies take the
+    same update and stay equal, as one shared weight would. ``uncounted`` is the copy, whose gradient the clip's
+    norm counts once (on the embedding's stage).
+    """
+
+    def __init__(self, parts: list[nn.Module], owners: list[int], root_mesh, device: torch.device):
+        self.device = device
+        self.embedding = next((p.tok_embeddings.weight for p in parts if p.tok_embeddings is not None), None)
+        self.output = next((p.output.weight for p in parts if p.output is not None), None)
+        self.group = None
+        first, last = owners[0], owners[-1]
+        if first != last:  # every rank takes part in making every pair's group
+            columns = root_mesh.mesh.reshape(root_mesh.mesh.shape[0], -1).T  # root_mesh's dim 0 is pp
+            pairs = [[int(ranks[first]), int(ranks[last])] for ranks in columns]
+            self.group, _ = dist.new_subgroups_by_enumeration(pairs)
+
+    @property
+    def uncounted(self) -> list[nn.Parameter]:
+        return [self.output] if self.output is not None else []
+
+    @torch.no_grad()
+    def sum_gradients(self) -> None:
+        held = [w for w in (self.embedding, self.output) if w is not None]
+        for w in held:
+            assert w.grad is not None, "a tied weight without a gradient"
+            if isinstance(w.grad, DTensor) and w.grad.placements != w.placements:
+                # The vocabulary-parallel embedding's gradient comes back replicated: to the weight's shards (a
+                # local slice), as the output's is, so that the two ranks' local tensors are the same rows.
+                w.grad = w.grad.redistribute(w.device_mesh, w.placements)
+        grads = [w.grad.to_local() if isinstance(w.grad, DTensor) else w.grad for w in held]
+        if len(grads) == 2:  # both stages on this rank
+            grads[0].add_(grads[1])
+            grads[1].copy_(grads[0])
+        elif grads:
+            # CPU offload keeps gradients in host memory, which NCCL cannot reduce: through the device
+            g = grads[0]
+            work = g if g.device == self.device else g.to(self.device)
+            dist.all_reduce(work, group=self.group)
+            if work is not g:
+                g.copy_(work)
 
 
 def build_stages(modules: list[nn.Module], ids: list[int], n_stages: int, pp_group, device) -> list:

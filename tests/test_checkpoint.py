@@ -451,6 +451,37 @@ def test_resume_fsdp4_checkpoint_on_other_layouts(tmp_path):
             assert got == expected, name  # the same samples: none repeated, none skipped
 
 
+def test_tied_embeddings_resume_between_one_process_and_pipeline_stages(tmp_path):
+    """An output projection tied to the embedding, with the two on different pipeline stages (the last stage holds a
+    copy): PP 2 trains one process's curve; one process's step-4 checkpoint resumes on PP 2 under a V schedule
+    (rank 0 holds both copies, each loaded with its own optimizer state), and PP 2's on one process. Both go on
+    with the uninterrupted losses and gradient norms: the weight and its AdamW moments arrive in both."""
+    # Batches of 4 samples in 2 microbatches: the pipelines' (parallelism.pp_microbatches), and one process's by
+    # gradient accumulation; gradient norms differ from unsplit batches' by up to 2.4e-5 here, in either case.
+    tied = ["--model.flavor", "debugmodel_tied", "--training.steps", "8", "--checkpoint.interval", "4", *FOR_LOOP]
+    accumulate = ["--training.local_batch_size", "2", "--training.global_batch_size", "4"]
+    pp2 = ["--parallelism.pp", "2", "--training.local_batch_size", "4", "--parallelism.pp_microbatches", "2"]
+    one, pp = tmp_path / "one", tmp_path / "pp"
+    train(one, *tied, *accumulate)
+    train(pp, *tied, *pp2, ngpu=2)
+    uninterrupted = metrics(one)
+    steps = list(range(1, 9))
+    assert sorted(metrics(pp)) == steps
+    for step in steps:
+        for key in ("loss", "grad_norm"):
+            assert metrics(pp)[step][key] == pytest.approx(uninterrupted[step][key], rel=1e-5), (step, key)
+    for name, source, args, ngpu in (("one_on_pp2_zbv", one, [*pp2, "--parallelism.pp_schedule", "ZBVZeroBubble"], 2),
+                                     ("pp2_on_one", pp, accumulate, 1)):
+        dump = tmp_path / name
+        shutil.copytree(source / "checkpoint" / "step-000004", dump / "checkpoint" / "step-000004")
+        train(dump, *tied, *args, ngpu=ngpu)
+        resumed = metrics(dump)
+        assert sorted(resumed) == [5, 6, 7, 8], (name, sorted(resumed))
+        for step in resumed:
+            for key in ("loss", "grad_norm"):
+                assert resumed[step][key] == pytest.approx(uninterrupted[step][key], rel=1e-5), (name, step, key)
+
+
 def test_resume_on_one_rank_when_the_batch_is_not_a_multiple_of_the_shards_per_rank(tmp_path):
     """4 data shards read 1 sample a step by each of 2 ranks (2 shards each), saved after step 1 with shards 0
     and 1 a sample ahead of 2 and 3: resumed on one rank reading 2 samples a step, the run reads shards 2 and 3

@@ -251,8 +251,8 @@ def test_home_is_expanded_in_path_fields(tmp_path, monkeypatch):
         (["--optimizer.beta2", "1.5"], "optimizer.beta2"),
         (["--model.name", "gpt9"], "model.name"),
         (["--model.flavor", "9B"], "model.flavor"),
-        (["--model.flavor", "8b"], "model.flavor: '8b' is not one of debugmodel, debugmodel_L2, 1B, 3B, 8B, 8B_L8, 8B_L2, 70B, 405B (did "
-                                   "you mean '8B'?)"),
+        (["--model.flavor", "8b"], "model.flavor: '8b' is not one of debugmodel, debugmodel_L2, debugmodel_tied, 1B, "
+                                   "3B, 8B, 8B_L8, 8B_L2, 70B, 405B (did you mean '8B'?)"),
         (["--model.attn", "xformers"], "model.attn"),
         (["--model.attn_mask", "block_causal"], "model.attn_mask"),
         (["--validation.enable", "--training.steps", "10"],

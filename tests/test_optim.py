@@ -106,6 +106,18 @@ def test_clip_grad_norm_on_cpu_is_exact_for_an_embedding_sized_gradient():
     assert abs(grad.norm().item() / exact - 1) > 1e-5  # what torch's kernel gives: the case is a hard one
 
 
+def test_clip_leaves_uncounted_gradients_out_of_the_norm_and_still_scales_them():
+    """``uncounted`` (a pipeline's copy of a tied weight, whose gradient another stage counts): not in the norm,
+    clipped by the same factor as the others."""
+    from engine.optim import clip_grad_norm_
+
+    counted, copy = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(2))
+    counted.grad, copy.grad = torch.tensor([3.0, 4.0]), torch.tensor([3.0, 4.0])
+    assert clip_grad_norm_([counted, copy], 1.0, uncounted=[copy]).item() == pytest.approx(5.0)
+    torch.testing.assert_close(copy.grad, torch.tensor([0.6, 0.8]))
+    torch.testing.assert_close(counted.grad, torch.tensor([0.6, 0.8]))
+
+
 @pytest.mark.parametrize("max_norm", [0.5, 1e6])
 def test_clip_folded_into_the_fused_optimizer(max_norm):
     """With fused AdamW the clip factor is applied inside the optimizer's kernel (optimizer.grad_scale): three

@@ -354,6 +354,61 @@ def test_document_masking_matches_single_process(batches, reference, tmp_path):
             _check(result, doc_reference, layouts[name])
 
 
+def tied_copies(trainer) -> dict:
+    """(A probe, after the first step.) Every rank's embedding and tied output projection, whole, on rank 0."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    def whole(w):
+        return (w.full_tensor() if isinstance(w, DTensor) else w).detach().clone()
+
+    mine = {}
+    for part in trainer.model_parts:  # full_tensor is collective over the stage's ranks: all of them call it
+        if part.tok_embeddings is not None:
+            mine["embedding"] = whole(part.tok_embeddings.weight)
+        if part.output is not None:
+            mine["output"] = whole(part.output.weight)
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    return {kind: [m[kind] for m in every if kind in m] for kind in ("embedding", "output")}
+
+
+def test_tied_embeddings_on_two_pipeline_stages_match_single_process(batches, tmp_path):
+    """An output projection tied to the embedding (Llama 3.2, small Qwen3) with the two on different stages: the
+    first stage's embedding and the last stage's copy get the sum of both gradients (across ranks, or on one
+    rank where a V schedule puts both stages there, under FSDP and TP shards too), the clip counts it once, and
+    both copies take the same update. Losses, gradient norms and gradients as one process's, and the copies bit
+    for bit equal after the first update."""
+    tied = ["--model.flavor", "debugmodel_tied"]
+    reference = run_layout(_layout(GLOBAL, *tied, deep=True), 1, 0, batches, str(tmp_path / "ref"))
+    assert set(reference["grads"]) >= {"tok_embeddings.weight"} and "output.weight" not in reference["grads"]
+    pp2 = ["--parallelism.pp", "2"]
+    worlds = {
+        2: {"pp2_1F1B": _layout(8, *tied, *pp2, "--parallelism.pp_schedule", "1F1B"),
+            "pp2_ZBVZeroBubble": _layout(8, *tied, *pp2, "--parallelism.pp_schedule", "ZBVZeroBubble")},
+        4: {"pp2_fsdp2": _layout(4, *tied, *pp2, "--parallelism.dp_shard", "2"),
+            "pp2_tp2_fused_loss": _layout(8, *tied, *pp2, "--parallelism.tp", "2", "--parallelism.pp_schedule",
+                                          "Interleaved1F1B", "--training.loss_chunk_tokens", "100")},
+    }
+    for world, layouts in worlds.items():
+        results = run_world(world, layouts, {name: batches for name in layouts}, str(tmp_path / f"w{world}"),
+                            probe=tied_copies)
+        for name, result in results.items():
+            assert "error" not in result, (name, result.get("error"))
+            assert result["losses"] == pytest.approx(reference["losses"], rel=1e-5), name
+            assert result["grad_norms"] == pytest.approx(reference["grad_norms"], rel=1e-5), name
+            grads = dict(result["grads"])
+            copy = grads.pop("output.weight")  # the last stage's copy: the tied weight's whole gradient
+            assert set(grads) == set(reference["grads"]), name
+            for key, g in [*grads.items(), ("output.weight", copy)]:
+                want = reference["grads"]["tok_embeddings.weight" if key == "output.weight" else key]
+                torch.testing.assert_close(g, want, rtol=1e-4, atol=1e-7, msg=lambda m: f"{name} {key}: {m}")
+            copies = result["probe"]
+            assert copies["embedding"] and copies["output"], name
+            for w in copies["output"]:
+                assert torch.equal(w, copies["embedding"][0]), name
+
+
 # The releases whose answer was measured. An unlisted release is still checked against the real thing below.
 SPLIT_BACKWARD_KNOWN = {(2, 11): False, (2, 13): True}
 

@@ -166,8 +166,8 @@ def test_cli_errors_are_one_line(capsys):
     assert rc == 2 and len(err) == 1 and err[0].startswith("error: --flavor: '13B' is not a flavor of llama3"), err
     rc = planner.main(["--flavor", "70b", "--gpus", "8", "--seq-len", "8192", "--global-batch", "8"])
     err = capsys.readouterr().err.strip().splitlines()
-    assert rc == 2 and err == ["error: --flavor: '70b' is not a flavor of llama3: debugmodel, debugmodel_L2, 1B, 3B, 8B, 8B_L8, "
-                               "8B_L2, 70B, 405B (did you mean '70B'?)"], err
+    assert rc == 2 and err == ["error: --flavor: '70b' is not a flavor of llama3: debugmodel, debugmodel_L2, "
+                               "debugmodel_tied, 1B, 3B, 8B, 8B_L8, 8B_L2, 70B, 405B (did you mean '70B'?)"], err
     rc = planner.main(["--flavor", "8B", "--gpus", "0", "--seq-len", "8192", "--global-batch", "8"])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and "--gpus" in err[0], err

@@ -40,7 +40,8 @@ class ModelShape:
     qk_norm: bool = False
     """RMSNorm over each head's queries and keys (Qwen3): two head_dim weights per block."""
     tied: bool = False
-    """The output projection is the embedding's weight (one parameter, held with the embedding)."""
+    """The output projection is the embedding's weight (one parameter, held with the embedding; a pipeline's last
+    stage holds a copy)."""
     experts: int = 0
     """Routed experts of each block's Mixture-of-Experts feed-forward; 0: a dense SwiGLU of ffn_hidden."""
     top_k: int = 0
@@ -177,8 +178,9 @@ def stage_params(shape: ModelShape, stage: int, n_stages: int, layers: int, tp: 
     embedding = final = None
     if stage == 0:  # vocabulary-parallel embedding: rows sharded over tp
         embedding = _part([(_shard(shape.vocab_size, tp), shape.dim, False)], fsdp_shard)
-    if stage == n_stages - 1:  # final norm (replicated) and the colwise output projection (unless tied)
-        output = [] if shape.tied else [(_shard(shape.vocab_size, tp), shape.dim, True)]
+    if stage == n_stages - 1:  # final norm (replicated) and the colwise output projection: tied, the embedding's
+        # weight, or its copy when a pipeline puts the embedding on another stage
+        output = [] if shape.tied and n_stages == 1 else [(_shard(shape.vocab_size, tp), shape.dim, True)]
         final = _part([(shape.dim, 1, False), *output], fsdp_shard)
     block = _part(block_tensors(shape, tp), fsdp_shard)
     if shape.experts:

@@ -182,17 +182,24 @@ class Checkpointer:
         """(``optim.<fqn>.<state>`` -> tensor, the full flattened optimizer state dict as torch returns it)."""
         flat = get_optimizer_state_dict(self.model, self.optimizer,
                                         options=StateDictOptions(flatten_optimizer_state_dict=True))
-        pp = isinstance(self.model, nn.ModuleList)
         out = {}
         for key, value in flat.items():
             if not key.startswith("state."):
                 continue  # param_groups: hyperparameters, from the config
             assert isinstance(value, torch.Tensor), key
-            name = key[len("state."):]
-            if pp:
-                name = name.split(".", 1)[1]  # drop the part index: parts keep the whole model's names
-            out[f"optim.{name}"] = value
+            out[self._optim_name(key)] = value  # a tied copy's: the same values as the embedding's entry
         return out, flat
+
+    def _optim_name(self, key: str) -> str:
+        """The checkpoint entry of the flattened optimizer state's ``key`` (``state.<fqn>.<state>``). Parts keep the
+        whole model's names (the part index is dropped), and a pipeline's copy of a tied embedding (the last
+        stage's output projection) has the embedding's state, under the embedding's name as one process has it."""
+        name = key[len("state."):]
+        if isinstance(self.model, nn.ModuleList):
+            name = name.split(".", 1)[1]
+        if getattr(self.model_args, "tie_embeddings", False) and name.startswith("output.weight."):
+            name = "tok_embeddings.weight." + name[len("output.weight."):]
+        return f"optim.{name}"
 
     # -- save ------------------------------------------------------------------------------------------------
     def should_save(self, step: int) -> bool:
@@ -413,11 +420,13 @@ class Checkpointer:
         state = {**model, **optim}
         dcp_load(state, info.folder, "checkpoint.folder", no_dist=not dist.is_initialized())
         self._set_model(state, parts)
-        pp = isinstance(self.model, nn.ModuleList)
+        taken = set()
         for key in flat:
             if key.startswith("state."):
-                name = key[len("state."):]
-                flat[key] = state["optim." + (name.split(".", 1)[1] if pp else name)]
+                name = self._optim_name(key)
+                # A tied embedding and its copy (a V schedule's first and last stages) never share a tensor.
+                flat[key] = state[name].clone() if name in taken else state[name]
+                taken.add(name)
         set_optimizer_state_dict(self.model, self.optimizer, flat,
                                  options=StateDictOptions(flatten_optimizer_state_dict=True))
         # The optimizer's hyperparameters and the schedule come from the config; the saved step places it.

@@ -339,12 +339,8 @@ def validate_parallelism(cfg: Config, world_size: int, spec, machine: Optional[M
 
 
 def _validate_model_layout(cfg: Config, dims: ParallelDims, args) -> None:
-    """What a flavor's tied embeddings and Mixture-of-Experts blocks cannot be split by, and what ep needs."""
+    """What a flavor's Mixture-of-Experts blocks cannot be split by, and what ep needs."""
     flavor = f"{cfg.model.name}/{cfg.model.flavor}"
-    if getattr(args, "tie_embeddings", False) and dims.pp > 1:
-        raise ConfigError(f"parallelism.pp: {flavor} ties its output projection to the input embedding, and pipeline "
-                          "stages would hold the embedding and the output apart; set parallelism.pp = 1 and shard "
-                          "it with FSDP (parallelism.dp_shard) or tensor parallelism (parallelism.tp)")
     moe = getattr(args, "moe", None)
     if dims.ep > 1:
         if moe is None:

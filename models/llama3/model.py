@@ -444,6 +444,10 @@ class Transformer(nn.Module):
             std = self.args.dim**-0.5
             with unit(self.output, n + 2):
                 nn.init.trunc_normal_(self.output.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
+        elif self.output is not None and self.tok_embeddings is None:
+            # A pipeline's last stage holds its own copy of the tied weight: drawn as the embedding is.
+            with unit(self.output, 0):
+                nn.init.normal_(self.output.weight, mean=0.0, std=0.02)
 
     def forward(self, tokens: Tensor, doc_ids: Optional[Tensor] = None, labels: Optional[Tensor] = None) -> Tensor:
         """``tokens [B, S]`` (or the hidden state ``[B, S, dim]`` when ``tok_embeddings`` is None) -> logits
