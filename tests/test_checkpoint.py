@@ -434,13 +434,12 @@ def test_resume_fsdp4_checkpoint_on_other_layouts(tmp_path):
         for name in jobs:
             resumed = metrics(tmp_path / f"{name}_trained")
             assert sorted(resumed) == [5, 6, 7, 8], (name, sorted(resumed))
-            # Measured against the uninterrupted run: losses within 4e-7, learning rates equal; gradient norms within
-            # 1.3e-4 (the same layout resumed gives 0: the checkpoint is exact; another layout sums the gradients in
-            # another order, and by step 5 they nearly cancel, so the norm magnifies rounding that the loss does not).
+            # Against the uninterrupted run: losses and gradient norms to rounding (another layout sums the gradients
+            # in another order), learning rates equal.
             for step in (5, 6, 7, 8):
                 assert resumed[step]["lr"] == pytest.approx(uninterrupted[step]["lr"], rel=1e-9), (name, step)
                 assert resumed[step]["loss"] == pytest.approx(uninterrupted[step]["loss"], rel=1e-5), (name, step)
-                assert resumed[step]["grad_norm"] == pytest.approx(uninterrupted[step]["grad_norm"], rel=5e-4), \
+                assert resumed[step]["grad_norm"] == pytest.approx(uninterrupted[step]["grad_norm"], rel=1e-5), \
                     (name, step)
         for name, ranks in results.items():
             assert len(ranks) == world and all(r["step"] == 4 for r in ranks), name
