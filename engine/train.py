@@ -5,8 +5,9 @@ file is written, and ends the process with one ``error:`` line on stderr and exi
 ValueErrors (ConfigError among them) whose message names the field; during set-up they are reported that way,
 while errors inside the training loop keep their traceback, except a diverged run (nan or inf loss or gradient
 norm, engine.step_guards.TrainingDiverged): one ``error:`` line and exit status 3, and data found unreadable
-mid-run (engine.data.datasets.DataError, on the rank that reads it): one ``error:`` line and exit status 2. The
-other ranks, whose next collective then fails, report that rank's line and its status. Under several processes
+mid-run (engine.data.datasets.DataError, on the rank that reads it) or a full disk (StorageFull: a checkpoint or
+the run folder could not be written; the incomplete step folder is removed): one ``error:`` line and exit status 2.
+The other ranks, whose next collective then fails, report that rank's line and its status. Under several processes
 the launcher (engine/launch.py) prints the line, else rank 0 does.
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import os
 import sys
 import tempfile
@@ -196,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
 def run(argv: list[str], at_exit: contextlib.ExitStack) -> int:
     """Check, set up and train; returns the exit status. ``at_exit`` ends the run folder's ownership."""
     rank = int(os.environ.get("RANK", "0"))
+    cfg = None
     try:
         cfg, plan = check_run(argv, rank)
         if os.environ.get("TESSERA_CHECK_ONLY") == "1":
@@ -222,6 +225,13 @@ def run(argv: list[str], at_exit: contextlib.ExitStack) -> int:
             raise
     except ValueError as e:  # user errors (ConfigError is one) name their field
         return user_error(e, 2, show=rank == 0)
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        where = e.filename or (cfg.job.dump_folder if cfg is not None else "the run folder")
+        return user_error(ValueError(f"job.dump_folder: no space left on the device of {where}; free space there, or "
+                                     "set job.dump_folder on another disk"), 2, show=rank == 0)
+    from engine.checkpoint.files import StorageFull
     from engine.data.datasets import DataError
     from engine.distributed import peer_user_error
     from engine.step_guards import TrainingDiverged
@@ -231,7 +241,7 @@ def run(argv: list[str], at_exit: contextlib.ExitStack) -> int:
         trainer.train()
     except TrainingDiverged as e:  # every rank sees it
         return user_error(e, 3, show=rank == 0)
-    except DataError as e:  # on the rank whose data shard holds the bad record (announced to the others)
+    except (DataError, StorageFull) as e:  # on the rank(s) that met it (announced to the others)
         return user_error(e, 2, show=True)
     except Exception:  # a collective failed: maybe its peer left on a user error (above); then report that
         peer = peer_user_error()

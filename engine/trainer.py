@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from engine import events
 from engine.checkpoint.checkpointer import Checkpointer
+from engine.checkpoint.files import StorageFull, out_of_space
 from engine.checkpoint.resume import check_data_source, check_fits_model, load_data_position, plan_resume
 from engine.config import Config, dump, to_toml
 from engine.build import build_model_parts, check_host_memory
@@ -555,6 +556,21 @@ class Trainer:
             ckpt.close_alone()  # the saves so far commit, without a collective
             self.metrics.close()
             raise
+        except StorageFull as e:  # a save's (every rank of it), or a rank's own files'
+            announce_user_error(str(e), 2)
+            with contextlib.suppress(OSError):
+                self.metrics.close()
+            raise
+        except OSError as e:
+            if not out_of_space(cfg.job.dump_folder, e):
+                raise
+            again = ("it resumes from the last committed checkpoint" if cfg.checkpoint.enable
+                     else "without checkpoint.enable it starts over")
+            full = StorageFull(f"job.dump_folder: no space left on the device of {cfg.job.dump_folder} while writing "
+                               f"{e.filename or 'the run folder'}; free space there, then run the same command again "
+                               f"({again})")
+            announce_user_error(str(full), 2)
+            raise full from e
         ckpt.close()
         if cfg.checkpoint.last_save_hf and self.step == cfg.training.steps:
             ckpt.export_hf(self.step, self.tokenizer.path)

@@ -241,6 +241,65 @@ def test_kill_inside_a_save_never_leaves_a_loadable_partial(tmp_path, mode):
     assert not [p for p in os.listdir(dump / "checkpoint") if ".removing" in p]  # deleted before the run ended
 
 
+def records(dump: Path) -> list[dict]:
+    """The training records of metrics.jsonl in the order written (a resumed run's follow the failed run's)."""
+    lines = (dump / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if "loss" in r]
+
+
+def test_a_full_disk_is_told_from_other_write_errors(tmp_path, monkeypatch):
+    """out_of_space: ENOSPC or EDQUOT anywhere in the exception's chain, their text (a DCP CheckpointException
+    carries each rank's failure as text), or under 16 MiB free where the folder is (torch's zip writer reports a
+    short write with no errno); any other error with room to spare is not."""
+    import errno
+    from collections import namedtuple
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from engine.checkpoint import files
+
+    folder = str(tmp_path / "not" / "made" / "yet")  # its nearest existing parent is asked
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(files.shutil, "disk_usage", lambda path: usage(2**40, 2**39, 2**39))
+    try:
+        raise RuntimeError("write failed") from OSError(errno.EDQUOT, os.strerror(errno.EDQUOT))
+    except RuntimeError as e:
+        assert files.out_of_space(folder, e)
+    assert files.out_of_space(folder, OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)))
+    from_rank_1 = CheckpointException("save", {1: (OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)), None)})
+    assert files.out_of_space(folder, from_rank_1)
+    short_write = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+    assert not files.out_of_space(folder, short_write)
+    assert not files.out_of_space(folder, OSError(errno.EIO, os.strerror(errno.EIO)))
+    monkeypatch.setattr(files.shutil, "disk_usage", lambda path: usage(2**40, 2**40 - 4096, 4096))
+    assert files.out_of_space(folder, short_write)
+
+
+@pytest.mark.parametrize("mode, ngpu", [("disabled", 1), ("async", 2)])
+def test_a_disk_that_fills_during_a_save_is_one_error_line_and_loses_nothing(tmp_path, mode, ngpu):
+    """A save that finds the disk full (ENOSPC inside DCP's write, once the data files are written; in the
+    background writer for an async save): exit status 2 and one error: line naming checkpoint.folder and the last
+    committed step, no traceback; the step's incomplete folder removed (its space free again), the committed
+    checkpoint kept. The same command run again resumes from it and trains the lost steps with the same losses."""
+    dump = tmp_path / "run"
+    args = ["--training.steps", "6", "--checkpoint.interval", "2", "--checkpoint.async_mode", mode,
+            *(FOR_LOOP if ngpu > 1 else [])]
+    run = train(dump, *args, ngpu=ngpu, fault="4:dcp_data_written:enospc", check=False, launcher="run_train.sh")
+    errors = [line for line in run.stderr.splitlines() if line.startswith("error:")]
+    assert run.returncode == 2 and len(errors) == 1 and "Traceback" not in run.stderr, run.stderr[-3000:]
+    assert errors[0].startswith(f"error: checkpoint.folder: no space left on the device of {dump / 'checkpoint'} "
+                                "while saving step 4"), errors
+    assert "its incomplete folder is removed and the last committed checkpoint is step 2" in errors[0], errors
+    assert committed(dump / "checkpoint") == [2] and not (dump / "checkpoint" / "step-000004").exists()
+    first = records(dump)
+    train(dump, *args, ngpu=ngpu, launcher="run_train.sh")
+    again = records(dump)[len(first):]
+    assert [r["step"] for r in again] == [3, 4, 5, 6]
+    lost = [(r["loss"], r["grad_norm"]) for r in first if r["step"] >= 3]
+    assert len(lost) >= 2 and [(r["loss"], r["grad_norm"]) for r in again][:len(lost)] == lost
+    assert committed(dump / "checkpoint") == [2, 4, 6]
+
+
 def test_retention_deletes_in_the_background_and_never_waits_for_it(tmp_path, monkeypatch):
     """keep_latest_k renames what it lets go at once and one background thread deletes it: a commit never waits
     for the deletion, not even for the one an earlier commit started (a slow shared filesystem)."""

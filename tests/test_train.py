@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -657,6 +658,40 @@ def test_throughput_window_skips_checkpoint_saves_and_a_resumed_first_step_is_lo
     rc, out, err = run_main([*argv, "--training.steps", "8"], capsys)  # resumes from step 3
     assert rc == 0, err
     assert [r["step"] for r in read_jsonl(os.path.join(dump, "metrics.jsonl"))] == [1, 2, 3, 4, 6, 8]
+
+
+def test_a_full_disk_outside_a_save_is_one_error_line(tmp_path, capsys, monkeypatch):
+    """No space left where the run writes, at set-up (the run folder's owner file) and mid-run (a metrics record):
+    one error line naming job.dump_folder and exit status 2, not a traceback. (A save's: tests/test_checkpoint.py.)"""
+    import errno
+
+    from engine.metrics import MetricsLogger
+    from engine.run_owner import RunOwner
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    dump = tmp_path / "run"
+    with monkeypatch.context() as m:
+        m.setattr(RunOwner, "_write_tmp", full)
+        rc, out, err = run_main(["--job.dump_folder", str(dump), *SMALL, "--training.steps", "2"], capsys)
+    assert rc == 2 and err.strip().splitlines() == [
+        f"error: job.dump_folder: no space left on the device of {dump}; free space there, or set job.dump_folder "
+        "on another disk"], err
+    log = MetricsLogger.log
+
+    def fills_at_step_3(self, step, *args, **kwargs):
+        if step == 3:
+            full()
+        return log(self, step, *args, **kwargs)
+
+    monkeypatch.setattr(MetricsLogger, "log", fills_at_step_3)
+    rc, out, err = run_main(["--job.dump_folder", str(dump), *SMALL, "--training.steps", "4"], capsys)
+    lines = err.strip().splitlines()
+    assert rc == 2 and len(lines) == 1, err
+    assert lines[0].startswith(f"error: job.dump_folder: no space left on the device of {dump} while writing ")
+    assert lines[0].endswith("(without checkpoint.enable it starts over)"), lines
+    assert re.search(r"step: +2 ", out) and not re.search(r"step: +3 ", out), out
 
 
 def test_wandb_without_a_login_is_one_error_line_before_anything_is_written(tmp_path, capsys, monkeypatch):

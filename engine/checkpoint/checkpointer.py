@@ -10,6 +10,7 @@ Everything else (sync saves, loads, votes, barriers) runs on the default process
 from __future__ import annotations
 
 import base64
+import contextlib
 import os
 import queue
 import random
@@ -37,9 +38,9 @@ from torch.distributed.checkpoint.state_dict import (
 
 from engine import events
 from engine.checkpoint.files import (FORMAT_VERSION, HF_EXPORT_DIR, REMOVING_DIR, TRAIN_STATE_FILE, CheckpointInfo,
-                                     check_entries, checkpoint_root, dcp_load, hf_export_folder, inspect_checkpoint,
-                                     is_complete, is_model_only, list_steps, set_aside, step_folder,
-                                     write_commit_marker, write_json)
+                                     StorageFull, check_entries, checkpoint_root, dcp_load, folder_bytes, free_bytes,
+                                     hf_export_folder, inspect_checkpoint, is_complete, is_model_only, list_steps,
+                                     out_of_space, set_aside, step_folder, write_commit_marker, write_json)
 from engine.config import Config, read_json_object
 from engine.distributed import keep_own_timeout, log_ranks, longer_collective_timeout
 from engine.hf import EXPORT_DTYPES, export_checkpoint_hf, load_hf_into
@@ -238,7 +239,8 @@ class Checkpointer:
                 state[k] = state[k].detach().to(EXPORT_DTYPES[dtype])
         else:
             state = {**self.model_state(), **self.optimizer_state()[0]}
-        self._write_small_files(folder, step, model_only, dtype)
+        with self._full_storage_named(step):
+            self._write_small_files(folder, step, model_only, dtype)
         events.point(step, "small_files")
         use_async = self.async_mode != "disabled" and not force_sync and not model_only
         writer = step_writer(folder, step, background=use_async)
@@ -251,9 +253,36 @@ class Checkpointer:
                             "steps": 0}
             self._log(f"checkpoint: step {step} staged in {self.pending['staged']:.2f}s; writing in the background")
             return
-        dcp.save(state, storage_writer=writer, no_dist=not dist.is_initialized())
+        with self._full_storage_named(step):
+            dcp.save(state, storage_writer=writer, no_dist=not dist.is_initialized())
         events.point(step, "dcp_done")
         self._commit(step, folder, time.perf_counter() - t0, model_only)
+
+    @contextlib.contextmanager
+    def _full_storage_named(self, step: int):
+        """Writing the save of ``step``: a failure for want of space becomes ``StorageFull`` (one error line), and
+        rank 0 removes the step's incomplete folder, so that the space it took is free again. The committed
+        checkpoints stay as they are."""
+        try:
+            yield
+        except BaseException as e:  # DCP's CheckpointException is a BaseException
+            if isinstance(e, (KeyboardInterrupt, SystemExit)) or not out_of_space(self.root, e):
+                raise
+            folder = step_folder(self.root, step)
+            if self.is_main:
+                shutil.rmtree(folder, ignore_errors=True)
+            committed = [(s, f) for s, f, ok in list_steps(self.root) if ok and not is_model_only(f)]
+            free = free_bytes(self.root)
+            last = (f"the last committed checkpoint is step {committed[-1][0]} "
+                    f"({folder_bytes(committed[-1][1]) / 2**20:,.1f} MiB)" if committed
+                    else "no checkpoint of this run is committed yet")
+            raise StorageFull(
+                f"checkpoint.folder: no space left on the device of {self.root} while saving step {step}"
+                + (f" ({free / 2**20:,.1f} MiB free)" if free is not None else "")
+                + f"; {'its incomplete folder is removed' if self.is_main else 'its folder is left incomplete'} and "
+                f"{last}. Free space there, keep fewer checkpoints (checkpoint.keep_latest_k) or set "
+                "checkpoint.folder on a larger disk, then run the same command again: it resumes from that checkpoint"
+            ) from e
 
     def _write_small_files(self, folder: str, step: int, model_only: bool, dtype: str) -> None:
         if self.is_main:
@@ -374,14 +403,20 @@ class Checkpointer:
     def wait(self) -> None:
         """Block until an async save has been written and committed."""
         if self.pending is not None:
-            self.pending["future"].result()
+            with self._full_storage_named(self.pending["step"]):
+                try:
+                    self.pending["future"].result()
+                except BaseException:
+                    self.pending = None  # spent: nothing to commit
+                    raise
             self._finish_pending()
 
     def _finish_pending(self) -> None:
         if self.commit_vote is not None:
             self.commit_vote.collect()  # a vote on this save still in flight (wait() came first): spent
         p, self.pending = self.pending, None
-        p["future"].result()  # raises the writer's error, if any
+        with self._full_storage_named(p["step"]):
+            p["future"].result()  # raises the writer's error, if any
         events.point(p["step"], "dcp_done")
         self._commit(p["step"], step_folder(self.root, p["step"]), time.perf_counter() - p["t0"], False,
                      overlapped=max(p["steps"], 1) if p["steps"] else 0)

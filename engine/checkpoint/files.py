@@ -8,10 +8,12 @@ whole tensors (the Hugging Face conversion's).
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import pickle
 import re
+import shutil
 import time
 import traceback
 import warnings
@@ -37,6 +39,54 @@ HF_EXPORT_DIR = re.compile(r"^step-(\d+)-hf$")
 # DCP warns on every single-process save and load, even when asked for one (no_dist=True): a one-process run
 # means it, so the warning would only clutter the console at every checkpoint.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized, assuming")
+
+
+class StorageFull(ConfigError):
+    """The filesystem a run writes to (its checkpoints, its metrics) is full, or the user's quota spent: found
+    mid-run, reported as one line naming what to free (engine/train.py)."""
+
+
+_FULL = (errno.ENOSPC, errno.EDQUOT)
+_FULL_TEXTS = ("No space left on device", "Disk quota exceeded")
+
+
+def out_of_space(folder: str, error: BaseException) -> bool:
+    """Whether ``error``, raised while writing under ``folder``, came from a full filesystem: ENOSPC or EDQUOT in it
+    or in what it was raised from, their text in it (DCP's CheckpointException carries each rank's failure as
+    text), or almost nothing free there now (torch's zip writer reports a short write without the errno)."""
+    seen, e = set(), error
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in _FULL:
+            return True
+        e = e.__cause__ or e.__context__
+    if any(text in str(error) for text in _FULL_TEXTS):
+        return True
+    free = free_bytes(folder)
+    return free is not None and free < 16 * 2**20
+
+
+def free_bytes(folder: str) -> Optional[int]:
+    """Bytes free to this user on the filesystem of ``folder`` (or of its nearest existing parent); None if unknown."""
+    path = os.path.abspath(folder)
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return None
+
+
+def folder_bytes(folder: str) -> int:
+    """The bytes of the files under ``folder``."""
+    total = 0
+    for parent, _, names in os.walk(folder):
+        for name in names:
+            try:
+                total += os.path.getsize(os.path.join(parent, name))
+            except OSError:
+                pass
+    return total
 
 
 def step_folder(root: str, step: int) -> str:
