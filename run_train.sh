@@ -94,6 +94,9 @@ TESSERA_CHECK_WORLD_SIZE=$NGPU TESSERA_PARENT_PID=$$ TESSERA_LOG_RANKS="$LOG_RAN
 launcher=$!
 interrupted=0
 trap 'interrupted=1; pkill -TERM -P "$launcher" || true' TERM
+# SIGINT (Ctrl-C reaches the launcher too, in this script's process group; a kill reaches this script alone) is
+# passed on to the launcher, which stops the ranks (each exits at once, rank 0 with one line); this script waits.
+trap 'interrupted=1; kill -INT "$launcher" 2>/dev/null || true' INT
 status=0
 wait "$launcher" || status=$?
 if [ "$interrupted" = 1 ]; then  # the signal interrupted wait: wait for the workers' own exit status

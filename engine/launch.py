@@ -41,12 +41,13 @@ rank 0 of that world (``check_first``)."""
 
 
 class _QuietStops(logging.Filter):
-    """Drops torchrun's lines about stopping the workers after one failed (the error line, or the report, says
-    what happened)."""
+    """Drops torchrun's lines about stopping the workers after one failed or a signal came (the error line, the
+    report or rank 0's line on an interrupt says what happened)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         message = str(record.msg)
-        return not (message.startswith("failed (exitcode:") or message.startswith("Sending process"))
+        return not (message.startswith("failed (exitcode:") or message.startswith("Sending process")
+                    or "death signal, shutting down workers" in message)
 
 
 def user_error(failure: Any) -> Optional[dict]:
@@ -118,6 +119,7 @@ def end_ownership_of(training_args: list[str], failures: dict[int, Any]) -> None
 
 def main(argv: Optional[list[str]] = None) -> int:
     exit_with_parent()  # first: importing torch takes seconds
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
@@ -129,11 +131,14 @@ def main(argv: Optional[list[str]] = None) -> int:
         status = check_first(args.training_script_args, int(world_size))
         if status:
             return status
-    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_QuietStops())
+    for name in ("torch.distributed.elastic.multiprocessing.api", "torch.distributed.elastic.agent.server.api"):
+        logging.getLogger(name).addFilter(_QuietStops())
     os.environ[LAUNCHER_ENV] = "1"  # inherited by the training processes
     os.environ[PARENT_ENV] = str(os.getpid())  # the training processes die with this one
     try:
         run(args)
+    except SignalException as e:  # Ctrl-C, or a signal sent to this process: torchrun has stopped the workers
+        return 128 + int(e.sigval)
     except ChildFailedError as e:
         end_ownership_of(args.training_script_args, e.failures)
         recorded = {rank: user_error(f) for rank, f in e.failures.items()}

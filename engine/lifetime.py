@@ -65,6 +65,28 @@ def exit_with_parent() -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+_interrupted = False
+
+
+def watch_interrupt() -> None:
+    """Ctrl-C (SIGINT) raises KeyboardInterrupt as Python's default does, and is remembered: torch's writers can
+    turn it into another error (an interrupted write of a checkpoint file is a short write to its zip writer, and
+    DCP wraps whatever a save raises), which ``interrupted`` then still tells apart. Kept as is where SIGINT is
+    ignored (a process started in the background)."""
+    def on_sigint(signum, frame):
+        global _interrupted
+        _interrupted = True
+        raise KeyboardInterrupt
+
+    if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, on_sigint)
+
+
+def interrupted(e: BaseException | None = None) -> bool:
+    """Whether this process got SIGINT (``watch_interrupt``), or ``e`` is a KeyboardInterrupt."""
+    return _interrupted or isinstance(e, KeyboardInterrupt)
+
+
 def _shut_threads_down() -> None:
     """What the interpreter does first at exit: the threading module's exit hooks, among them concurrent.futures'
     (which tells idle thread-pool workers, such as Inductor's compile pool's, to stop), then a join of every

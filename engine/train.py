@@ -179,9 +179,10 @@ def crashed_quietly(e: BaseException, world_size: int) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from engine.lifetime import exit_with_parent
+    from engine.lifetime import exit_with_parent, interrupted, watch_interrupt
 
     exit_with_parent()  # under a launcher: not one moment longer than it
+    watch_interrupt()
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--help" in argv or "-h" in argv:
         print(help_text())
@@ -189,7 +190,13 @@ def main(argv: list[str] | None = None) -> int:
     with contextlib.ExitStack() as at_exit:  # the run folder's ownership ends last
         try:
             return run(argv, at_exit)
-        except Exception as e:
+        except BaseException as e:
+            if interrupted(e) and not isinstance(e, SystemExit):  # Ctrl-C before training began
+                if int(os.environ.get("RANK", "0")) == 0:
+                    print("interrupted (SIGINT) before training began", file=sys.stderr, flush=True)
+                return 130
+            if not isinstance(e, Exception):
+                raise
             if crashed_quietly(e, int(os.environ.get("WORLD_SIZE", "1"))):
                 return 1
             raise
@@ -234,11 +241,24 @@ def run(argv: list[str], at_exit: contextlib.ExitStack) -> int:
     from engine.checkpoint.files import StorageFull
     from engine.data.datasets import DataError
     from engine.distributed import peer_user_error
+    from engine.lifetime import interrupted
     from engine.step_guards import TrainingDiverged
 
     crashed = False
     try:
-        trainer.train()
+        try:
+            trainer.train()
+        except BaseException as e:  # whatever Ctrl-C interrupted (a save's error, a collective's) is the interrupt
+            if interrupted(e) and not isinstance(e, SystemExit):
+                raise KeyboardInterrupt from e
+            raise
+    except KeyboardInterrupt:  # Ctrl-C (torchrun passes SIGINT on to every rank): stop now, one line
+        crashed = True  # a peer may be stopped inside a collective: no process-group teardown
+        if rank == 0:
+            again = ("the same command resumes from the last committed checkpoint" if cfg.checkpoint.enable
+                     else "nothing is saved without checkpoint.enable")
+            print(f"interrupted (SIGINT) after step {trainer.step}; {again}", file=sys.stderr, flush=True)
+        return 130
     except TrainingDiverged as e:  # every rank sees it
         return user_error(e, 3, show=rank == 0)
     except (DataError, StorageFull) as e:  # on the rank(s) that met it (announced to the others)

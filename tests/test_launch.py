@@ -221,6 +221,26 @@ def test_a_killed_rank_ends_the_run_with_one_line_naming_it(tmp_path, killed):
 # ------------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("ngpu", [1, 2])
+def test_ctrl_c_stops_every_process_within_seconds_without_a_traceback(tmp_path, ngpu):
+    """Ctrl-C (SIGINT to the terminal's process group: run_train.sh and the launcher; torchrun passes it on): every
+    process gone within 10 s, exit status 130 and no traceback, only rank 0's line saying where it stopped (or,
+    when torchrun passes the interrupt on as SIGTERM, the checkpoint that saves)."""
+    import re
+
+    dump = tmp_path / "run"
+    proc = launch(dump, *FOR_LOOP, "--training.steps", "100000", "--checkpoint.interval", "3", ngpu=ngpu)
+    wait_until(lambda: records(dump) >= 4, 240, "4 logged steps")
+    started = descendants(proc.pid)
+    os.killpg(proc.pid, signal.SIGINT)
+    assert proc.wait(timeout=10) == 130
+    wait_until(lambda: not any(alive(pid) for pid in started), 10, "every process to exit")
+    out = Path(f"{dump}.log").read_text()
+    assert "Traceback" not in out and "death signal" not in out, out[-3000:]
+    assert re.search(r"interrupted \(SIGINT\) after step \d+; the same command resumes from the last committed "
+                     r"checkpoint", out) or (ngpu > 1 and "SIGTERM: checkpoint of step" in out), out[-3000:]
+
+
 def write_owner(folder: Path, **fields) -> dict:
     record = {**this_process(), **fields}
     folder.mkdir(parents=True, exist_ok=True)
