@@ -2,10 +2,10 @@
 (engine/events.py) with SIGKILL, or with SIGTERM for the point "sigterm" (the middle of every training step, a
 preemption signal arriving mid-step). ``<step>:<point>:stall`` stops the thread there for good instead, and once
 the last stall of the list is reached it creates the file TESSERA_FAULT_STALLED names (a test then kills the
-launcher); ``<step>:<point>:enospc`` raises the OSError of a full disk there (ENOSPC). The points: "mid_step" (named "sigterm" here), "validation"; in a checkpoint save "begin",
-"small_files", "dcp_write", "dcp_data_written", "dcp_before_metadata" (inside DCP's write), "dcp_done",
-"before_commit" and "committed". Installed by the entry point only when the variable is set: the training path
-never reads it."""
+launcher); ``<step>:<point>:enospc`` raises the OSError of a full disk there (ENOSPC). The points: "mid_step"
+(named "sigterm" here), "validation"; in a checkpoint save "begin", "small_files", "dcp_write", "dcp_data_written",
+"dcp_before_metadata" (inside DCP's write), "dcp_done", "before_commit" and "committed". Installed by the entry
+point only when the variable is set: the training path never reads it."""
 
 from __future__ import annotations
 
