@@ -191,9 +191,9 @@ def main(argv: list[str] | None = None) -> int:
         try:
             return run(argv, at_exit)
         except BaseException as e:
-            if interrupted(e) and not isinstance(e, SystemExit):  # Ctrl-C before training began
+            if interrupted(e) and not isinstance(e, SystemExit):  # Ctrl-C during set-up (or the last teardown)
                 if int(os.environ.get("RANK", "0")) == 0:
-                    print("interrupted (SIGINT) before training began", file=sys.stderr, flush=True)
+                    print("interrupted (SIGINT)", file=sys.stderr, flush=True)
                 return 130
             if not isinstance(e, Exception):
                 raise

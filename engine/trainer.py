@@ -573,7 +573,16 @@ class Trainer:
             raise full from e
         ckpt.close()
         if cfg.checkpoint.last_save_hf and self.step == cfg.training.steps:
-            ckpt.export_hf(self.step, self.tokenizer.path)
+            try:
+                ckpt.export_hf(self.step, self.tokenizer.path)
+            except Exception as e:
+                if not out_of_space(ckpt.root, e):
+                    raise
+                full = StorageFull(f"checkpoint.last_save_hf: no space left on the device of {ckpt.root} while "
+                                   f"exporting step {self.step}, whose checkpoint is committed; free space there, then "
+                                   "run the same command again: it writes the Hugging Face folder")
+                announce_user_error(str(full), 2)
+                raise full from e
         self.metrics.close()
         if self.world.is_main and cfg.metrics.plots:
             self._plot()

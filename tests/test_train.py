@@ -661,8 +661,9 @@ def test_throughput_window_skips_checkpoint_saves_and_a_resumed_first_step_is_lo
 
 
 def test_a_full_disk_outside_a_save_is_one_error_line(tmp_path, capsys, monkeypatch):
-    """No space left where the run writes, at set-up (the run folder's owner file) and mid-run (a metrics record):
-    one error line naming job.dump_folder and exit status 2, not a traceback. (A save's: tests/test_checkpoint.py.)"""
+    """No space left where the run writes, at set-up (the run folder's owner file), mid-run (a metrics record) and
+    in the final Hugging Face export: one error line naming the field and exit status 2, not a traceback. (A save's:
+    tests/test_checkpoint.py.)"""
     import errno
 
     from engine.metrics import MetricsLogger
@@ -692,6 +693,16 @@ def test_a_full_disk_outside_a_save_is_one_error_line(tmp_path, capsys, monkeypa
     assert lines[0].startswith(f"error: job.dump_folder: no space left on the device of {dump} while writing ")
     assert lines[0].endswith("(without checkpoint.enable it starts over)"), lines
     assert re.search(r"step: +2 ", out) and not re.search(r"step: +3 ", out), out
+    monkeypatch.setattr(MetricsLogger, "log", log)
+    from engine.checkpoint.checkpointer import Checkpointer
+
+    monkeypatch.setattr(Checkpointer, "export_hf", full)  # the final Hugging Face folder, once the last save commits
+    rc, out, err = run_main(["--job.dump_folder", str(tmp_path / "export"), *SMALL, "--training.steps", "2",
+                             "--checkpoint.enable", "--checkpoint.last_save_hf"], capsys)
+    assert rc == 2 and err.strip().splitlines() == [
+        f"error: checkpoint.last_save_hf: no space left on the device of {tmp_path / 'export' / 'checkpoint'} while "
+        "exporting step 2, whose checkpoint is committed; free space there, then run the same command again: it "
+        "writes the Hugging Face folder"], err
 
 
 def test_wandb_without_a_login_is_one_error_line_before_anything_is_written(tmp_path, capsys, monkeypatch):
