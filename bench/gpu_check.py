@@ -71,10 +71,10 @@ class Run:
 
 
 def shipped_config_runs() -> list[Run]:
-    """Every train_configs/*.toml with the debug model and the built-in data, its other options kept; its
-    parallel degrees (tp, cp, dp_replicate) capped at 2 and run as that many processes over gloo. Not pp: stages
-    pass activations by send/recv, which gloo does not take for CUDA tensors (and NCCL refuses two ranks on one
-    GPU), so one GPU cannot run a pipeline; the CPU tests prove it."""
+    """Every train_configs/*.toml with the debug model (its MoE or tied-embedding one where the config's model is)
+    and the built-in data, its other options kept; its parallel degrees (tp, cp, dp_replicate) capped at 2 and run
+    as that many processes over gloo. Not pp: stages pass activations by send/recv, which gloo does not take for
+    CUDA tensors (and NCCL refuses two ranks on one GPU), so one GPU cannot run a pipeline; the CPU tests prove it."""
     import tomllib
 
     from models.registry import get_model_spec
@@ -85,13 +85,16 @@ def shipped_config_runs() -> list[Run]:
             config = tomllib.load(f)
         p, model = config.get("parallelism", {}), config.get("model", {})
         spec = get_model_spec(model.get("name", "llama3"))
-        moe = getattr(spec.flavors[model.get("flavor", "debugmodel")], "moe", None) is not None
+        shipped = spec.flavors[model.get("flavor", "debugmodel")]
+        moe = getattr(shipped, "moe", None) is not None
+        tied = getattr(shipped, "tie_embeddings", False) and "debugmodel_tied" in spec.flavors
+        small = "debugmodel_moe" if moe else "debugmodel_tied" if tied else "debugmodel"
         degrees = {k: min(int(p.get(k, 1)), 2) for k in ("dp_replicate", "tp", "cp", "ep")}
         degrees["pp"] = 1
         # Expert parallelism draws its ranks from dp_shard x cp: an ep of 2 without cp takes dp_shard 2.
         dp_shard = 2 if degrees["ep"] > degrees["cp"] else 1
         world = math.prod(v for k, v in degrees.items() if k != "ep") * dp_shard
-        args = ["--config", str(path.relative_to(ROOT)), "--model.flavor", "debugmodel_moe" if moe else "debugmodel",
+        args = ["--config", str(path.relative_to(ROOT)), "--model.flavor", small,
                 "--model.hf_assets_path", "", "--data.dataset", "tessera_docs", "--data.streaming", "false",
                 "--training.steps", "3", "--training.seq_len", "256", "--metrics.log_freq", "1",
                 "--metrics.enable_tensorboard", "false", "--parallelism.dp_shard", str(dp_shard) if world > 1 else "-1"]
