@@ -11,8 +11,8 @@ plan, which does not touch them.
 What the family runs on (engine/config/validation.py refuses the rest before anything is built):
 - dense and untied (debugmodel, 8B, 14B, 32B): every layout Llama 3 runs on (FSDP/HSDP/DDP, TP, CP, PP, float8, AC,
   compile);
-- tied embeddings (0.6B, 1.7B, 4B): every layout but PP (the shared weight cannot be on two stages); under TP
-  the embedding and the output share one weight sharded on the vocabulary;
+- tied embeddings (0.6B, 1.7B, 4B): every layout; under TP the embedding and the output share one weight sharded
+  on the vocabulary; under PP the last stage holds a copy, kept equal (parallelize/pipeline_parallel.py);
 - MoE blocks (30B-A3B, 235B-A22B, debugmodel_moe): every layout, expert parallelism (parallelism.ep) included; under
   TP the MoE layers run on each rank's sequence shard and are sharded by FSDP, so TP needs data parallelism.
 """
