@@ -263,10 +263,11 @@ def records(folder: Path) -> dict[int, dict]:
 
 
 class Checker:
-    def __init__(self, plan: list[Run], results: dict[str, Result], runs_dir: Path):
+    def __init__(self, plan: list[Run], results: dict[str, Result], runs_dir: Path, device: str = "cuda"):
         self.plan = {r.label: r for r in plan}
         self.results = results
         self.runs_dir = runs_dir
+        self.device = device  # where the logits are compared (the CPU in the tests of the check itself)
 
     def folder(self, label: str) -> Path:
         return self.runs_dir / (self.plan[label].folder or label)
@@ -334,7 +335,7 @@ class Checker:
         if failed:
             return failed
         folder = self.folder("hf_export") / "checkpoint" / "step-000003-hf"
-        code = HF_LOGITS.format(folder=str(folder))
+        code = HF_LOGITS.format(folder=str(folder), device=self.device)
         proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
                               env={**os.environ, "PYTHONPATH": os.pathsep.join(
                                   p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)})
@@ -342,7 +343,8 @@ class Checker:
             return Check(False, "hf logits: " + proc.stderr.strip().splitlines()[-1][-400:] if proc.stderr.strip()
                          else f"exit {proc.returncode}")
         diff = float(proc.stdout.split()[-1])
-        return Check(diff <= 1e-3, f"max |Tessera - transformers| logits on CUDA (fp32) = {diff:.2e} (tolerance 1e-3)")
+        return Check(diff <= 1e-3, f"max |Tessera - transformers| logits on {self.device} (fp32) = {diff:.2e} "
+                                   "(tolerance 1e-3)")
 
 
 HF_LOGITS = """
@@ -350,16 +352,17 @@ import json, torch, transformers
 from engine.hf import load_hf, model_args_for
 from models.registry import get_model_spec
 torch.backends.cuda.matmul.allow_tf32 = False
-folder = {folder!r}
+folder, device = {folder!r}, {device!r}
 vocab = json.load(open(folder + "/config.json"))["vocab_size"]
 args = model_args_for("llama3", "debugmodel", vocab)
 with torch.device("meta"):
     model = get_model_spec("llama3").model_cls(args)
-model.to_empty(device="cuda")
+model.to_empty(device=device)
+model.init_weights()  # the RoPE table is a buffer, not in the folder: to_empty leaves it uninitialized
 model.load_state_dict(load_hf(folder, args))
 model.eval()
-hf = transformers.LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="sdpa").cuda().eval()
-tokens = torch.randint(0, vocab, (2, 256), generator=torch.Generator().manual_seed(0)).cuda()
+hf = transformers.LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="sdpa").to(device).eval()
+tokens = torch.randint(0, vocab, (2, 256), generator=torch.Generator().manual_seed(0)).to(device)
 with torch.no_grad():
     print((model(tokens) - hf(tokens).logits).abs().max().item())
 """

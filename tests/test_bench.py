@@ -892,6 +892,39 @@ def test_gpu_check_verdicts_can_fail(tmp_path):
     assert "illegal memory access" in c.close("died", "ref", 1e-2).detail
 
 
+def test_gpu_check_compares_an_exported_folder_with_transformers(tmp_path):
+    """The HF-export path's verdict, run on the CPU: a folder exported from a trained debug model PASSes with
+    logits within 1e-5 of transformers'; the same folder with one weight changed FAILs."""
+    import dataclasses
+
+    import torch
+
+    from engine.hf import export_hf
+    from models.registry import get_model_spec
+
+    gpu_check = _gpu_check()
+    args = dataclasses.replace(get_model_spec("llama3").flavors["debugmodel"], vocab_size=4096)
+    with torch.device("meta"):
+        model = get_model_spec("llama3").model_cls(args)
+    model.to_empty(device="cpu")
+    torch.manual_seed(0)
+    model.init_weights()
+    folder = tmp_path / "hf_export" / "checkpoint" / "step-000003-hf"
+    export_hf({k: v.detach() for k, v in model.state_dict().items()}, args, str(folder), dtype=torch.float32)
+    with open(tmp_path / "hf_export" / "metrics.jsonl", "w") as f:
+        for step in (1, 2, 3):
+            f.write(json.dumps({"step": step, "loss": 8.0 - step, "grad_norm": 1.0}) + "\n")
+    plan = [gpu_check.Run("hf_export", ["--training.steps", "3"])]
+    checker = gpu_check.Checker(plan, {"hf_export": gpu_check.Result(0, 1.0, "")}, tmp_path, device="cpu")
+    verdict = checker.hf_logits()
+    assert verdict.ok and float(verdict.detail.split("= ")[1].split()[0]) < 1e-5, verdict.detail
+    config = json.loads((folder / "config.json").read_text())
+    config["rope_theta"] = config["rope_parameters"]["rope_theta"] = 10000.0
+    (folder / "config.json").write_text(json.dumps(config))
+    verdict = checker.hf_logits()
+    assert not verdict.ok, verdict.detail
+
+
 def test_fa4_carry_puts_the_two_parts_back_together_and_imports_from_them(tmp_path):
     """bench/fa4_carry.sh on the device: part 1's half of the big wheel waits in FA4_PARTS; part 2 joins it, unzips
     every wheel into one folder (two share nvidia_cutlass_dsl/) and imports flash_attn.cute from there. Stand-in
