@@ -15,9 +15,11 @@ import json
 import os
 import re
 import shutil
+import signal
 import stat
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -923,6 +925,58 @@ def test_gpu_check_compares_an_exported_folder_with_transformers(tmp_path):
     (folder / "config.json").write_text(json.dumps(config))
     verdict = checker.hf_logits()
     assert not verdict.ok, verdict.detail
+
+
+def test_gpu_check_starts_runs_only_while_their_memory_fits(tmp_path, monkeypatch):
+    """Runs start at most ``jobs`` at a time and only while the memory they declare fits the GPU (a run alone may
+    declare more); a run that follows another starts after it."""
+    import threading
+
+    gpu_check = _gpu_check()
+    Run, Result = gpu_check.Run, gpu_check.Result
+    lock, running, peaks = threading.Lock(), {}, []
+
+    def launch(run, runs_dir, deadline):
+        with lock:
+            running[run.label] = run.gib
+            peaks.append((sorted(running), sum(running.values())))
+        time.sleep(0.05)
+        with lock:
+            del running[run.label]
+        return Result(0, 0.05, "")
+
+    monkeypatch.setattr(gpu_check, "launch", launch)
+    plan = [Run("big1", [], gib=36), Run("big2", [], gib=36), Run("huge", [], gib=90), Run("a", []),
+            Run("b", []), Run("c", [], after="a"), Run("d", [])]
+    results = gpu_check.run_all(plan, tmp_path, 3, time.time() + 60, memory_gib=70.0)
+    assert set(results) == {r.label for r in plan}
+    assert all(len(labels) <= 3 for labels, _ in peaks)
+    assert all(total <= 70 or labels == ["huge"] for labels, total in peaks), peaks
+    assert not any({"big1", "big2"} <= set(labels) for labels, _ in peaks), peaks
+
+
+def test_gpu_check_finds_every_process_a_launcher_started(tmp_path):
+    """The killed-launcher path's view of the workers: every process under the launcher, a session leader of its
+    own included, and none alive once killed (a zombie not yet reaped counts as dead)."""
+    gpu_check = _gpu_check()
+    script = ("import subprocess, sys, time; subprocess.Popen(['sleep', '60'], start_new_session=True); "
+              "subprocess.Popen(['sleep', '60']); time.sleep(60)")
+    proc = subprocess.Popen([sys.executable, "-c", script], start_new_session=True)
+    try:
+        deadline = time.time() + 10
+        while len(gpu_check.descendants(proc.pid)) < 2 and time.time() < deadline:
+            time.sleep(0.05)
+        found = gpu_check.descendants(proc.pid)
+        assert len(found) == 2 and all(gpu_check.is_alive(p) for p in found), found
+        for pid in found:
+            os.kill(pid, signal.SIGKILL)
+        deadline = time.time() + 10
+        while any(gpu_check.is_alive(p) for p in found) and time.time() < deadline:
+            time.sleep(0.05)
+        assert not any(gpu_check.is_alive(p) for p in found)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 def test_fa4_carry_puts_the_two_parts_back_together_and_imports_from_them(tmp_path):
