@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from engine.config import Config
 from parallelize import pipeline_parallel as pipeline
@@ -63,6 +64,29 @@ class ModelParts:
     @property
     def has_last(self) -> bool:
         return self.stage_count - 1 in self.stage_ids
+
+    def describe(self, device: torch.device) -> str:
+        """What the parallel plan did to this rank's parts, read from the modules themselves rather than the
+        config: FSDP2 units, compiled modules, checkpointed blocks, parameters FSDP keeps in CPU memory."""
+        modules = [m for part in self.parts for m in part.modules()]
+        blocks = sum(len(part.layers) for part in self.parts)
+        out = []
+        fsdp = sum(isinstance(m, FSDPModule) for m in modules)
+        if fsdp:
+            out.append(f"FSDP2 on {fsdp} units")
+        on_cpu = [p for part in self.parts for p in part.parameters() if p.device.type == "cpu"]
+        if on_cpu and device.type != "cpu":
+            out.append(f"{len(on_cpu)} parameters in CPU memory")
+        compiled = sum(getattr(m, "_compiled_call_impl", None) is not None for m in modules)
+        if compiled:
+            out.append(f"{compiled} modules compiled")
+        wrapped = [m for m in modules if hasattr(m, "_checkpoint_wrapped_module")]
+        per_op = sum(hasattr(m, "op_matmuls") for m in wrapped)
+        if per_op:
+            out.append(f"{per_op} of {blocks} blocks checkpointed per op")
+        if len(wrapped) > per_op:
+            out.append(f"{len(wrapped) - per_op} of {blocks} blocks checkpointed whole")
+        return "; ".join(out) or "no FSDP, compile or activation checkpointing"
 
 
 def build_model_parts(cfg: Config, dims: ParallelDims, spec, model: nn.Module, device: torch.device,

@@ -86,6 +86,7 @@ class AdamWWithBf16Weights(torch.optim.Optimizer):
                  decoupled: bool = True, compiled: bool = False):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self.decoupled = decoupled
+        self.compiled = compiled
         self.lows: dict[torch.Tensor, torch.Tensor] = {}
         self.grad_scale: Optional[torch.Tensor] = None
         # One launch configuration per kernel (Inductor's default block size), not two benchmarked at the first
@@ -156,6 +157,16 @@ class AdamWWithBf16Weights(torch.optim.Optimizer):
                          scale, beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
                          decoupled=self.decoupled)
         return loss
+
+
+def describe_optimizer(optimizer: torch.optim.Optimizer) -> str:
+    """Which optimizer and which kernel updates the weights, as built (for the run's log)."""
+    if isinstance(optimizer, AdamWWithBf16Weights):
+        name = "AdamW" if optimizer.decoupled else "Adam"
+        return f"{name} on split bf16 weights ({'compiled' if optimizer.compiled else 'eager'})"
+    group = optimizer.param_groups[0]
+    kernel = "fused" if group.get("fused") else "foreach" if group.get("foreach") else "for-loop"
+    return f"{type(optimizer).__name__} {kernel}"
 
 
 def build_optimizer(model: torch.nn.Module, cfg: OptimizerConfig, device: torch.device,

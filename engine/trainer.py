@@ -32,7 +32,7 @@ from engine.distributed import (World, agree_on_user_errors, announce_user_error
                                 longer_collective_timeout, process_group_backend, set_collective_timeout,
                                 set_determinism)
 from engine.metrics import MetricsLogger
-from engine.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
+from engine.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_, describe_optimizer
 from engine.profiling import StepProfiler
 from engine.step_guards import TrainingDiverged, check_finite, release_cached_memory, scheduled_gc
 from models.registry import get_model_spec
@@ -203,6 +203,10 @@ class Trainer:
                    f"{plan.float8_layers[0]} of {plan.float8_layers[1]} linear layers" if cfg.float8.enable else ""),
                 flush=True,
             )
+            chunk = cfg.training.loss_chunk_tokens
+            print(f"plan: {self.stages.describe(self.device)}"
+                  + (f"; output loss fused in {chunk}-token chunks" if chunk else "")
+                  + f"; optimizer {describe_optimizer(self.optimizer)}", flush=True)
             source = self.dataloader.source
             ignored = (f"; {len(source.ignored)} file(s) of another format not read: "
                        f"{', '.join(os.path.basename(p) for p in source.ignored[:3])}"

@@ -111,6 +111,8 @@ class Build:
     """The mesh as this rank saw it (describe_mesh), taken before the next build replaces the world."""
     stages: list[memory.StageParams]
     seconds: float
+    plan: str = ""
+    """What the parallel plan did to this rank's modules (engine.build.ModelParts.describe)."""
 
 
 def stage_signature(cfg, dims, n_layers: int, pp_rank: int) -> tuple:
@@ -177,7 +179,7 @@ def build_rank(cfg, world_size: int, rank: int, spec, model) -> Build:
     with shared_empty_fsdp_chunks():
         parts = build_model_parts(cfg, dims, spec, target, torch.device("meta"), materialize_weights=False)
     stages = [measure_stage(part, i) for part, i in zip(parts.parts, parts.stage_ids)]
-    return Build(rank, describe_mesh(dims), stages, time.perf_counter() - start)
+    return Build(rank, describe_mesh(dims), stages, time.perf_counter() - start, parts.describe(torch.device("meta")))
 
 
 def describe_mesh(dims) -> list[str]:
@@ -257,6 +259,7 @@ def run(argv: list[str]) -> int:
     for line in builds[0].mesh_lines:
         print(line)
     print(memory.describe_layout(cfg, dims))
+    print(f"plan (rank {builds[0].rank}): {builds[0].plan}")
     if cfg.compile.enable:
         print("compile.enable: blocks wrapped for torch.compile (lazy: nothing is traced in a dry run); activations "
               "estimated as compiled (tools/memory.py)")
