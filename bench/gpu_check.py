@@ -292,6 +292,45 @@ class Checker:
         args = self.plan[label].args
         return int([args[i + 1] for i, a in enumerate(args) if a == "--training.steps"][-1])
 
+    def says(self, label: str) -> list[str]:
+        """What the trainer's start-up lines (the model line, the plan line read from the modules) must say for
+        ``label`` to have run the path its arguments ask for, so that an option quietly not applied FAILs."""
+        run = self.plan[label]
+        given = {a: run.args[i + 1] if i + 1 < len(run.args) else "" for i, a in enumerate(run.args)}
+        out = []
+        for dim in ("dp_replicate", "dp_shard", "tp", "cp"):
+            if int(given.get(f"--parallelism.{dim}", 1)) > 1:
+                out.append(f"{dim} {given[f'--parallelism.{dim}']}")
+        if int(given.get("--parallelism.ep", 1)) > 1:
+            out.append(f"(ep {given['--parallelism.ep']})")
+        sharded = "--parallelism.fsdp_single_rank" in given or any(
+            int(given.get(f"--parallelism.{d}", 1)) > 1 for d in ("dp_replicate", "dp_shard"))
+        if sharded:
+            out.append("FSDP2 on")
+        if "--compile.enable" in given:
+            out.append("modules compiled")
+        mode = given.get("--activation_checkpoint.mode")
+        if mode in ("selective", "full"):
+            out.append("blocks checkpointed " + ("per op" if mode == "selective" else "whole"))
+        if "--float8.enable" in given:
+            out.append(f"float8 {given.get('--float8.recipe', 'tensorwise')}: ")
+        if "--training.loss_chunk_tokens" in given:
+            out.append(f"output loss fused in {given['--training.loss_chunk_tokens']}-token chunks")
+        if "--model.attn" in given:
+            out.append(f"attention {given['--model.attn']}")
+        if "--parallelism.fsdp_cpu_offload" in given and self.device == "cuda":
+            out.append("parameters in CPU memory")
+        if "--training.fsdp_bf16_weights" in given and self.device == "cuda":
+            out.append("FSDP2 on bf16 weights")
+        elif "--optimizer.implementation" in given:
+            out.append(f"AdamW {given['--optimizer.implementation']}")
+        elif sharded and self.device == "cuda":
+            out.append("AdamW fused")  # the default on CUDA, the one FSDP2 + compile crashed with
+        if "--training.global_batch_size" in given and run.ngpu == 1:
+            local = int([run.args[i + 1] for i, a in enumerate(run.args) if a == "--training.local_batch_size"][-1])
+            out.append(f"grad accumulation {int(given['--training.global_batch_size']) // local}")
+        return out
+
     def finished(self, label: str) -> Optional[Check]:
         """None if ``label`` ran to its end and logged every step with a finite loss; else the failure."""
         result = self.results.get(label)
@@ -300,6 +339,9 @@ class Checker:
         if result.returncode != 0:
             lines = [line for line in result.log.splitlines() if line.strip()][-3:]
             return Check(False, f"{label}: exit {result.returncode}: " + " | ".join(lines)[-600:])
+        unsaid = [text for text in self.says(label) if text not in result.log]
+        if unsaid:
+            return Check(False, f"{label}: its log does not say {unsaid}: the path it checks did not run as asked")
         recs = records(self.folder(label))
         missing = [s for s in range(1, self.steps(label) + 1) if s not in recs]
         if missing:
@@ -573,7 +615,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"torch {torch.__version__}, CUDA {torch.version.cuda}; {len(plan)} runs, {args.jobs} at a time "
           f"within {memory:.0f} GiB", flush=True)
     results = run_all(plan, runs_dir, args.jobs, deadline, memory)
-    checker = Checker(plan, results, runs_dir)
+    checker = Checker(plan, results, runs_dir, "cuda" if torch.cuda.is_available() else "cpu")
     lines = []
     labels = {r.label for r in plan}
     for name, needs, check in checks(checker):

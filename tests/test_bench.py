@@ -894,6 +894,35 @@ def test_gpu_check_verdicts_can_fail(tmp_path):
     assert "illegal memory access" in c.close("died", "ref", 1e-2).detail
 
 
+def test_gpu_check_fails_a_run_whose_log_does_not_show_its_path(tmp_path):
+    """A run that trained but whose start-up lines do not show what its arguments asked for (FSDP2 units,
+    checkpointed blocks, the fused loss, the optimizer's kernel, the layout) FAILs; a real run's log, from the
+    trainer on the CPU, shows all of it and PASSes."""
+    gpu_check = _gpu_check()
+    asked = ["--training.steps", "1", "--training.seq_len", "128", "--parallelism.fsdp_single_rank",
+             "--activation_checkpoint.mode", "selective", "--training.loss_chunk_tokens", "256",
+             "--optimizer.implementation", "for-loop", "--job.dump_folder", str(tmp_path / "asked")]
+    proc = subprocess.run([os.path.join(ROOT, "run_train.sh"), *asked], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "PYTHON": sys.executable})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    plan = [gpu_check.Run("asked", asked)]
+    c = gpu_check.Checker(plan, {"asked": gpu_check.Result(0, 1.0, proc.stdout)}, tmp_path, device="cpu")
+    said = c.says("asked")
+    assert said == ["FSDP2 on", "blocks checkpointed per op", "output loss fused in 256-token chunks",
+                    "AdamW for-loop"], said
+    assert c.finished("asked") is None
+    for line in said:
+        c.results["asked"] = gpu_check.Result(0, 1.0, proc.stdout.replace(line, "?"))
+        verdict = c.finished("asked")
+        assert verdict is not None and line in verdict.detail, line
+    # The layout of processes sharing the GPU, and the default kernel on CUDA.
+    plan = [gpu_check.Run("tp", ["--parallelism.tp", "2", "--parallelism.dp_shard", "1"], ngpu=2)]
+    cuda = gpu_check.Checker(plan, {}, tmp_path)
+    assert cuda.says("tp") == ["tp 2"]
+    plan = [gpu_check.Run("fsdp", ["--parallelism.dp_shard", "2", "--parallelism.ep", "2"], ngpu=2)]
+    assert gpu_check.Checker(plan, {}, tmp_path).says("fsdp") == ["dp_shard 2", "(ep 2)", "FSDP2 on", "AdamW fused"]
+
+
 def test_gpu_check_compares_an_exported_folder_with_transformers(tmp_path):
     """The HF-export path's verdict, run on the CPU: a folder exported from a trained debug model PASSes with
     logits within 1e-5 of transformers'; the same folder with one weight changed FAILs."""
