@@ -25,15 +25,40 @@ from tests.test_checkpoint import BASE, FOR_LOOP, FSDP2_TP2, curve, metrics, tra
 ROOT = Path(__file__).resolve().parents[1]
 
 
+_launched: list[subprocess.Popen] = []
+
+
 def launch(dump: Path, *args: str, ngpu: int, env: dict | None = None) -> subprocess.Popen:
     """./run_train.sh on ``ngpu`` ranks in a process group of its own (what a terminal, a container or the
-    out-of-memory killer stops); output in ``dump``.log."""
+    out-of-memory killer stops), with Ctrl-C's default action as in a terminal's foreground job (pytest itself
+    may run in the background, where SIGINT is ignored and every child would inherit that); output in
+    ``dump``.log."""
     full_env = {**os.environ, "NGPU": str(ngpu), "PYTHON": sys.executable}
     full_env.pop("TESSERA_FAULT_AT", None)
     full_env.update(env or {})
     log = open(f"{dump}.log", "a")
-    return subprocess.Popen(["./run_train.sh", *BASE, *args, "--job.dump_folder", str(dump)], cwd=ROOT,
-                            env=full_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(["./run_train.sh", *BASE, *args, "--job.dump_folder", str(dump)], cwd=ROOT,
+                            env=full_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    _launched.append(proc)
+    return proc
+
+
+@pytest.fixture(autouse=True)
+def _no_run_outlives_its_test():
+    """A failed test's launcher and workers (session leaders of their own) are killed, not left training through
+    the rest of the suite."""
+    yield
+    while _launched:
+        proc = _launched.pop()
+        if proc.poll() is not None:  # reaped: its pid may be another process's now
+            continue
+        for pid in [*descendants(proc.pid), proc.pid]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        proc.wait()
 
 
 def children() -> dict[int, list[int]]:
