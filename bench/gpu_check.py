@@ -40,6 +40,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # the model registry, for the shipped configs' flavors
     sys.path.insert(0, str(ROOT))
 
+from engine import lifetime  # noqa: E402  (the processes of a killed launcher)
+
 SMALL = ["--config", "train_configs/debug_model.toml", "--training.steps", "10", "--training.seq_len", "512",
          "--training.local_batch_size", "8", "--metrics.log_freq", "1", "--lr_scheduler.warmup_steps", "2",
          "--optimizer.lr", "2e-3", "--data.num_shards", "4", "--comm.init_timeout_seconds", "180",
@@ -211,13 +213,23 @@ def launch(run: Run, runs_dir: Path, deadline: float) -> Result:
     return Result(code, time.time() - t0, text)
 
 
+def query_gpu(field: str) -> list[int]:
+    """nvidia-smi's ``field`` (memory.total, memory.used: MiB) of each GPU; none where there is no nvidia-smi."""
+    if not shutil.which("nvidia-smi"):
+        return []
+    out = subprocess.run(["nvidia-smi", f"--query-gpu={field}", "--format=csv,noheader,nounits"],
+                         capture_output=True, text=True, timeout=30).stdout
+    return [int(line) for line in out.split() if line.strip().isdigit()]
+
+
+def gpu_memory_used_mib() -> int:
+    return sum(query_gpu("memory.used"))
+
+
 def gpu_memory_gib() -> float:
     """The GPU's memory (nvidia-smi), or infinity where there is none."""
-    if not shutil.which("nvidia-smi"):
-        return math.inf
-    out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
-                         capture_output=True, text=True, timeout=30).stdout.split()
-    return int(out[0]) / 1024 if out and out[0].isdigit() else math.inf
+    total = query_gpu("memory.total")
+    return total[0] / 1024 if total else math.inf
 
 
 def run_all(plan: list[Run], runs_dir: Path, jobs: int, deadline: float,
@@ -288,15 +300,18 @@ class Checker:
     def folder(self, label: str) -> Path:
         return self.runs_dir / (self.plan[label].folder or label)
 
-    def steps(self, label: str) -> int:
+    def given(self, label: str) -> dict[str, str]:
+        """``label``'s arguments as flag -> the token after it (the last one given wins, as on the command line)."""
         args = self.plan[label].args
-        return int([args[i + 1] for i, a in enumerate(args) if a == "--training.steps"][-1])
+        return {a: args[i + 1] if i + 1 < len(args) else "" for i, a in enumerate(args)}
+
+    def steps(self, label: str) -> int:
+        return int(self.given(label)["--training.steps"])
 
     def says(self, label: str) -> list[str]:
         """What the trainer's start-up lines (the model line, the plan line read from the modules) must say for
         ``label`` to have run the path its arguments ask for, so that an option quietly not applied FAILs."""
-        run = self.plan[label]
-        given = {a: run.args[i + 1] if i + 1 < len(run.args) else "" for i, a in enumerate(run.args)}
+        given = self.given(label)
         out = []
         for dim in ("dp_replicate", "dp_shard", "tp", "cp"):
             if int(given.get(f"--parallelism.{dim}", 1)) > 1:
@@ -326,9 +341,9 @@ class Checker:
             out.append(f"AdamW {given['--optimizer.implementation']}")
         elif sharded and self.device == "cuda":
             out.append("AdamW fused")  # the default on CUDA, the one FSDP2 + compile crashed with
-        if "--training.global_batch_size" in given and run.ngpu == 1:
-            local = int([run.args[i + 1] for i, a in enumerate(run.args) if a == "--training.local_batch_size"][-1])
-            out.append(f"grad accumulation {int(given['--training.global_batch_size']) // local}")
+        if "--training.global_batch_size" in given and self.plan[label].ngpu == 1:
+            accumulation = int(given["--training.global_batch_size"]) // int(given["--training.local_batch_size"])
+            out.append(f"grad accumulation {accumulation}")
         return out
 
     def finished(self, label: str) -> Optional[Check]:
@@ -448,14 +463,14 @@ def killed_launcher_frees_the_gpu(runs_dir: Path, deadline: float) -> Check:
             if proc.poll() is not None or time.time() > deadline - 20:
                 return Check(False, f"the run did not reach step 3 (exit {proc.poll()})")
             time.sleep(0.2)
-        started = descendants(proc.pid)
+        started = lifetime.descendants(proc.pid)
         held = gpu_memory_used_mib() - before
         if held < 256:
             return Check(False, f"the running workers hold {held} MiB of the GPU by nvidia-smi: cannot tell")
         os.killpg(proc.pid, signal.SIGKILL)
         t0 = time.time()
         while True:
-            alive, used = [p for p in started if is_alive(p)], gpu_memory_used_mib()
+            alive, used = [p for p in started if lifetime.running(p)], gpu_memory_used_mib()
             if not alive and used <= before + 1024:
                 return Check(True, f"{time.time() - t0:.1f} s after the kill no process of the run was alive "
                                    f"({len(started)} before) and the GPU held {used - before} MiB more than before "
@@ -467,38 +482,6 @@ def killed_launcher_frees_the_gpu(runs_dir: Path, deadline: float) -> Check:
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-
-
-def gpu_memory_used_mib() -> int:
-    out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
-                         capture_output=True, text=True, timeout=30).stdout
-    return sum(int(line) for line in out.split() if line.strip().isdigit())
-
-
-def descendants(pid: int) -> list[int]:
-    """Every live process started by ``pid`` (children, theirs, ...), from /proc: the workers are session
-    leaders of their own, so the launcher's process group does not hold them."""
-    parents: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        parents.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    found, todo = [], [pid]
-    while todo:
-        children = parents.get(todo.pop(), [])
-        found += children
-        todo += children
-    return found
-
-
-def is_alive(pid: int) -> bool:
-    """Whether ``pid`` runs (a zombie, dead but not yet reaped, is not alive)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
 
 
 def checks(c: Checker) -> list[tuple[str, list[str], Callable[[], Check]]]:

@@ -20,7 +20,7 @@ run_train.sh sets it for the launcher, the launcher for the training processes."
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
-def _running(pid: int) -> bool:
+def running(pid: int) -> bool:
     """Whether process ``pid`` runs (a zombie, dead but not yet reaped, does not)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -38,6 +38,29 @@ def _running(pid: int) -> bool:
         return True
 
 
+def descendants(pid: int) -> list[int]:
+    """Every live process started by ``pid`` (its children, theirs, ...), from /proc: the training processes are
+    session leaders of their own, so no process group holds them with their launcher."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        state, parent = stat[stat.rindex(")") + 2:].split()[:2]
+        if state != "Z":
+            children.setdefault(int(parent), []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        found_now = children.get(todo.pop(), [])
+        found += found_now
+        todo += found_now
+    return found
+
+
 def exit_with_parent() -> None:
     """When PARENT_ENV names this process's parent: die (SIGKILL) as soon as that parent dies, as a kernel
     parent-death signal on Linux, else from a thread that watches the parent. A parent that is gone already (it died
@@ -47,7 +70,7 @@ def exit_with_parent() -> None:
     if not text.isdigit():
         return
     parent = int(text)
-    if parent == os.getpid() or (os.getppid() != parent and _running(parent)):
+    if parent == os.getpid() or (os.getppid() != parent and running(parent)):
         return
     armed = False
     if sys.platform.startswith("linux"):

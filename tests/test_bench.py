@@ -986,23 +986,25 @@ def test_gpu_check_starts_runs_only_while_their_memory_fits(tmp_path, monkeypatc
 
 def test_gpu_check_finds_every_process_a_launcher_started(tmp_path):
     """The killed-launcher path's view of the workers: every process under the launcher, a session leader of its
-    own included, and none alive once killed (a zombie not yet reaped counts as dead)."""
-    gpu_check = _gpu_check()
+    own included, and none alive once killed (a zombie not yet reaped counts as dead): engine.lifetime's helpers,
+    which it calls."""
+    from engine.lifetime import descendants, running
+
     script = ("import subprocess, sys, time; subprocess.Popen(['sleep', '60'], start_new_session=True); "
               "subprocess.Popen(['sleep', '60']); time.sleep(60)")
     proc = subprocess.Popen([sys.executable, "-c", script], start_new_session=True)
     try:
         deadline = time.time() + 10
-        while len(gpu_check.descendants(proc.pid)) < 2 and time.time() < deadline:
+        while len(descendants(proc.pid)) < 2 and time.time() < deadline:
             time.sleep(0.05)
-        found = gpu_check.descendants(proc.pid)
-        assert len(found) == 2 and all(gpu_check.is_alive(p) for p in found), found
+        found = descendants(proc.pid)
+        assert len(found) == 2 and all(running(p) for p in found), found
         for pid in found:
             os.kill(pid, signal.SIGKILL)
         deadline = time.time() + 10
-        while any(gpu_check.is_alive(p) for p in found) and time.time() < deadline:
+        while any(running(p) for p in found) and time.time() < deadline:
             time.sleep(0.05)
-        assert not any(gpu_check.is_alive(p) for p in found)
+        assert not any(running(p) for p in found)
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()

@@ -19,6 +19,7 @@ import pytest
 from engine.checkpoint.files import list_steps
 from engine.checkpoint.resume import find_resume_point
 from engine.config import parse_args
+from engine.lifetime import descendants, running
 from engine.run_owner import OWNER_FILE, OwnerError, RunOwner, read_owner, this_process
 from tests.test_checkpoint import BASE, FOR_LOOP, FSDP2_TP2, curve, metrics, train
 
@@ -59,39 +60,6 @@ def _no_run_outlives_its_test():
             except ProcessLookupError:
                 pass
         proc.wait()
-
-
-def children() -> dict[int, list[int]]:
-    """Every live process's children, from /proc."""
-    out: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            fields = stat[stat.rindex(")") + 2:].split()
-            if fields[0] != "Z":
-                out.setdefault(int(fields[1]), []).append(int(entry))
-    return out
-
-
-def descendants(pid: int) -> list[int]:
-    tree, found, todo = children(), [], [pid]
-    while todo:
-        for child in tree.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
-
-
-def alive(pid: int) -> bool:
-    """Whether ``pid`` runs (a zombie that nobody reaps yet has exited)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat[stat.rindex(")") + 2] != "Z"
 
 
 def rank_of(pid: int) -> int:
@@ -140,7 +108,7 @@ def kill_launcher(proc: subprocess.Popen, dump: Path, ngpu: int, what: str) -> N
                 signal.SIGKILL)
     proc.wait(timeout=10)
     t0 = time.time()
-    wait_until(lambda: not any(alive(pid) for pid in started), 10, "the launcher's processes to exit")
+    wait_until(lambda: not any(running(pid) for pid in started), 10, "the launcher's processes to exit")
     print(f"workers gone {time.time() - t0:.2f}s after the kill")
     before = files(dump) if dump.exists() else {}
     time.sleep(1.0)
@@ -259,7 +227,7 @@ def test_ctrl_c_stops_every_process_within_seconds_without_a_traceback(tmp_path,
     started = descendants(proc.pid)
     os.killpg(proc.pid, signal.SIGINT)
     assert proc.wait(timeout=10) == 130
-    wait_until(lambda: not any(alive(pid) for pid in started), 10, "every process to exit")
+    wait_until(lambda: not any(running(pid) for pid in started), 10, "every process to exit")
     out = Path(f"{dump}.log").read_text()
     assert "Traceback" not in out and "death signal" not in out, out[-3000:]
     assert re.search(r"interrupted \(SIGINT\) after step \d+; the same command resumes from the last committed "

@@ -111,7 +111,7 @@ class Build:
     """The mesh as this rank saw it (describe_mesh), taken before the next build replaces the world."""
     stages: list[memory.StageParams]
     seconds: float
-    plan: str = ""
+    plan: str
     """What the parallel plan did to this rank's modules (engine.build.ModelParts.describe)."""
 
 
