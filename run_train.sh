@@ -45,6 +45,14 @@ for a in "${args[@]+"${args[@]}"}"; do
       exec "$PYTHON" -m engine.train --help ;;
   esac
 done
+# The interpreter must be the one Tessera is installed for (most often the virtual environment is not active).
+problem=$("$PYTHON" -c 'import importlib.util, sys
+if sys.version_info < (3, 10): print("is Python %d.%d; Tessera needs 3.10 or newer" % sys.version_info[:2])
+elif importlib.util.find_spec("torch") is None: print("has no torch installed")' 2>&1) || problem="does not start"
+where=$(command -v "$PYTHON")
+[ "$where" = "$PYTHON" ] && where="" || where=" ($where)"
+[ -z "$problem" ] || fail "PYTHON: '$PYTHON'$where $problem; activate the virtual environment \
+Tessera is installed in (. .venv/bin/activate) or give its interpreter, e.g. PYTHON=.venv/bin/python"
 if [ "$has_config" = 0 ]; then
   if [ -n "${CONFIG_FILE:-}" ] && [ ! -f "$CONFIG_FILE" ]; then
     fail "CONFIG_FILE: '$CONFIG_FILE' is not a file; give a TOML file such as $ROOT/train_configs/debug_model.toml"

@@ -220,6 +220,20 @@ def test_run_train_sh_bad_environment_is_one_error_line(env, argv, message, tmp_
     assert not dump.exists()
 
 
+def test_run_train_sh_refuses_a_python_without_torch(tmp_path):
+    # The common first mistake: the virtual environment Tessera was installed in is not active.
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(tmp_path / "bare")], check=True, timeout=120)
+    bare = str(tmp_path / "bare" / "bin" / "python")
+    for extra in ({}, {"DRY_RUN": "1"}, {"NGPU": "2"}):
+        proc = subprocess.run([RUN_TRAIN_SH, "--job.dump_folder", str(tmp_path / "run")], cwd=tmp_path,
+                              capture_output=True, text=True, env={**os.environ, "PYTHON": bare, **extra}, timeout=120)
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and lines == [f"error: PYTHON: '{bare}' has no torch installed; activate the "
+                                                  "virtual environment Tessera is installed in (. .venv/bin/activate) "
+                                                  "or give its interpreter, e.g. PYTHON=.venv/bin/python"], proc.stderr
+        assert not (tmp_path / "run").exists()
+
+
 def test_run_train_sh_help_is_printed_once():
     proc = subprocess.run([RUN_TRAIN_SH, "--training.steps", "3", "--help"], capture_output=True, text=True,
                           env={**os.environ, "PYTHON": sys.executable, "NGPU": "2"}, timeout=120)
