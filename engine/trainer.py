@@ -438,11 +438,23 @@ class Trainer:
         tokens_per_step = cfg.training.local_batch_size * cfg.training.seq_len * self.grad_accum * self.dp_size
         data_iter = iter(self.dataloader)
 
-        def read_step() -> list:
-            """The microbatches of one optimizer step."""
-            return [next(data_iter) for _ in range(self.grad_accum)]
+        start_epoch = self.dataloader.epoch
 
-        read_ahead: Any = None  # the next step's microbatches (or their DataError), read before a log's sync
+        def read_step(step: int) -> tuple[list, int]:
+            """The microbatches of optimizer step ``step`` and the latest epoch (pass over this rank's data) they come
+            from; a line the first time that is a pass after the run's first."""
+            nonlocal start_epoch
+            microbatches = [next(data_iter) for _ in range(self.grad_accum)]
+            epoch = self.dataloader.epoch
+            if start_epoch is not None and epoch > start_epoch:
+                start_epoch = None
+                if self.world.logs:
+                    print(f"data: rank {self.world.rank} has read its shard of {self.dataloader.source.describe()} "
+                          f"through; from step {step} it reads it again (epoch {epoch}), so documents repeat",
+                          flush=True)
+            return microbatches, epoch
+
+        read_ahead: Any = None  # the next step's read_step (or its DataError), read before a log's sync
         logged = []
         # A logged loss is the mean over the steps since the previous multiple of metrics.log_freq (as Megatron-LM
         # logs it): one step's loss swings with the content of its batch; the window mean shows the trend. A run's
@@ -469,11 +481,11 @@ class Trainer:
                     collect_garbage(self.step)
                     t0 = time.perf_counter()
                     if read_ahead is None:
-                        microbatches = read_step()
+                        microbatches, data_epoch = read_step(self.step)
                     elif isinstance(read_ahead, DataError):  # raised by the read-ahead: this step's, so now
                         raise read_ahead
                     else:
-                        microbatches, read_ahead, self._read_ahead_from = read_ahead, None, None
+                        (microbatches, data_epoch), read_ahead, self._read_ahead_from = read_ahead, None, None
                     window_data_wait += time.perf_counter() - t0
 
                     lr = self.lr_scheduler.get_last_lr()[0]
@@ -498,7 +510,7 @@ class Trainer:
                         t0 = time.perf_counter()
                         self._read_ahead_from = self.dataloader.state_dict()
                         try:
-                            read_ahead = read_step()
+                            read_ahead = read_step(self.step + 1)
                         except DataError as e:
                             read_ahead = e
                         window_data_wait += time.perf_counter() - t0
@@ -509,7 +521,8 @@ class Trainer:
                             logged.append(
                                 self.metrics.log(
                                     self.step, loss_value, grad_norm_value, lr, window_tokens, elapsed,
-                                    window_data_wait, extra=self.balance.log_values(),
+                                    window_data_wait,
+                                    extra={"data_epoch": data_epoch, **self.balance.log_values()},
                                 )
                             )
                             window_start = time.perf_counter()

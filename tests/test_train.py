@@ -115,6 +115,20 @@ def test_model_too_large_for_host_memory_is_one_error_line(tmp_path, capsys, mon
     build.check_host_memory("8B", 8_030_261_248, dims, 32)
 
 
+def test_a_repeat_of_the_data_is_announced_once_and_counted(tmp_path, capsys):
+    # 6 documents of about 60 tokens, 4 x 65 tokens a step: each pass over them takes 1-2 steps.
+    path = tmp_path / "few.jsonl"
+    path.write_text("".join(json.dumps({"text": f"few documents here, number {i}. " * 12}) + "\n" for i in range(6)))
+    rc, out, err = run_main([*SMALL, "--data.path", str(path), "--training.steps", "6",
+                             "--job.dump_folder", str(tmp_path / "run")], capsys)
+    assert rc == 0, err
+    lines = [line for line in out.splitlines() if line.startswith("data: rank 0 has read")]
+    epochs = [r["data_epoch"] for r in read_jsonl(tmp_path / "run" / "metrics.jsonl")]  # steps 1 to 6
+    assert len(lines) == 1 and epochs[0] == 0 and epochs == sorted(epochs) and epochs[-1] >= 2, (lines, epochs)
+    step = int(re.search(r"from step (\d+) it reads it again \(epoch 1\), so documents repeat", lines[0]).group(1))
+    assert epochs.index(1) + 1 == step, (lines, epochs)  # the step whose batch holds the first repeated document
+
+
 def test_bad_data_contents_give_one_error_line(tmp_path, capsys, jsonl_data):
     dump = tmp_path / "run"
     bad_ext = tmp_path / "data.csv"

@@ -105,6 +105,11 @@ class DataLoader:
         self._doc: _Doc | None = None  # the current document, once read
         self._docs: Iterator[_Doc] | None = None  # started lazily, from the position above
 
+    @property
+    def epoch(self) -> int:
+        """The epoch (0: the first pass over this shard) of the document the next sample starts in, once read."""
+        return self._doc.epoch if self._doc is not None else self._epoch
+
     def _order(self, epoch: int) -> np.ndarray:
         """Map-style: this rank's document order in ``epoch``."""
         if self._order_cache is None or self._order_cache[0] != epoch:
@@ -394,6 +399,11 @@ class ShardedDataLoader:
     def split_note(self) -> str:
         """How a stream's files are split over the shards, for the start-up log ("" when not streaming)."""
         return split_note(self.shards[self.shard_ids[0]].stream_files, self.num_shards, self.dp_world_size)
+
+    @property
+    def epoch(self) -> int:
+        """The latest epoch any of this rank's shards reads (0 until one has been read through)."""
+        return max(loader.epoch for loader in self.shards.values())
 
     def __iter__(self) -> "ShardedDataLoader":
         return self
