@@ -55,6 +55,23 @@ def test_a_moe_model_is_planned_with_expert_parallelism_within_a_node():
     assert all(c.dims.ep == 1 for c in _plan().candidates)
 
 
+def test_the_table_shows_a_layout_once_per_estimate():
+    """Batch splits of one layout with the same estimate are folded into its first row, and counted."""
+    result = _plan()
+    table = planner.format_plan(result, 10).splitlines()
+    rows = [line.split()[1:15] for line in table[1:11]]
+    layouts = [row[:7] + row[10:] for row in rows]  # all but microbatches, local batch and accumulation
+    assert len(rows) == 10 and len({tuple(r) for r in layouts}) == 10, table
+    first = {}
+    for c in result.candidates:
+        first.setdefault((c.dims.describe(), c.cfg.parallelism.pp_schedule, planner._ac_text(c.cfg),
+                          planner._loss_text(c.cfg), f"{c.peak_gib:.1f}", f"{c.step_s:.2f}"), c)
+    assert len(first) < len(result.candidates)  # (8B on 8 GPUs has such ties: the check has something to fold)
+    folded = int(table[11].split()[0].lstrip("(")) if len(table) > 11 else 0
+    shown = list(first.values())[:10]  # (the candidates come ranked)
+    assert folded == result.candidates.index(shown[-1]) + 1 - 10, table
+
+
 def test_fused_loss_only_where_the_plain_loss_does_not_fit():
     """On 72 GB GPUs pure FSDP without checkpointing fits only with the fused loss, and is the fastest."""
     result = _plan(gib=72.0)

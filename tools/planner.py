@@ -366,9 +366,19 @@ def format_plan(result: Plan, top: int) -> str:
               "mem GiB", "step s", "tok/s/GPU", "reason"]
     from engine.config.validation import grad_accumulation_steps
 
-    lines = []
-    for i, c in enumerate(result.candidates[:top], 1):
+    lines, shown, folded = [], set(), 0
+    for c in result.candidates:
+        if len(lines) == top:
+            break
         d, p = c.dims, c.cfg.parallelism
+        # Batch splits of one layout with the same estimate as shown (pipeline microbatches of one size in a larger
+        # or smaller local batch) are one choice: its first row stands for them.
+        key = (d.describe(), p.pp_schedule, _ac_text(c.cfg), _loss_text(c.cfg), f"{c.peak_gib:.1f}", f"{c.step_s:.2f}")
+        if key in shown:
+            folded += 1
+            continue
+        shown.add(key)
+        i = len(lines) + 1
         lines.append([
             str(i), str(d.dp_replicate), str(d.dp_shard), str(d.cp), str(d.tp), str(d.pp), str(d.ep),
             p.pp_schedule if d.pp > 1 else "-", str(p.pp_microbatches) if d.pp > 1 else "-",
@@ -382,6 +392,9 @@ def format_plan(result: Plan, top: int) -> str:
     out = ["  ".join(h.rjust(w) if i < len(header) - 1 else h for i, (h, w) in enumerate(zip(header, widths)))]
     for line in lines:
         out.append("  ".join(v.rjust(w) if i < len(line) - 1 else v for i, (v, w) in enumerate(zip(line, widths))))
+    if folded:
+        out.append(f"({folded} more rows differ from a row above only in local batch and microbatches, with the "
+                   "same estimate: not shown)")
     return "\n".join(out)
 
 
