@@ -60,7 +60,8 @@ BAD_INPUTS = [
     (["--model.sdpa_backend", "flash4"], "model.sdpa_backend"),
     (["--model.attn", "flex", "--model.sdpa_backend", "math"], "model.sdpa_backend"),
     (["--model.vocab_size", "100"], "model.vocab_size"),
-    (["--model.hf_assets_path", "/no/such/folder"], "model.hf_assets_path"),
+    (["--model.hf_assets_path", "/no/such/folder"], "model.hf_assets_path: folder '/no/such/folder' not found; "
+     "download the Hugging Face model's tokenizer.json and config.json into it (hf download REPO"),
     (["--profiling.profile_freq", "0"], "profiling.profile_freq"),
     (["--profiling.enable_profiling", "--profiling.profile_freq", "3"], "profiling.profile_freq"),  # < 3 + 1
     (["--profiling.enable_memory_snapshot"], "profiling.enable_memory_snapshot"),  # needs CUDA

@@ -116,7 +116,11 @@ def validate(cfg: Config, world_size: int = 1, machine: Optional[Machine] = None
     if cfg.model.vocab_size != -1 and cfg.model.vocab_size <= 0:
         raise ConfigError(f"model.vocab_size: must be > 0 or -1, got {cfg.model.vocab_size}")
     if check_paths and cfg.model.hf_assets_path and not os.path.isdir(cfg.model.hf_assets_path):
-        raise ConfigError(f"model.hf_assets_path: folder '{cfg.model.hf_assets_path}' not found")
+        raise ConfigError(
+            f"model.hf_assets_path: folder '{cfg.model.hf_assets_path}' not found; download the Hugging Face model's "
+            f"tokenizer.json and config.json into it (hf download REPO tokenizer.json config.json --local-dir "
+            f"{cfg.model.hf_assets_path}; the shipped configs name their REPO at the top), or leave it empty "
+            "(--model.hf_assets_path=) for the built-in tokenizer")
 
     # data
     if cfg.data.path:
