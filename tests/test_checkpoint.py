@@ -399,9 +399,24 @@ def test_resume_takes_the_new_peak_lr_and_schedule_length(tmp_path):
     """Only the step comes from the checkpoint: a resumed run with a lower optimizer.lr and more training.steps
     updates with that lr on that schedule from its first step (the divergence error's advice relies on it)."""
     train(tmp_path, "--training.steps", "4", "--checkpoint.interval", "2")
-    resumed = train(tmp_path, "--training.steps", "10", "--optimizer.lr", "1e-5")
+    first = parse_args(["--config", str(tmp_path / "config.toml")])
+    # A checkpoint saved before checkpoints held their run's settings: the lr alone is named.
+    old = tmp_path / "old"
+    shutil.copytree(tmp_path / "checkpoint", old / "checkpoint")
+    state_file = old / "checkpoint" / "step-000004" / "train_state.json"
+    state_file.write_text(json.dumps({k: v for k, v in json.loads(state_file.read_text()).items() if k != "settings"}))
+    _recommit(state_file.parent)
+    resumed = train(old, "--training.steps", "5", "--optimizer.lr", "1e-5")
+    assert (f"checkpoint: optimizer.lr 1e-05 (the checkpoint's run used {first.optimizer.lr:g}): the schedule goes on "
+            "from step 4 with the new peak" in resumed.stdout), resumed.stdout
+    resumed = train(tmp_path, "--training.steps", "10", "--optimizer.lr", "1e-5", "--debug.seed", "7",
+                    "--checkpoint.interval", "3")
     assert "resumed from step 4" in resumed.stdout
-    assert "the schedule goes on from step 4 with the new peak" in resumed.stdout
+    # Named: what changes the resumed run's updates (not the seed, whose initial weights are the checkpoint's, nor
+    # the checkpoint interval).
+    assert (f"checkpoint: settings changed since step 4 was saved: training.steps 4 -> 10, optimizer.lr "
+            f"{first.optimizer.lr:g} -> 1e-05; the run goes on from step 4 with the new values (the lr schedule "
+            "too)\n" in resumed.stdout), resumed.stdout
     cfg = parse_args(["--config", str(tmp_path / "config.toml")])  # the resumed run's resolved config
     assert cfg.training.steps == 10 and cfg.optimizer.lr == 1e-5
     m = metrics(tmp_path)

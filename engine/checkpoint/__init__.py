@@ -10,7 +10,8 @@ Layout of one checkpoint, ``<checkpoint.folder>/step-000100/``:
   optimizer state (``optim.<fqn>.<exp_avg|exp_avg_sq|step>``) as sharded tensors, named by the full model's
   parameter names whatever the layout (FSDP/TP shards are DTensors, pipeline stages keep the whole model's
   names), so DCP reshards them on load to any mesh. Nothing else goes into DCP: no pickled Python object.
-- ``train_state.json``: step, lr schedule, model name and flavor, the layout it was saved on.
+- ``train_state.json``: step, lr schedule, model name and flavor, the layout it was saved on, and the settings of the
+  run that saved it that decide what a resumed run computes (model, data, training, optimizer, ...).
 - ``dataloader/dp-00003.json``: the data position of each data-parallel rank (every logical data shard's
   position; engine/data/loader.py), so a run resumes on another dp degree without repeating or skipping.
 - ``rng/rank-00005.json``: each rank's random generators (restored when the layout is the same).

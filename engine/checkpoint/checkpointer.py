@@ -41,7 +41,7 @@ from engine.checkpoint.files import (FORMAT_VERSION, HF_EXPORT_DIR, REMOVING_DIR
                                      StorageFull, check_entries, checkpoint_root, dcp_load, folder_bytes, free_bytes,
                                      hf_export_folder, inspect_checkpoint, is_complete, is_model_only, list_steps,
                                      out_of_space, set_aside, step_folder, write_commit_marker, write_json)
-from engine.config import Config, read_json_object
+from engine.config import Config, changed_settings, read_json_object, resume_settings
 from engine.distributed import keep_own_timeout, log_ranks, longer_collective_timeout
 from engine.hf import EXPORT_DTYPES, export_checkpoint_hf, load_hf_into
 from engine.optim import load_lr_scheduler_state
@@ -300,6 +300,7 @@ class Checkpointer:
                 "num_shards": self.num_shards,
                 "tokenizer": os.path.abspath(self.tokenizer_path),  # what convert_hf to-hf copies by default
                 "lr_scheduler": self.lr_scheduler.state_dict(),
+                "settings": resume_settings(self.cfg),  # what a resumed run with other settings names as changed
             })
         if model_only:
             return
@@ -467,7 +468,13 @@ class Checkpointer:
         # The optimizer's hyperparameters and the schedule come from the config; the saved step places it.
         saved_lr = info.train_state["lr_scheduler"].get("base_lrs", [None])[0]
         load_lr_scheduler_state(self.lr_scheduler, info.train_state["lr_scheduler"])
-        if saved_lr is not None and saved_lr != self.lr_scheduler.base_lrs[0]:
+        saved_settings = info.train_state.get("settings")
+        if isinstance(saved_settings, dict):
+            changes = changed_settings(saved_settings, self.cfg)
+            if changes:
+                self._log(f"checkpoint: settings changed since step {info.step} was saved: {', '.join(changes)}; "
+                          f"the run goes on from step {info.step} with the new values (the lr schedule too)")
+        elif saved_lr is not None and saved_lr != self.lr_scheduler.base_lrs[0]:  # a checkpoint without its config
             self._log(f"checkpoint: optimizer.lr {self.lr_scheduler.base_lrs[0]:g} (the checkpoint's run "
                       f"used {saved_lr:g}): the schedule goes on from step {info.step} with the new peak")
         if not data_position_loaded:

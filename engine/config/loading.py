@@ -27,7 +27,7 @@ from engine.config.errors import ConfigError, did_you_mean
 from engine.config.schema import SECTIONS, Config
 
 __all__ = ["ArgumentParser", "field_docs", "help_text", "TORCHTITAN_NAMES", "PATH_FIELDS", "set_value", "load_toml", "parse_args",
-           "to_toml", "dump", "tomllib"]
+           "to_toml", "dump", "resume_settings", "changed_settings", "tomllib"]
 
 # --------------------------------------------------------------------------------------------------------
 # Field documentation (attribute docstrings, read from the source)
@@ -417,6 +417,33 @@ def dump(cfg: Config, folder: str) -> str:
     with open(path, "w") as f:
         f.write(to_toml(cfg))
     return path
+
+
+# The sections whose values decide what a resumed run computes (the layout, kernels, logging and saving do not;
+# the seed made the initial weights, and the data order is the checkpoint's).
+RESUME_SECTIONS = ("model", "data", "training", "float8", "optimizer", "lr_scheduler")
+
+
+def resume_settings(cfg: Config) -> dict:
+    """The RESUME_SECTIONS of ``cfg`` as plain data: what a checkpoint keeps of the run that saved it."""
+    return {section: dataclasses.asdict(getattr(cfg, section)) for section in RESUME_SECTIONS}
+
+
+def changed_settings(saved: dict, cfg: Config) -> list[str]:
+    """The fields of RESUME_SECTIONS whose value in ``cfg`` differs from ``saved`` (the ``resume_settings`` of the
+    run that saved a checkpoint), as "section.key old -> new"; fields ``saved`` lacks are left out."""
+    def text(value) -> str:
+        return repr(value) if isinstance(value, str) else f"{value:g}" if isinstance(value, float) else str(value)
+
+    now, changes = resume_settings(cfg), []
+    for section in RESUME_SECTIONS:
+        old = saved.get(section)
+        if not isinstance(old, dict):
+            continue
+        for key, value in now[section].items():
+            if key in old and old[key] != value:
+                changes.append(f"{section}.{key} {text(old[key])} -> {text(value)}")
+    return changes
 
 
 class ArgumentParser(argparse.ArgumentParser):
