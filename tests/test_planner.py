@@ -55,6 +55,33 @@ def test_a_moe_model_is_planned_with_expert_parallelism_within_a_node():
     assert all(c.dims.ep == 1 for c in _plan().candidates)
 
 
+def test_expert_weights_read_from_memory_bound_the_moe_layers_and_ep_relieves_them():
+    """Qwen3-30B-A3B on 16 GPUs at seq 1024: without ep a rank's 128 experts see few routed rows apiece per pass
+    (64 for one sample), too few for their weights' reads from HBM (3 per pass) to hide behind the FLOPs, so those
+    layouts pay for the reads and an ep layout comes first; with memory that costs nothing, an ep-1 layout would."""
+    base = parse_args(["--config", os.path.join(ROOT, "train_configs", "qwen3_30b_a3b.toml")])
+    result = planner.plan(base, 16, 1024, 32, 80.0, 0.1, planner.CostModel(), 2048)
+    best = result.candidates[0]
+    assert best.dims.ep > 1 and best.costs["experts"] == 0 and best.links["experts"] == "HBM"
+    assert "experts" not in best.reason
+    without_ep = [c for c in result.candidates if c.dims.ep == 1]
+    balance = 989e12 * 0.40 / 3350e9  # FLOPs per byte where the GEMMs' weight reads and FLOPs take as long
+    for c in without_ep:  # bound by the weights exactly when an expert gets fewer rows than that per pass
+        micro = c.cfg.parallelism.pp_microbatches if c.dims.pp > 1 else 1
+        rows = c.cfg.training.local_batch_size // micro * 1024 // c.dims.cp * 8 / (c.dims.tp * 128)
+        assert (c.costs["experts"] > 0) == (rows < balance), (c.dims.describe(), rows, c.costs)
+    free = planner.plan(base, 16, 1024, 32, 80.0, 0.1, planner.CostModel(hbm_gbps=1e9), 2048)
+    winner = free.candidates[0]  # with free memory reads: an ep-1 layout with one sample per microbatch
+
+    def key(c):
+        return planner.format_plan(planner.Plan([c], 0, 0, 1), 1).splitlines()[1].split()[1:13]
+    assert winner.dims.ep == 1 and "experts" not in winner.reason
+    same = next(c for c in without_ep if key(c) == key(winner))
+    assert same.costs["experts"] > 0 and "HBM" in same.reason and same.step_s > best.step_s
+    assert all(c.costs["experts"] == 0 for c in _plan().candidates if "experts" in c.costs) and \
+        "experts" not in _plan().candidates[0].costs  # a dense model has no such term
+
+
 def test_the_table_shows_a_layout_once_per_estimate():
     """Batch splits of one layout with the same estimate are folded into its first row, and counted."""
     result = _plan()

@@ -29,6 +29,12 @@ are ranked by the step time of this cost model (per GPU, per optimizer step):
     ep        = MoE models, per MoE layer and pass: each token's k routed rows to their experts' ranks and back,
                 forward and backward (and the forward's again with full AC): 4 x (ep - 1) / ep x k T / tp x d x 2
                 bytes; on the critical path
+    experts   = MoE models, per MoE layer and pass: the time the expert GEMMs wait on memory beyond their FLOPs
+                (a roofline): the rank's E / ep experts' bf16 weights (3 d h each) read from HBM 3 times (forward,
+                input and weight gradients; 4 with full AC), against the FLOPs of its k T / tp routed rows at the
+                compute's rate; max(0, read - FLOPs time). Few tokens per expert (T k ep / (E tp), small beside
+                peak x MFU / HBM bandwidth, about 118 on an H100 at 40%) leave the GEMMs bound by the weights: ep fixes it.
+                HBM: --hbm-gbps (3350, H100 SXM)
     pp p2p    = per microbatch and local stage, the activation forward and its gradient back: 2 x T d / tp x 2
     fsdp      = (n - 1) / n x params after TP x (2 per all-gather + 4 per reduce-scatter) bytes, n = dp_shard x cp:
                 per pass a bf16 all-gather of the stage's parameters forward and one again in backward (forward
@@ -38,7 +44,7 @@ are ranked by the step time of this cost model (per GPU, per optimizer step):
                 reduce-scatter per step (unless reshard "always": the forward's gathers return)
     replicate = HSDP/DDP: all-reduce of the gradient shards over dp_replicate, once per optimizer step (the
                 accumulation batches before the last only reduce-scatter): 2 (r - 1) / r x 4 bytes
-    step      = compute + bubble + tp + cp + ep + pp p2p + max(0, fsdp + replicate - overlap x compute)
+    step      = compute + bubble + tp + cp + ep + experts + pp p2p + max(0, fsdp + replicate - overlap x compute)
 FSDP and replicate traffic is prefetched and overlaps the compute (``--dp-overlap``, default 0.8 of it);
 TP, CP and PP transfers are waited on. Each transfer takes volume / bandwidth, where the bandwidth is
 ``--intra-node-gbps`` (default 450 GB/s, NVLink on H100) when the dimension's group lies within one node and
@@ -79,6 +85,7 @@ class CostModel:
     inter_node_gbps: float = 50.0
     gpus_per_node: int = 8
     dp_overlap: float = 0.8
+    hbm_gbps: float = 3350.0
 
 
 @dataclass
@@ -91,7 +98,8 @@ class Candidate:
     step_s: float
     tokens_per_s_per_gpu: float
     costs: dict[str, float] = field(default_factory=dict)
-    """Seconds per step by part: compute, bubble, tp, cp, ep, pp, dp (exposed); and "dp traffic" (all of it)."""
+    """Seconds per step by part: compute, bubble, tp, cp, ep, experts, pp, dp (exposed); and "dp traffic" (all of
+    it)."""
     links: dict[str, str] = field(default_factory=dict)
     """For each communicating dimension: NVLink (in a node) or network."""
 
@@ -99,7 +107,7 @@ class Candidate:
     def reason(self) -> str:
         """The step's largest costs besides compute, in words."""
         parts = [f"compute {self.costs['compute']:.2f}s"]
-        for name in ("bubble", "tp", "cp", "ep", "pp"):
+        for name in ("bubble", "tp", "cp", "ep", "experts", "pp"):
             seconds = self.costs.get(name, 0.0)
             if seconds >= 0.005 * self.step_s:
                 link = f" {self.links[name]}" if name in self.links else ""
@@ -243,6 +251,13 @@ def step_cost(cfg, dims, shape: memory.ModelShape, flops_per_token: float, rows:
         volume = ops * (dims.ep - 1) / dims.ep * shape.top_k * T / tp * shape.dim * 2 * moe_layers * passes
         bw, links["ep"] = bandwidth(tp, dims.ep)
         costs["ep"] = volume / bw
+    if shape.experts:  # the expert GEMMs' roofline: their weights read from HBM against their FLOPs
+        reads = 3 + (1 if ac == "full" else 0)
+        expert_params = 3 * shape.dim * shape.expert_hidden
+        read_s = reads * shape.experts / dims.ep * expert_params * 2 / (model.hbm_gbps * 1e9)
+        flops_s = 2 * reads * shape.top_k * T / tp * expert_params / (model.peak_tflops * 1e12 * model.mfu)
+        costs["experts"] = max(0.0, read_s - flops_s) * layers * passes
+        links["experts"] = "HBM"
     if dims.pp > 1:
         volume = 2 * T * shape.dim / tp * 2 * micro * local_stages * ga
         bw, links["pp"] = bandwidth(tp * cp * dims.dp_shard * dims.dp_replicate, dims.pp)
@@ -272,7 +287,7 @@ def step_cost(cfg, dims, shape: memory.ModelShape, flops_per_token: float, rows:
 
 
 def step_time(costs: dict[str, float]) -> float:
-    """Seconds per step: compute, bubble, tp, cp, ep, pp and the exposed data-parallel traffic."""
+    """Seconds per step: compute, bubble, tp, cp, ep, experts, pp and the exposed data-parallel traffic."""
     return sum(v for k, v in costs.items() if k != "dp traffic")
 
 
@@ -451,6 +466,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--peak-tflops", type=float, default=989.0, help="peak bf16 TFLOP/s of one GPU (H100: 989)")
     p.add_argument("--intra-node-gbps", type=float, default=450.0, help="GB/s per GPU within a node (NVLink)")
     p.add_argument("--inter-node-gbps", type=float, default=50.0, help="GB/s per GPU between nodes")
+    p.add_argument("--hbm-gbps", type=float, default=3350.0,
+                   help="GB/s of one GPU's memory, for the expert GEMMs' weight reads (default 3350, H100 SXM)")
     p.add_argument("--dp-overlap", type=float, default=0.8,
                    help="fraction of the compute time that hides FSDP/HSDP/DDP traffic (default 0.8)")
     p.add_argument("--loss-chunk-tokens", type=int, default=2048,
@@ -475,7 +492,7 @@ def _check_args(a) -> None:
             raise ConfigError(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(a, name)}")
     if a.loss_chunk_tokens < 0:
         raise ConfigError(f"--loss-chunk-tokens: must be >= 0 (0: never the fused loss), got {a.loss_chunk_tokens}")
-    for name in ("gpu_memory_gib", "mfu", "peak_tflops", "intra_node_gbps", "inter_node_gbps"):
+    for name in ("gpu_memory_gib", "mfu", "peak_tflops", "intra_node_gbps", "inter_node_gbps", "hbm_gbps"):
         if not getattr(a, name) > 0:
             raise ConfigError(f"--{name.replace('_', '-')}: must be > 0, got {getattr(a, name)}")
     if not 0 <= a.memory_margin < 1 or not 0 <= a.dp_overlap <= 1 or a.mfu > 1:
@@ -498,7 +515,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         base = parse_args(["--config", base_path] if base_path else [])
         base.model.name, base.model.flavor = a.model, a.flavor
         memory.validate_layout(candidate_config(base, 1, 1, 1, 1, 1, 1, 1, "", ("none", "op"), a.seq_len, -1), 1)
-        model = CostModel(a.peak_tflops, a.mfu, a.intra_node_gbps, a.inter_node_gbps, a.gpus_per_node, a.dp_overlap)
+        model = CostModel(a.peak_tflops, a.mfu, a.intra_node_gbps, a.inter_node_gbps, a.gpus_per_node, a.dp_overlap,
+                          a.hbm_gbps)
         result = plan(base, a.gpus, a.seq_len, a.global_batch, a.gpu_memory_gib, a.memory_margin, model,
                       a.loss_chunk_tokens)
     except (ConfigError, ValueError) as e:
@@ -508,7 +526,7 @@ def main(argv: Optional[list[str]] = None) -> int:
           f"each, {a.memory_margin:.0%} kept free), seq_len {a.seq_len}, global batch {a.global_batch} samples")
     print(f"cost model: MFU {a.mfu:.2f} of {a.peak_tflops:g} TFLOP/s; {a.intra_node_gbps:g} GB/s in a node, "
           f"{a.inter_node_gbps:g} GB/s between nodes; data-parallel traffic hidden behind {a.dp_overlap:.0%} of "
-          f"the compute")
+          f"the compute" + (f"; HBM {a.hbm_gbps:g} GB/s for the expert weights" if any("experts" in c.links for c in result.candidates[:1]) else ""))
     print(f"examined {result.examined} candidates: {result.rejected_by_validation} rejected by validation, "
           f"{result.rejected_by_memory} do not fit, {len(result.candidates)} ranked "
           f"({time.perf_counter() - start:.1f} s)")
