@@ -32,9 +32,9 @@ are ranked by the step time of this cost model (per GPU, per optimizer step):
     experts   = MoE models, per MoE layer and pass: the time the expert GEMMs wait on memory beyond their FLOPs
                 (a roofline): the rank's E / ep experts' bf16 weights (3 d h each) read from HBM 3 times (forward,
                 input and weight gradients; 4 with full AC), against the FLOPs of its k T / tp routed rows at the
-                compute's rate; max(0, read - FLOPs time). Few tokens per expert (T k ep / (E tp), small beside
-                peak x MFU / HBM bandwidth, about 118 on an H100 at 40%) leave the GEMMs bound by the weights: ep fixes it.
-                HBM: --hbm-gbps (3350, H100 SXM)
+                compute's rate; max(0, read - FLOPs time). Few tokens per expert (T k ep / (E tp), below
+                peak x MFU / HBM bandwidth, about 118 on an H100 at 40%) leave the GEMMs bound by the weights;
+                ep raises it. HBM: --hbm-gbps (3350, H100 SXM)
     pp p2p    = per microbatch and local stage, the activation forward and its gradient back: 2 x T d / tp x 2
     fsdp      = (n - 1) / n x params after TP x (2 per all-gather + 4 per reduce-scatter) bytes, n = dp_shard x cp:
                 per pass a bf16 all-gather of the stage's parameters forward and one again in backward (forward
@@ -526,7 +526,8 @@ def main(argv: Optional[list[str]] = None) -> int:
           f"each, {a.memory_margin:.0%} kept free), seq_len {a.seq_len}, global batch {a.global_batch} samples")
     print(f"cost model: MFU {a.mfu:.2f} of {a.peak_tflops:g} TFLOP/s; {a.intra_node_gbps:g} GB/s in a node, "
           f"{a.inter_node_gbps:g} GB/s between nodes; data-parallel traffic hidden behind {a.dp_overlap:.0%} of "
-          f"the compute" + (f"; HBM {a.hbm_gbps:g} GB/s for the expert weights" if any("experts" in c.links for c in result.candidates[:1]) else ""))
+          f"the compute" + (f"; HBM {a.hbm_gbps:g} GB/s for the expert weights"
+                            if any("experts" in c.links for c in result.candidates[:1]) else ""))
     print(f"examined {result.examined} candidates: {result.rejected_by_validation} rejected by validation, "
           f"{result.rejected_by_memory} do not fit, {len(result.candidates)} ranked "
           f"({time.perf_counter() - start:.1f} s)")
