@@ -474,7 +474,7 @@ class Checkpointer:
             if changes:
                 self._log(f"checkpoint: settings changed since step {info.step} was saved: {', '.join(changes)}; "
                           f"the run goes on from step {info.step} with the new values (the lr schedule too)")
-        elif saved_lr is not None and saved_lr != self.lr_scheduler.base_lrs[0]:  # a checkpoint saved without its settings
+        elif saved_lr is not None and saved_lr != self.lr_scheduler.base_lrs[0]:  # saved without its settings
             self._log(f"checkpoint: optimizer.lr {self.lr_scheduler.base_lrs[0]:g} (the checkpoint's run "
                       f"used {saved_lr:g}): the schedule goes on from step {info.step} with the new peak")
         if not data_position_loaded:
