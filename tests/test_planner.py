@@ -78,8 +78,7 @@ def test_expert_weights_read_from_memory_bound_the_moe_layers_and_ep_relieves_th
     assert winner.dims.ep == 1 and "experts" not in winner.reason
     same = next(c for c in without_ep if key(c) == key(winner))
     assert same.costs["experts"] > 0 and "HBM" in same.reason and same.step_s > best.step_s
-    assert all(c.costs["experts"] == 0 for c in _plan().candidates if "experts" in c.costs) and \
-        "experts" not in _plan().candidates[0].costs  # a dense model has no such term
+    assert not any("experts" in c.costs for c in _plan(gpus=2).candidates)  # a dense model has no such term
 
 
 def test_the_table_shows_a_layout_once_per_estimate():
