@@ -529,7 +529,8 @@ def test_two_ranks_see_disjoint_documents_covering_all(tmp_path, streaming, layo
 
 def test_the_log_says_how_a_stream_splits_over_the_data_shards(tmp_path, tok):
     """Four files split over 2 or 4 shards as whole files; over 3 every shard reads all four (datasets' fallback),
-    which the start-up line says with the fix; a map-style dataset is split by rows and says nothing."""
+    which the start-up line says with the fix; a map-style dataset is split by rows and says nothing, nor does the
+    built-in corpus."""
     path = tmp_path / "parts"
     path.mkdir()
     for i in range(4):
@@ -547,6 +548,8 @@ def test_the_log_says_how_a_stream_splits_over_the_data_shards(tmp_path, tok):
                          "= false; or, if no resume is to read it on another dp degree, set data.num_shards to a "
                          "multiple of 2 (the dp degree) that divides 4)"), note
     assert build_dataloader(make_cfg(path, seq_len=16, batch=1, streaming=False), tok, 1, 3).split_note == ""
+    # The built-in corpus is one small file: every shard reading it whole is not worth a line on every run.
+    assert build_dataloader(make_cfg(seq_len=16, batch=1), tok, 1, 2).split_note == ""
 
 
 def test_two_rank_loaders_differ(tmp_path, tok):
