@@ -588,7 +588,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                   f"./run_train.sh {' '.join(run.args)}")
         return 0
     deadline = t0 + args.budget
-    runs_dir = Path(os.environ.get("RUNS", "/tmp/tessera_gpu_check"))
+    runs_dir = Path(os.environ.get("RUNS") or "/tmp/tessera_gpu_check")  # (an empty RUNS too)
     runs_dir.mkdir(parents=True, exist_ok=True)
     if shutil.which("nvidia-smi"):
         subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"])
