@@ -249,6 +249,31 @@ def test_run_train_sh_refuses_a_python_without_torch(tmp_path):
         assert not (tmp_path / "run").exists()
 
 
+OPTIONAL_PACKAGES = ("transformers", "wandb", "tensorboard", "torchao", "flash_attn")
+
+
+def test_a_run_and_its_checkpoints_need_only_the_base_install(tmp_path):
+    """`pip install -e .` without extras: training, a checkpoint and its Hugging Face export run in an environment
+    without the optional packages (this one's site-packages, less them, linked into a folder of their own)."""
+    import sysconfig
+
+    site = tmp_path / "site"
+    site.mkdir()
+    packages = sysconfig.get_paths()["purelib"]
+    for name in os.listdir(packages):
+        if not name.lower().replace("-", "_").startswith(OPTIONAL_PACKAGES):
+            (site / name).symlink_to(os.path.join(packages, name))
+    probe = "import importlib.util as u; print([n for n in %r if u.find_spec(n)])" % (OPTIONAL_PACKAGES,)
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{site}", "WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0"}
+    found = subprocess.run([sys.executable, "-S", "-c", probe], capture_output=True, text=True, env=env, timeout=60)
+    assert found.stdout.strip() == "[]", found.stdout + found.stderr  # none of them importable there
+    proc = subprocess.run([sys.executable, "-S", "-m", "engine.train", *SMALL, "--training.steps", "2",
+                           "--checkpoint.enable", "--checkpoint.last_save_hf", "--job.dump_folder",
+                           str(tmp_path / "run")], capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (tmp_path / "run" / "checkpoint" / "step-000002-hf" / "config.json").exists()
+
+
 def test_run_train_sh_help_is_printed_once():
     proc = subprocess.run([RUN_TRAIN_SH, "--training.steps", "3", "--help"], capture_output=True, text=True,
                           env={**os.environ, "PYTHON": sys.executable, "NGPU": "2"}, timeout=120)
