@@ -123,7 +123,7 @@ class Trainer:
 
         # Every check has passed: from here on the run writes to its dump folder.
         if world.is_main:
-            dump(cfg, cfg.job.dump_folder)
+            dump(cfg, cfg.job.dump_folder, resume.step if resume.checkpoint is not None else None)
             if cfg.job.print_config:
                 print(to_toml(cfg), flush=True)
         if cfg.comm.trace_buf_size > 0 and dist.is_initialized() and "nccl" in dist.get_backend():  # cuda:nccl,cpu:gloo

@@ -419,6 +419,9 @@ def test_resume_takes_the_new_peak_lr_and_schedule_length(tmp_path):
             "too)\n" in resumed.stdout), resumed.stdout
     cfg = parse_args(["--config", str(tmp_path / "config.toml")])  # the resumed run's resolved config
     assert cfg.training.steps == 10 and cfg.optimizer.lr == 1e-5
+    # The first run's is kept beside it, named for the step the new settings start at.
+    assert parse_args(["--config", str(tmp_path / "config.before-step-5.toml")]) == first
+    assert sorted(p.name for p in tmp_path.glob("config*.toml")) == ["config.before-step-5.toml", "config.toml"]
     m = metrics(tmp_path)
     for step in range(5, 11):
         assert m[step]["lr"] == pytest.approx(1e-5 * lr_factor(step, 10, cfg.lr_scheduler), rel=1e-9), step

@@ -327,6 +327,19 @@ def test_dump_round_trips(tmp_path):
     assert again == cfg
 
 
+def test_dump_of_a_resumed_run_keeps_the_earlier_settings(tmp_path):
+    folder = str(tmp_path / "run")
+    first, second, third = (parse_args(["--training.steps", str(n)]) for n in (4, 8, 12))
+    dump(first, folder)
+    dump(first, folder, resumed_step=2)  # the same settings again: nothing to keep
+    assert sorted(os.listdir(folder)) == ["config.toml"]
+    dump(second, folder, resumed_step=4)
+    dump(third, folder, resumed_step=4)  # a second go from step 4, with other settings again
+    names = ["config.before-step-5.1.toml", "config.before-step-5.toml", "config.toml"]
+    assert sorted(os.listdir(folder)) == names
+    assert [parse_args(["--config", os.path.join(folder, n)]) for n in names] == [second, first, third]
+
+
 def test_shipped_configs_parse():
     import glob
 

@@ -411,11 +411,24 @@ def to_toml(cfg: Config) -> str:
     return tomli_w.dumps(cfg.to_dict())
 
 
-def dump(cfg: Config, folder: str) -> str:
+def dump(cfg: Config, folder: str, resumed_step: int | None = None) -> str:
+    """Write ``cfg`` as ``folder``/config.toml. A run resumed at ``resumed_step`` whose configuration differs from
+    the one there keeps that one as config.before-step-<N>.toml (N: the resumed run's first step): what the steps
+    before it ran with."""
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, "config.toml")
+    text = to_toml(cfg)
+    if resumed_step is not None and os.path.isfile(path):
+        with open(path) as f:
+            changed = f.read() != text
+        if changed:
+            aside, n = os.path.join(folder, f"config.before-step-{resumed_step + 1}.toml"), 0
+            while os.path.exists(aside):  # (resumed at that step again, with other settings again)
+                n += 1
+                aside = os.path.join(folder, f"config.before-step-{resumed_step + 1}.{n}.toml")
+            os.replace(path, aside)
     with open(path, "w") as f:
-        f.write(to_toml(cfg))
+        f.write(text)
     return path
 
 
