@@ -386,21 +386,21 @@ def format_plan(result: Plan, top: int) -> str:
         if len(lines) == top:
             break
         d, p = c.dims, c.cfg.parallelism
-        # Batch splits of one layout with the same estimate as shown (pipeline microbatches of one size in a larger
-        # or smaller local batch) are one choice: its first row stands for them.
-        key = (d.describe(), p.pp_schedule, _ac_text(c.cfg), _loss_text(c.cfg), f"{c.peak_gib:.1f}", f"{c.step_s:.2f}")
-        if key in shown:
-            folded += 1
-            continue
-        shown.add(key)
-        i = len(lines) + 1
-        lines.append([
-            str(i), str(d.dp_replicate), str(d.dp_shard), str(d.cp), str(d.tp), str(d.pp), str(d.ep),
+        row = [
+            str(d.dp_replicate), str(d.dp_shard), str(d.cp), str(d.tp), str(d.pp), str(d.ep),
             p.pp_schedule if d.pp > 1 else "-", str(p.pp_microbatches) if d.pp > 1 else "-",
             str(c.cfg.training.local_batch_size), str(grad_accumulation_steps(c.cfg, d.dp)), _ac_text(c.cfg),
             _loss_text(c.cfg),
             f"{c.peak_gib:.1f}", f"{c.step_s:.2f}", f"{c.tokens_per_s_per_gpu:,.0f}", c.reason,
-        ])
+        ]
+        # Batch splits of one layout with the same estimate as shown (pipeline microbatches of one size in a larger
+        # or smaller local batch) are one choice: its first row stands for them.
+        key = (*row[:7], *row[10:14])  # all but microbatches, local batch and accumulation (and the reason)
+        if key in shown:
+            folded += 1
+            continue
+        shown.add(key)
+        lines.append([str(len(lines) + 1), *row])
     if not lines:
         return "no layout to rank (the error line says why)"
     widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(header)]
@@ -527,7 +527,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"cost model: MFU {a.mfu:.2f} of {a.peak_tflops:g} TFLOP/s; {a.intra_node_gbps:g} GB/s in a node, "
           f"{a.inter_node_gbps:g} GB/s between nodes; data-parallel traffic hidden behind {a.dp_overlap:.0%} of "
           f"the compute" + (f"; HBM {a.hbm_gbps:g} GB/s for the expert weights"
-                            if any("experts" in c.links for c in result.candidates[:1]) else ""))
+                            if result.candidates and "experts" in result.candidates[0].links else ""))
     print(f"examined {result.examined} candidates: {result.rejected_by_validation} rejected by validation, "
           f"{result.rejected_by_memory} do not fit, {len(result.candidates)} ranked "
           f"({time.perf_counter() - start:.1f} s)")
