@@ -25,8 +25,9 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from engine.checkpoint.files import COMMIT_FILE, inspect_checkpoint, list_steps, read_full
-from engine.checkpoint.resume import find_resume_point
+from engine.checkpoint.files import (CHECKSUM_DIR, COMMIT_FILE, file_crc32, inspect_checkpoint, list_steps, read_full,
+                                     verify_checksums, write_commit_marker)
+from engine.checkpoint.resume import find_resume_point, plan_resume
 from engine.config import ConfigError, parse_args
 from engine.data.loader import build_dataloader
 from engine.data.tokenizer import build_tokenizer
@@ -134,6 +135,7 @@ def test_kill_after_step_10_and_resume_is_bit_identical(reference, tmp_path):
     assert committed(tmp_path / "checkpoint") == [10]
     resumed = train(tmp_path)
     assert "resumed from step 10" in resumed.stdout
+    assert "its 5 files matched their checksums" in resumed.stdout, resumed.stdout
     # The resumed run appends to the killed run's metrics.jsonl: one curve, the uninterrupted one.
     assert sorted(metrics(tmp_path)) == list(range(1, 21))
     assert curve(tmp_path, range(1, 21)) == curve(reference, range(1, 21))
@@ -400,15 +402,19 @@ def test_resume_takes_the_new_peak_lr_and_schedule_length(tmp_path):
     updates with that lr on that schedule from its first step (the divergence error's advice relies on it)."""
     train(tmp_path, "--training.steps", "4", "--checkpoint.interval", "2")
     first = parse_args(["--config", str(tmp_path / "config.toml")])
-    # A checkpoint saved before checkpoints held their run's settings: the lr alone is named.
+    # A checkpoint saved before checkpoints held their run's settings (nor checksums): the lr alone is named.
     old = tmp_path / "old"
     shutil.copytree(tmp_path / "checkpoint", old / "checkpoint")
     state_file = old / "checkpoint" / "step-000004" / "train_state.json"
     state_file.write_text(json.dumps({k: v for k, v in json.loads(state_file.read_text()).items() if k != "settings"}))
     _recommit(state_file.parent)
+    marker = json.loads((state_file.parent / COMMIT_FILE).read_text())
+    del marker["crc32"]
+    (state_file.parent / COMMIT_FILE).write_text(json.dumps(marker))
     resumed = train(old, "--training.steps", "5", "--optimizer.lr", "1e-5")
     assert (f"checkpoint: optimizer.lr 1e-05 (the checkpoint's run used {first.optimizer.lr:g}): the schedule goes on "
             "from step 4 with the new peak" in resumed.stdout), resumed.stdout
+    assert "; saved without checksums, so its bytes were not checked" in resumed.stdout, resumed.stdout
     resumed = train(tmp_path, "--training.steps", "10", "--optimizer.lr", "1e-5", "--debug.seed", "7",
                     "--checkpoint.interval", "3")
     assert "resumed from step 4" in resumed.stdout
@@ -675,6 +681,12 @@ def test_async_save_on_two_ranks_commits_once_every_rank_has_written(tmp_path):
         a = read_full(str(tmp_path / "sync" / "checkpoint" / f"step-{step:06d}"))
         b = read_full(str(tmp_path / "async" / "checkpoint" / f"step-{step:06d}"))
         assert same_tensors(a, b), step
+        for run in ("sync", "async"):  # each rank's checksums written, folded into the marker
+            folder = tmp_path / run / "checkpoint" / f"step-{step:06d}"
+            crc32 = json.loads((folder / COMMIT_FILE).read_text())["crc32"]
+            assert crc32 == {str(p.relative_to(folder)): file_crc32(str(p)) for p in folder.rglob("*")
+                             if p.is_file() and p.name != COMMIT_FILE}
+            assert "__1_0.distcp" in crc32 and not (folder / CHECKSUM_DIR).exists()
     assert curve(tmp_path / "async", range(1, 21)) == curve(tmp_path / "sync", range(1, 21))
     stopped = train(tmp_path / "stopped", *FOR_LOOP, "--checkpoint.async_mode", "async", fault="10:sigterm", ngpu=2)
     assert "SIGTERM: checkpoint of step 11 saved; exiting" in stopped.stdout
@@ -687,9 +699,10 @@ def test_async_save_on_two_ranks_commits_once_every_rank_has_written(tmp_path):
 
 
 def _recommit(folder: Path) -> None:
-    """Rewrite the commit marker's file sizes (a damaged folder that still looks committed)."""
+    """Rewrite the commit marker's file sizes and checksums (a damaged folder that still looks committed)."""
     marker = json.loads((folder / COMMIT_FILE).read_text())
     marker["files"] = {k: (folder / k).stat().st_size for k in marker["files"] if (folder / k).exists()}
+    marker["crc32"] = {k: file_crc32(str(folder / k)) for k in marker["files"]}
     (folder / COMMIT_FILE).write_text(json.dumps(marker))
 
 
@@ -730,6 +743,15 @@ def _damage(kind: str, folder: Path) -> None:
         state["flavor"] = "8B"
         (folder / "train_state.json").write_text(json.dumps(state))
         _recommit(folder)
+    elif kind == "other bytes, same size":  # a flipped bit: only the checksum tells
+        shard = folder / "__0_0.distcp"
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 2] ^= 0x10
+        shard.write_bytes(bytes(data))
+    elif kind == "edited checksums":
+        marker = json.loads((folder / COMMIT_FILE).read_text())
+        marker["crc32"]["train_state.json"] = "0"
+        (folder / COMMIT_FILE).write_text(json.dumps(marker))
     elif kind == "truncated shard":
         shard = folder / "__0_0.distcp"
         with open(shard, "r+b") as f:
@@ -750,6 +772,8 @@ BAD = {
     "another flavor": "saved for model llama3/8B, this run is llama3/debugmodel_L2",
     "edited train state": "train_state.json has no valid lr_scheduler.last_epoch, dp (edited or damaged)",
     "truncated shard": "__0_0.distcp has",
+    "other bytes, same size": "__0_0.distcp has other bytes than were saved (CRC32 ",
+    "edited checksums": f"{{folder}}/{COMMIT_FILE} has no valid crc32 list (edited or damaged)",
     "no commit marker": "incomplete checkpoint",
     "corrupt commit marker": f"cannot read '{{folder}}/{COMMIT_FILE}' as JSON",
 }
@@ -763,12 +787,13 @@ def test_bad_checkpoint_is_an_error_naming_the_field_and_nothing_is_deleted(refe
     before = tree(tmp_path)
     cfg = parse_args([*BASE, "--job.dump_folder", str(tmp_path), "--checkpoint.load_step", "10"])
     with pytest.raises(ConfigError, match="checkpoint.load_step") as e:
-        find_resume_point(cfg)
+        plan_resume(cfg)
     assert BAD[kind].format(folder=root / "step-000010") in str(e.value), str(e.value)
     if kind != "another flavor":  # damaged: the advice fits where the folder came from
         assert str(e.value).endswith("; pick another step with checkpoint.load_step"), str(e.value)
         with pytest.raises(ConfigError) as given:  # a folder given by path: initial weights, convert_hf
-            inspect_checkpoint(str(root / "step-000010"), "checkpoint.initial_load_path")
+            field = "checkpoint.initial_load_path"
+            verify_checksums(inspect_checkpoint(str(root / "step-000010"), field), field)
         assert str(given.value).endswith("; use another step folder for checkpoint.initial_load_path")
     assert tree(tmp_path) == before
 
@@ -804,9 +829,10 @@ def test_checkpoint_that_does_not_fit_the_model_is_refused_before_anything_is_wr
 
 def test_a_shard_damaged_after_its_commit_is_one_error_line(reference, tmp_path, capsys):
     """A data file whose bytes changed after the save (its size, which the commit marker checks, unchanged):
-    resuming, starting from it and converting it each give one error line naming the field (never DCP's
-    per-rank tracebacks, nor torch.load's advice to load with weights_only=False), and no file is changed (the
-    damage shows only when the data is read, after the run has dumped its config)."""
+    resuming, starting from it and converting it each give one error line naming the field, and no file is
+    changed. The checksums written with it name the file before anything is built; saved without them, the damage
+    shows when the data is read, after the run has dumped its config (never DCP's per-rank tracebacks, nor
+    torch.load's advice to load with weights_only=False)."""
     from engine import train as train_main
     from tools.convert_hf import main as convert
 
@@ -815,25 +841,68 @@ def test_a_shard_damaged_after_its_commit_is_one_error_line(reference, tmp_path,
     shutil.copytree(reference / "checkpoint" / "step-000010", step)
     with open(step / "__0_0.distcp", "r+b") as f:
         f.write(b"A" * 300)
-    damaged = f"a data file of '{step}' is damaged (its size is as saved, its bytes are not: "
-    cases = [
-        (lambda: train_main.main([*BASE, "--job.dump_folder", str(run)]),
-         f"error: checkpoint.folder: {damaged}", "; pick another step with checkpoint.load_step"),
-        (lambda: train_main.main([*BASE, "--job.dump_folder", str(tmp_path / "new"), "--checkpoint.initial_load_path",
-                                  str(step)]),
-         f"error: checkpoint.initial_load_path: {damaged}",
-         "; use another step folder for checkpoint.initial_load_path"),
-        (lambda: convert(["to-hf", str(step), str(tmp_path / "hf")]), f"error: checkpoint: {damaged}",
-         "; use another step folder for checkpoint"),
-    ]
-    for run_it, start, end in cases:
-        before = tree(tmp_path)
-        rc = run_it()
-        err = capsys.readouterr().err.strip().splitlines()
-        assert rc == 2 and len(err) == 1 and err[0].startswith(start) and err[0].endswith(end), err
-        assert "weights_only" not in err[0]
-        after = tree(tmp_path)
-        assert {k: after.get(k) for k in before} == before
+    checked = f"{step} is damaged: __0_0.distcp has other bytes than were saved (CRC32 "
+    undecodable = f"a data file of '{step}' is damaged (its size is as saved, its bytes are not: "
+    for damaged in (checked, undecodable):
+        if damaged == undecodable:  # saved without checksums (checkpoint.checksums = false)
+            marker = json.loads((step / COMMIT_FILE).read_text())
+            del marker["crc32"]
+            (step / COMMIT_FILE).write_text(json.dumps(marker))
+        cases = [
+            (lambda: train_main.main([*BASE, "--job.dump_folder", str(run)]),
+             f"error: checkpoint.folder: {damaged}", "; pick another step with checkpoint.load_step"),
+            (lambda: train_main.main([*BASE, "--job.dump_folder", str(tmp_path / "new"),
+                                      "--checkpoint.initial_load_path", str(step)]),
+             f"error: checkpoint.initial_load_path: {damaged}",
+             "; use another step folder for checkpoint.initial_load_path"),
+            (lambda: convert(["to-hf", str(step), str(tmp_path / "hf")]), f"error: checkpoint: {damaged}",
+             "; use another step folder for checkpoint"),
+        ]
+        for run_it, start, end in cases:
+            before = tree(tmp_path)
+            rc = run_it()
+            err = capsys.readouterr().err.strip().splitlines()
+            assert rc == 2 and len(err) == 1 and err[0].startswith(start) and err[0].endswith(end), err
+            assert "weights_only" not in err[0]
+            after = tree(tmp_path)
+            assert {k: after.get(k) for k in before} == before
+
+
+def test_the_commit_marker_takes_each_ranks_checksums_and_the_ranks_share_the_check(tmp_path, monkeypatch):
+    """Each rank's CRC32s of its own data files (written beside them once they are) go into the commit marker as
+    they are, and the rest are computed there; checking, each rank reads its share of the files, each file once,
+    the largest dealt first."""
+    import engine.checkpoint.files as files
+
+    folder = tmp_path / "step-000001"
+    (folder / "rng").mkdir(parents=True)
+    (folder / "__0_0.distcp").write_bytes(b"a" * 300)
+    (folder / "__1_0.distcp").write_bytes(b"b" * 200)
+    (folder / "rng" / "rank-00000.json").write_text("{}")
+    (folder / "train_state.json").write_text('{"step": 1}')
+    files.write_own_checksums(str(folder), 0)
+    (folder / CHECKSUM_DIR / "rank-00001.json").write_text(json.dumps({"__1_0.distcp": 12345}))  # as rank 1 said
+    sizes = write_commit_marker(str(folder), 1)
+    assert not (folder / CHECKSUM_DIR).exists() and sorted(sizes) == sorted(
+        ["__0_0.distcp", "__1_0.distcp", "rng/rank-00000.json", "train_state.json"])
+    crc32 = json.loads((folder / COMMIT_FILE).read_text())["crc32"]
+    assert crc32 == {"__0_0.distcp": file_crc32(str(folder / "__0_0.distcp")), "__1_0.distcp": 12345,
+                     "rng/rank-00000.json": file_crc32(str(folder / "rng" / "rank-00000.json")),
+                     "train_state.json": file_crc32(str(folder / "train_state.json"))}
+    crc32["__1_0.distcp"] = file_crc32(str(folder / "__1_0.distcp"))
+    info = files.CheckpointInfo(str(folder), 1, {}, {}, crc32)
+    read: list[list[str]] = []
+
+    def crc_of(path: str) -> int:
+        read[-1].append(os.path.relpath(path, folder))
+        return info.checksums[read[-1][-1]]
+
+    monkeypatch.setattr(files, "file_crc32", crc_of)
+    for rank in range(2):
+        read.append([])
+        files.verify_checksums(info, "checkpoint.folder", rank, 2)
+        assert info.verified[0] == 4
+    assert read == [["__0_0.distcp", "train_state.json"], ["__1_0.distcp", "rng/rank-00000.json"]]
 
 
 def test_a_data_file_that_cannot_be_read_is_not_called_damaged(tmp_path, monkeypatch):
@@ -1067,24 +1136,41 @@ def test_a_run_without_checkpoint_enable_says_it_ignores_the_folders_checkpoints
 
 
 def resume_view_job(world_size: int, rank: int, dump: str, hidden_on_rank_1: bool) -> str:
-    """agreed_resume_point on every rank; with ``hidden_on_rank_1`` rank 1 sees an empty checkpoint folder (as a
-    node would whose checkpoint folder is on its own disk). Returns rank 0's answer or error."""
+    """plan_resume on every rank; with ``hidden_on_rank_1`` rank 1 sees an empty checkpoint folder (as a node
+    would whose checkpoint folder is on its own disk). Returns rank 0's answer or error."""
     import engine.checkpoint.resume
 
-    cfg = parse_args([*BASE, "--job.dump_folder", dump])
+    cfg = parse_args([*BASE, "--job.dump_folder", dump, "--training.steps", "30"])  # not finished: checked
+    list_steps = engine.checkpoint.resume.list_steps
     if hidden_on_rank_1 and rank == 1:
         engine.checkpoint.resume.list_steps = lambda root: []
     try:
-        info = engine.checkpoint.resume.agreed_resume_point(cfg)
-    except ConfigError as e:
+        info = engine.checkpoint.resume.plan_resume(cfg).checkpoint
+    except ValueError as e:  # (a ConfigError on the rank that found it)
         return f"error: {e}"
-    return f"step {info.step}"
+    finally:
+        engine.checkpoint.resume.list_steps = list_steps  # (the next job runs in the same process)
+    return f"step {info.step}, {info.verified[0]} files checked"
 
 
 def test_ranks_that_see_different_checkpoints_stop_before_loading(reference, tmp_path):
-    jobs = {"same": (str(reference), False), "split": (str(reference), True)}
-    result = run_jobs(2, resume_view_job, jobs, str(tmp_path))
-    assert result["same"] == "step 20"
+    """Every rank finds the same checkpoint, or every rank stops; each checks its share of the files' checksums,
+    and a damaged file in one rank's share stops them all."""
+    damaged = tmp_path / "damaged"
+    step = damaged / "checkpoint" / "step-000020"
+    shutil.copytree(reference / "checkpoint" / "step-000020", step)
+    crc32 = json.loads((step / COMMIT_FILE).read_text())["crc32"]
+    second = sorted(crc32, key=lambda rel: (-(step / rel).stat().st_size, rel))[1]  # rank 1's first file
+    with open(step / second, "r+b") as f:
+        f.seek(5)
+        byte = f.read(1)
+        f.seek(5)
+        f.write(bytes([byte[0] ^ 1]))
+    jobs = {"same": (str(reference), False), "split": (str(reference), True), "damaged": (str(damaged), False)}
+    result = run_jobs(2, resume_view_job, jobs, str(tmp_path / "jobs"))
+    assert result["same"] == "step 20, 5 files checked"
+    assert result["damaged"].startswith(f"error: [rank 1] checkpoint.folder: {step} is damaged: {second} has other "
+                                        "bytes than were saved (CRC32 "), result["damaged"]
     assert result["split"] == (f"error: checkpoint.folder: the ranks see different checkpoints to resume from in "
                                f"{reference / 'checkpoint'} (rank 0 step 20, rank 1 none); put it on a filesystem "
                                "every node shares and sees alike"), result["split"]

@@ -18,8 +18,8 @@ from __future__ import annotations
 import os
 import sys
 
-from engine.checkpoint.files import (FORMAT_VERSION, TRAIN_STATE_FILE, inspect_checkpoint, write_commit_marker,
-                                     write_json, write_tensors)
+from engine.checkpoint.files import (FORMAT_VERSION, TRAIN_STATE_FILE, inspect_checkpoint, verify_checksums,
+                                     write_commit_marker, write_json, write_tensors)
 from engine.hf import EXPORT_DTYPES, export_checkpoint_hf
 from engine.config import ArgumentParser
 
@@ -57,6 +57,7 @@ def to_hf(step_folder: str, out: str, dtype: str = "bfloat16", tokenizer: str = 
         tokenizer, told = recorded_tokenizer(step_folder)
     else:
         told = "no tokenizer copied (--no-tokenizer)"
+    verify_checksums(inspect_checkpoint(step_folder, "checkpoint"), "checkpoint")  # a damaged file: not exported
     what = export_checkpoint_hf(step_folder, out, EXPORT_DTYPES[dtype], tokenizer or None, field="out")
     print(f"wrote {out} ({what}, {dtype}); {told}")
 

@@ -18,6 +18,7 @@ import shutil
 import signal
 import threading
 import time
+from concurrent.futures import Future
 from datetime import timedelta
 from typing import Any, Callable, Optional
 
@@ -40,7 +41,8 @@ from engine import events
 from engine.checkpoint.files import (FORMAT_VERSION, HF_EXPORT_DIR, REMOVING_DIR, TRAIN_STATE_FILE, CheckpointInfo,
                                      StorageFull, check_entries, checkpoint_root, dcp_load, folder_bytes, free_bytes,
                                      hf_export_folder, inspect_checkpoint, is_complete, is_model_only, list_steps,
-                                     out_of_space, set_aside, step_folder, write_commit_marker, write_json)
+                                     out_of_space, set_aside, step_folder, write_commit_marker, write_json,
+                                     write_own_checksums)
 from engine.config import Config, changed_settings, read_json_object, resume_settings
 from engine.distributed import keep_own_timeout, log_ranks, longer_collective_timeout
 from engine.hf import EXPORT_DTYPES, export_checkpoint_hf, load_hf_into
@@ -249,12 +251,16 @@ class Checkpointer:
                                     async_stager=self.stager) if self.stager is not None else \
                 dcp.async_save(state, storage_writer=writer, process_group=self.pg)
             future = getattr(future, "upload_completion", future)
+            if self.cfg.checkpoint.checksums:
+                future = _then(future, lambda: write_own_checksums(folder, self.rank))
             self.pending = {"step": step, "future": future, "t0": t0, "staged": time.perf_counter() - t0,
                             "steps": 0}
             self._log(f"checkpoint: step {step} staged in {self.pending['staged']:.2f}s; writing in the background")
             return
         with self._full_storage_named(step):
             dcp.save(state, storage_writer=writer, no_dist=not dist.is_initialized())
+            if self.cfg.checkpoint.checksums:
+                write_own_checksums(folder, self.rank)
         events.point(step, "dcp_done")
         self._commit(step, folder, time.perf_counter() - t0, model_only)
 
@@ -324,7 +330,7 @@ class Checkpointer:
     def _write_commit(self, step: int, folder: str, seconds: float, model_only: bool, overlapped: int) -> None:
         """Rank 0, once every rank's files of ``step`` are written: the marker, then retention."""
         events.point(step, "before_commit")
-        files = write_commit_marker(folder, step)
+        files = write_commit_marker(folder, step, checksums=self.cfg.checkpoint.checksums)
         size = sum(files.values()) / 2**20
         how = f"in the background over {overlapped} training steps, " if overlapped else ""
         self._log(f"checkpoint: step {step} committed ({'model only, ' if model_only else ''}{size:.1f} MiB "
@@ -485,7 +491,7 @@ class Checkpointer:
             rng_file = os.path.join(info.folder, "rng", f"rank-{self.rank:05d}.json")
             set_rng_state(read_json_object(rng_file, "checkpoint.folder"))
         self._log(f"checkpoint: resumed from step {info.step} ({info.folder}, saved on {saved_layout[1]}) in "
-                  f"{time.perf_counter() - t0:.2f}s")
+                  f"{time.perf_counter() - t0:.2f}s{_verified(info)}")
         return info.step
 
     def load_model_only(self, path: str, from_hf: bool) -> None:
@@ -596,6 +602,34 @@ class _Vote:
         if event is not None:
             event.synchronize()
         return int(flag.item())
+
+
+def _verified(info: CheckpointInfo) -> str:
+    """What the load log line says of the checkpoint's checksums, checked before anything was built."""
+    if not info.checksums:
+        return "; saved without checksums, so its bytes were not checked"
+    if info.verified is None:  # (checkpoint.checksums is off in this run)
+        return ""
+    files, seconds = info.verified
+    return f"; its {files} files matched their checksums (checked in {seconds:.2f}s)"
+
+
+def _then(future: Future, work: Callable[[], None]) -> Future:
+    """A future done once ``future`` is and then ``work()`` has run, in a thread of its own; it holds either's
+    error."""
+    after: Future = Future()
+
+    def run() -> None:
+        try:
+            future.result()
+            work()
+        except BaseException as e:  # DCP's CheckpointException is a BaseException
+            after.set_exception(e)
+        else:
+            after.set_result(None)
+
+    threading.Thread(target=run, name="checkpoint-checksums", daemon=True).start()
+    return after
 
 
 def step_writer(folder: str, step: int, background: bool) -> FileSystemWriter:

@@ -18,7 +18,8 @@ import time
 import traceback
 import warnings
 import zipfile
-from dataclasses import dataclass
+import zlib
+from dataclasses import dataclass, field as dataclass_field
 from typing import Any, Callable, Optional
 
 import torch
@@ -30,6 +31,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, StorageM
 from engine.config import Config, ConfigError, read_json_object
 
 COMMIT_FILE = "COMMITTED.json"
+CHECKSUM_DIR = "checksums"  # each rank's CRC32s of its data files, until rank 0 folds them into the commit marker
 TRAIN_STATE_FILE = "train_state.json"
 FORMAT_VERSION = 1
 _STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -208,15 +210,46 @@ def write_json(path: str, data: dict) -> None:
     os.replace(tmp, path)
 
 
-def write_commit_marker(folder: str, step: int) -> dict[str, int]:
+def file_crc32(path: str) -> int:
+    """The CRC32 of a file's bytes, read 16 MiB at a time (zlib lets go of the GIL: a background thread checksums
+    beside training)."""
+    crc, buf = 0, bytearray(16 * 2**20)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            crc = zlib.crc32(view[:n], crc)
+    return crc
+
+
+def write_own_checksums(folder: str, rank: int) -> None:
+    """Rank ``rank``, once DCP has written its data files of the step folder ``folder`` (__<rank>_*.distcp): their
+    CRC32s, read back while the page cache holds them, to checksums/rank-<rank>.json for the commit marker."""
+    names = sorted(n for n in os.listdir(folder) if n.startswith(f"__{rank}_") and n.endswith(".distcp"))
+    write_json(os.path.join(folder, CHECKSUM_DIR, f"rank-{rank:05d}.json"),
+               {n: file_crc32(os.path.join(folder, n)) for n in names})
+
+
+def write_commit_marker(folder: str, step: int, checksums: bool = True) -> dict[str, int]:
     """Mark the step folder ``folder`` complete, once everything else in it is written: the marker lists every
-    file with its size, which inspect_checkpoint compares. Returns that list."""
+    file with its size, which inspect_checkpoint compares, and (``checksums``) its CRC32, which verify_checksums
+    compares: the ranks' own (write_own_checksums), the rest (small files; a rank's data files when the ranks'
+    checksums are missing) computed here. Returns the sizes."""
+    crcs: dict[str, int] = {}
+    own = os.path.join(folder, CHECKSUM_DIR)
+    if os.path.isdir(own):
+        for name in sorted(os.listdir(own)):
+            if checksums and name.endswith(".json"):  # (not a writer's temporary file)
+                crcs.update(read_json_object(os.path.join(own, name), "checkpoint.folder"))
+        shutil.rmtree(own, ignore_errors=True)  # folded into the marker
     files = {}
     for dirpath, _, names in os.walk(folder):
         for name in names:
             path = os.path.join(dirpath, name)
             files[os.path.relpath(path, folder)] = os.path.getsize(path)
-    write_json(os.path.join(folder, COMMIT_FILE), {"step": step, "files": files, "time": time.time()})
+    marker: dict[str, Any] = {"step": step, "files": files, "time": time.time()}
+    if checksums:
+        marker["crc32"] = {rel: crcs[rel] if rel in crcs else file_crc32(os.path.join(folder, rel)) for rel in files}
+    write_json(os.path.join(folder, COMMIT_FILE), marker)
     return files
 
 
@@ -264,6 +297,10 @@ class CheckpointInfo:
     train_state: dict
     tensors: dict[str, TensorStorageMetadata]
     """DCP's entries: name -> global shape and dtype."""
+    checksums: dict[str, int] = dataclass_field(default_factory=dict)
+    """The commit marker's CRC32 of every file (none for a checkpoint saved without checkpoint.checksums)."""
+    verified: Optional[tuple[int, float]] = None
+    """Once verify_checksums has run: the files checked by all ranks, and the seconds this rank took."""
 
     @property
     def model_only(self) -> bool:
@@ -277,9 +314,7 @@ def inspect_checkpoint(folder: str, field: str, cfg: Optional[Config] = None) ->
     here), DCP's metadata readable without pickled objects, and train_state.json naming the same model and
     flavor as ``cfg``.
     """
-    # A run's own checkpoints are chosen with checkpoint.load_step; any other folder is given by path.
-    another = ("pick another step with checkpoint.load_step" if field in ("checkpoint.load_step", "checkpoint.folder")
-               else f"use another step folder for {field}")
+    another = _another(field)
     if not os.path.isdir(folder):
         raise ConfigError(f"{field}: checkpoint folder {folder} not found")
     if not os.listdir(folder):
@@ -312,6 +347,9 @@ def inspect_checkpoint(folder: str, field: str, cfg: Optional[Config] = None) ->
         if actual != size:
             raise ConfigError(f"{field}: {folder} is damaged: {rel} has {actual} bytes, {size} were written "
                               f"(truncated or overwritten); {another}")
+    checksums = commit.get("crc32", {})
+    if not (isinstance(checksums, dict) and all(isinstance(v, int) for v in checksums.values())):
+        raise ConfigError(f"{field}: {folder}/{COMMIT_FILE} has no valid crc32 list (edited or damaged); {another}")
     if not os.path.isfile(os.path.join(folder, ".metadata")):
         raise ConfigError(f"{field}: {folder} has no DCP .metadata file; it is not a Tessera checkpoint")
     try:
@@ -335,7 +373,29 @@ def inspect_checkpoint(folder: str, field: str, cfg: Optional[Config] = None) ->
     if bad:
         raise ConfigError(f"{field}: {folder}/{TRAIN_STATE_FILE} has no valid {', '.join(bad)} (edited or damaged); "
                           f"{another}")
-    return CheckpointInfo(folder, int(state["step"]), state, tensors)
+    return CheckpointInfo(folder, int(state["step"]), state, tensors, checksums)
+
+
+def _another(field: str) -> str:
+    """What to do about a damaged checkpoint: a run's own checkpoints are chosen with checkpoint.load_step, any
+    other folder is given by path."""
+    return ("pick another step with checkpoint.load_step" if field in ("checkpoint.load_step", "checkpoint.folder")
+            else f"use another step folder for {field}")
+
+
+def verify_checksums(info: CheckpointInfo, field: str, rank: int = 0, world_size: int = 1) -> None:
+    """Compare the files of checkpoint ``info`` with the CRC32s written with them: rank ``rank`` of ``world_size``
+    takes its share (largest files first, dealt in turn), so every file is read once. A file whose bytes changed
+    since its save (a failing disk, a bad copy: same size, other bytes) is a ConfigError naming ``field``. Sets
+    ``info.verified``; a checkpoint saved without checksums has none to compare."""
+    t0 = time.perf_counter()
+    sizes = {rel: os.path.getsize(os.path.join(info.folder, rel)) for rel in info.checksums}
+    for rel in sorted(sizes, key=lambda rel: (-sizes[rel], rel))[rank::world_size]:
+        actual = file_crc32(os.path.join(info.folder, rel))
+        if actual != info.checksums[rel]:
+            raise ConfigError(f"{field}: {info.folder} is damaged: {rel} has other bytes than were saved (CRC32 "
+                              f"{actual:08x}, {info.checksums[rel]:08x} when written); {_another(field)}")
+    info.verified = (len(sizes), time.perf_counter() - t0)
 
 
 def _train_state_problems(state: dict) -> list[str]:

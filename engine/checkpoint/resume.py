@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from engine.checkpoint.files import (CheckpointInfo, check_entries, checkpoint_root, inspect_checkpoint, is_model_only,
-                                     list_steps)
+                                     list_steps, verify_checksums)
 from engine.config import Config, ConfigError, check_shard_split, is_hf_folder, read_json_object
 from engine.data.loader import READING_FIELDS, reading_options, source_id
 from engine.distributed import agree_on_user_errors
@@ -74,7 +74,26 @@ def plan_resume(cfg: Config) -> ResumePlan:
             f"checkpoint: step {newest} in {root} holds the model only (no optimizer or data state), so it is not "
             f"resumed from and this run starts at step {plan.step}; to start from its weights instead, give its "
             "folder as checkpoint.initial_load_path in a new job.dump_folder")
+    if c.checksums and plan.finished_at is None:
+        verify_start(cfg, plan)
     return plan
+
+
+def verify_start(cfg: Config, plan: ResumePlan) -> None:
+    """Every rank reads its share of the files of the checkpoint the run resumes from, or of its initial weights
+    (a Tessera step folder), against the CRC32s written with them (collective when there are several ranks): a
+    damaged file stops every rank with one error line, before anything is built."""
+    if plan.checkpoint is not None:
+        info: Optional[CheckpointInfo] = plan.checkpoint
+        field = "checkpoint.load_step" if cfg.checkpoint.load_step > 0 else "checkpoint.folder"
+    elif plan.initial_load_path and not plan.initial_from_hf:
+        info, field = None, "checkpoint.initial_load_path"
+    else:
+        return
+    rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    with agree_on_user_errors():
+        info = info or inspect_checkpoint(plan.initial_load_path, field, cfg)
+        verify_checksums(info, field, rank, world_size)
 
 
 def find_resume_point(cfg: Config) -> Optional[CheckpointInfo]:
