@@ -397,6 +397,8 @@ class Checker:
                 return failed
         if "resumed from step 3" not in self.results[resumed].log:
             return Check(False, f"{resumed}: did not resume from step 3")
+        if "files matched their checksums" not in self.results[resumed].log:  # (written from the CUDA save)
+            return Check(False, f"{resumed}: its checkpoint's files were not checked against their checksums")
         got, want = records(self.folder(resumed)), records(self.folder("ckpt_whole"))
         same = all((got[s]["loss"], got[s]["grad_norm"]) == (want[s]["loss"], want[s]["grad_norm"]) for s in (4, 5, 6))
         return Check(same, f"{mode}: steps 4-6 after the resume {'are' if same else 'are NOT'} bit-identical to the "

@@ -881,13 +881,19 @@ def test_gpu_check_verdicts_can_fail(tmp_path):
     write("ckpt_whole", curve)
     write("ckpt_async_killed", curve[:3])
     write("ckpt_async_resumed", curve[:5] + [5.5 + 1e-12])
-    labels = ["ref", "same", "off", "short", "nan", "ckpt_whole", "ckpt_async_killed", "ckpt_async_resumed", "died"]
+    write("ckpt_disabled_killed", curve[:3])
+    write("ckpt_disabled_resumed", curve)
+    labels = ["ref", "same", "off", "short", "nan", "ckpt_whole", "ckpt_async_killed", "ckpt_async_resumed", "died",
+              "ckpt_disabled_killed", "ckpt_disabled_resumed"]
     plan = [Run(label, args) for label in labels]
-    results = {label: Result(0, 1.0, "resumed from step 3") for label in labels}
-    results["ckpt_async_killed"] = Result(-9, 1.0, "")
+    resumed = "checkpoint: resumed from step 3 (...) in 0.10s; its 5 files matched their checksums (checked in 0.01s)"
+    results = {label: Result(0, 1.0, resumed) for label in labels}
+    results["ckpt_async_killed"] = results["ckpt_disabled_killed"] = Result(-9, 1.0, "")
     results["died"] = Result(1, 1.0, "Traceback\nRuntimeError: CUDA error: an illegal memory access")
     c = gpu_check.Checker(plan, results, tmp_path)
-    assert c.close("same", "ref", 1e-2).ok and c.falls("ref").ok
+    assert c.close("same", "ref", 1e-2).ok and c.falls("ref").ok and c.exact_resume("disabled").ok
+    results["ckpt_disabled_resumed"] = Result(0, 1.0, resumed.split(";")[0])  # the same losses, nothing checked
+    assert "not checked against their checksums" in c.exact_resume("disabled").detail
     for verdict in (c.close("off", "ref", 1e-2), c.close("short", "ref", 1e-2), c.close("nan", "ref", 1e-2),
                     c.close("died", "ref", 1e-2), c.exact_resume("async"), c.falls("same", by=0.5)):
         assert not verdict.ok, verdict.detail
