@@ -890,7 +890,7 @@ def test_the_commit_marker_takes_each_ranks_checksums_and_the_ranks_share_the_ch
                      "rng/rank-00000.json": file_crc32(str(folder / "rng" / "rank-00000.json")),
                      "train_state.json": file_crc32(str(folder / "train_state.json"))}
     crc32["__1_0.distcp"] = file_crc32(str(folder / "__1_0.distcp"))
-    info = files.CheckpointInfo(str(folder), 1, {}, {}, crc32)
+    info = files.CheckpointInfo(str(folder), 1, {}, {}, crc32, sizes)
     read: list[list[str]] = []
 
     def crc_of(path: str) -> int:
@@ -1154,8 +1154,8 @@ def resume_view_job(world_size: int, rank: int, dump: str, hidden_on_rank_1: boo
 
 
 def test_ranks_that_see_different_checkpoints_stop_before_loading(reference, tmp_path):
-    """Every rank finds the same checkpoint, or every rank stops; each checks its share of the files' checksums,
-    and a damaged file in one rank's share stops them all."""
+    """Every rank finds the same checkpoint, or every rank stops; each checks its share of the files' sizes and
+    checksums, and a damaged file in one rank's share stops them all."""
     damaged = tmp_path / "damaged"
     step = damaged / "checkpoint" / "step-000020"
     shutil.copytree(reference / "checkpoint" / "step-000020", step)
@@ -1166,11 +1166,20 @@ def test_ranks_that_see_different_checkpoints_stop_before_loading(reference, tmp
         byte = f.read(1)
         f.seek(5)
         f.write(bytes([byte[0] ^ 1]))
-    jobs = {"same": (str(reference), False), "split": (str(reference), True), "damaged": (str(damaged), False)}
+    # The sizes are looked at in name order, each file by one rank: the second name is rank 1's.
+    truncated = tmp_path / "truncated" / "checkpoint" / "step-000020"
+    shutil.copytree(reference / "checkpoint" / "step-000020", truncated)
+    name = sorted(crc32)[1]
+    with open(truncated / name, "r+b") as f:
+        f.truncate(3)
+    jobs = {"same": (str(reference), False), "split": (str(reference), True), "damaged": (str(damaged), False),
+            "truncated": (str(truncated.parent.parent), False)}
     result = run_jobs(2, resume_view_job, jobs, str(tmp_path / "jobs"))
     assert result["same"] == "step 20, 5 files checked"
     assert result["damaged"].startswith(f"error: [rank 1] checkpoint.folder: {step} is damaged: {second} has other "
                                         "bytes than were saved (CRC32 "), result["damaged"]
+    assert result["truncated"].startswith(f"error: [rank 1] checkpoint.folder: {truncated} is damaged: {name} has 3 "
+                                          "bytes, "), result["truncated"]
     assert result["split"] == (f"error: checkpoint.folder: the ranks see different checkpoints to resume from in "
                                f"{reference / 'checkpoint'} (rank 0 step 20, rank 1 none); put it on a filesystem "
                                "every node shares and sees alike"), result["split"]

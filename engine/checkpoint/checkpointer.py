@@ -504,7 +504,7 @@ class Checkpointer:
             self._log(f"checkpoint: initial weights from Hugging Face folder {path} in {time.perf_counter() - t0:.2f}s "
                       f"(this rank read {read / 2**20:,.1f} MiB of its {total / 2**20:,.1f} MiB)")
             return
-        info = inspect_checkpoint(path, field, self.cfg)
+        info = inspect_checkpoint(path, field, self.cfg, self.rank, self.world_size)  # (its files checked before)
         parts = self._part_states()
         model = self.model_state(parts)
         check_entries(info, model, field)

@@ -299,6 +299,8 @@ class CheckpointInfo:
     """DCP's entries: name -> global shape and dtype."""
     checksums: dict[str, int] = dataclass_field(default_factory=dict)
     """The commit marker's CRC32 of every file (none for a checkpoint saved without checkpoint.checksums)."""
+    sizes: dict[str, int] = dataclass_field(default_factory=dict)
+    """The commit marker's size of every file."""
     verified: Optional[tuple[int, float]] = None
     """Once verify_checksums has run: the files checked by all ranks, and the seconds this rank took."""
 
@@ -307,12 +309,14 @@ class CheckpointInfo:
         return bool(self.train_state.get("model_only"))
 
 
-def inspect_checkpoint(folder: str, field: str, cfg: Optional[Config] = None) -> CheckpointInfo:
+def inspect_checkpoint(folder: str, field: str, cfg: Optional[Config] = None, rank: int = 0,
+                       world_size: int = 1) -> CheckpointInfo:
     """Check a checkpoint folder without loading its tensors; raises ConfigError naming ``field``.
 
     Checks: the commit marker, every listed file present with its size (a truncated shard is caught
     here), DCP's metadata readable without pickled objects, and train_state.json naming the same model and
-    flavor as ``cfg``.
+    flavor as ``cfg``. Rank ``rank`` of ``world_size`` looks at its share of the listed files only (each file is
+    looked at by one rank: thousands of ranks do not each stat thousands of files); the caller agrees on errors.
     """
     another = _another(field)
     if not os.path.isdir(folder):
@@ -339,8 +343,9 @@ def inspect_checkpoint(folder: str, field: str, cfg: Optional[Config] = None) ->
             raise ConfigError(f"{e}; {another}") from None
 
     commit = read_small_file(COMMIT_FILE)
-    for rel, size in dict(commit.get("files", {})).items():
-        path = os.path.join(folder, rel)
+    sizes = dict(commit.get("files", {}))
+    for rel in sorted(sizes)[rank::world_size]:
+        path, size = os.path.join(folder, rel), sizes[rel]
         if not os.path.isfile(path):
             raise ConfigError(f"{field}: {folder} is damaged: {rel} is missing; {another}")
         actual = os.path.getsize(path)
@@ -348,7 +353,8 @@ def inspect_checkpoint(folder: str, field: str, cfg: Optional[Config] = None) ->
             raise ConfigError(f"{field}: {folder} is damaged: {rel} has {actual} bytes, {size} were written "
                               f"(truncated or overwritten); {another}")
     checksums = commit.get("crc32", {})
-    if not (isinstance(checksums, dict) and all(isinstance(v, int) for v in checksums.values())):
+    if not (isinstance(checksums, dict) and all(isinstance(v, int) for v in checksums.values())
+            and (not checksums or checksums.keys() == sizes.keys())):
         raise ConfigError(f"{field}: {folder}/{COMMIT_FILE} has no valid crc32 list (edited or damaged); {another}")
     if not os.path.isfile(os.path.join(folder, ".metadata")):
         raise ConfigError(f"{field}: {folder} has no DCP .metadata file; it is not a Tessera checkpoint")
@@ -373,7 +379,7 @@ def inspect_checkpoint(folder: str, field: str, cfg: Optional[Config] = None) ->
     if bad:
         raise ConfigError(f"{field}: {folder}/{TRAIN_STATE_FILE} has no valid {', '.join(bad)} (edited or damaged); "
                           f"{another}")
-    return CheckpointInfo(folder, int(state["step"]), state, tensors, checksums)
+    return CheckpointInfo(folder, int(state["step"]), state, tensors, checksums, sizes)
 
 
 def _another(field: str) -> str:
@@ -389,13 +395,13 @@ def verify_checksums(info: CheckpointInfo, field: str, rank: int = 0, world_size
     since its save (a failing disk, a bad copy: same size, other bytes) is a ConfigError naming ``field``. Sets
     ``info.verified``; a checkpoint saved without checksums has none to compare."""
     t0 = time.perf_counter()
-    sizes = {rel: os.path.getsize(os.path.join(info.folder, rel)) for rel in info.checksums}
-    for rel in sorted(sizes, key=lambda rel: (-sizes[rel], rel))[rank::world_size]:
+    sizes = info.sizes  # (as inspect_checkpoint found them)
+    for rel in sorted(info.checksums, key=lambda rel: (-sizes[rel], rel))[rank::world_size]:
         actual = file_crc32(os.path.join(info.folder, rel))
         if actual != info.checksums[rel]:
             raise ConfigError(f"{field}: {info.folder} is damaged: {rel} has other bytes than were saved (CRC32 "
                               f"{actual:08x}, {info.checksums[rel]:08x} when written); {_another(field)}")
-    info.verified = (len(sizes), time.perf_counter() - t0)
+    info.verified = (len(info.checksums), time.perf_counter() - t0)
 
 
 def _train_state_problems(state: dict) -> list[str]:

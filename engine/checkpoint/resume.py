@@ -90,10 +90,14 @@ def verify_start(cfg: Config, plan: ResumePlan) -> None:
         info, field = None, "checkpoint.initial_load_path"
     else:
         return
-    rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     with agree_on_user_errors():
-        info = info or inspect_checkpoint(plan.initial_load_path, field, cfg)
-        verify_checksums(info, field, rank, world_size)
+        info = info or inspect_checkpoint(plan.initial_load_path, field, cfg, *_share())
+        verify_checksums(info, field, *_share())
+
+
+def _share() -> tuple[int, int]:
+    """This process's rank and the world size, for the checks the ranks split (1 rank outside a process group)."""
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
 
 
 def find_resume_point(cfg: Config) -> Optional[CheckpointInfo]:
@@ -110,7 +114,7 @@ def find_resume_point(cfg: Config) -> Optional[CheckpointInfo]:
             have = ", ".join(str(s[0]) for s in steps if s[2]) or "none"
             raise ConfigError(f"checkpoint.load_step: no checkpoint of step {c.load_step} in {root} "
                               f"(complete steps: {have})")
-        info = inspect_checkpoint(match[0][1], "checkpoint.load_step", cfg)
+        info = inspect_checkpoint(match[0][1], "checkpoint.load_step", cfg, *_share())
         if info.model_only:
             raise ConfigError(f"checkpoint.load_step: step {c.load_step} holds the model only (no optimizer or data "
                               "state); give it as checkpoint.initial_load_path to start a new run from it")
@@ -118,7 +122,7 @@ def find_resume_point(cfg: Config) -> Optional[CheckpointInfo]:
     for step, folder, complete in reversed(steps):
         if not complete:
             continue
-        info = inspect_checkpoint(folder, "checkpoint.folder", cfg)
+        info = inspect_checkpoint(folder, "checkpoint.folder", cfg, *_share())
         if not info.model_only:
             return info
     return None
@@ -162,7 +166,7 @@ def check_fits_model(cfg: Config, model: nn.Module, model_args: Any, plan: Resum
         return
     elif plan.initial_load_path:
         field = "checkpoint.initial_load_path"
-        info = inspect_checkpoint(plan.initial_load_path, field, cfg)
+        info = inspect_checkpoint(plan.initial_load_path, field, cfg, *_share())
     else:
         return
     check_entries(info, {f"model.{k}": v for k, v in model.state_dict().items()}, field)
