@@ -183,7 +183,7 @@ class Trainer:
         if resume.checkpoint is not None:  # (its data position: loaded above)
             self.step = self.checkpointer.load(resume.checkpoint, resume.load_data_position)
         elif resume.initial_load_path:
-            self.checkpointer.load_model_only(resume.initial_load_path, resume.initial_from_hf)
+            self.checkpointer.load_model_only(resume.initial_load_path, resume.initial_from_hf, resume.initial)
 
         if self.bf16_weights:  # from the final weights (initialized or loaded), before the first forward
             self.optimizer.set_low_halves(split_linear_weights(self.model_parts))

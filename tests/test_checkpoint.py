@@ -13,6 +13,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -870,8 +871,8 @@ def test_a_shard_damaged_after_its_commit_is_one_error_line(reference, tmp_path,
 
 def test_the_commit_marker_takes_each_ranks_checksums_and_the_ranks_share_the_check(tmp_path, monkeypatch):
     """Each rank's CRC32s of its own data files (written beside them once they are) go into the commit marker as
-    they are, and the rest are computed there; checking, each rank reads its share of the files, each file once,
-    the largest dealt first."""
+    they are, and the rest are computed there (a rank's that come after the commit are not written); checking,
+    each rank reads its share of the files, each file once, the largest dealt first."""
     import engine.checkpoint.files as files
 
     folder = tmp_path / "step-000001"
@@ -889,6 +890,8 @@ def test_the_commit_marker_takes_each_ranks_checksums_and_the_ranks_share_the_ch
     assert crc32 == {"__0_0.distcp": file_crc32(str(folder / "__0_0.distcp")), "__1_0.distcp": 12345,
                      "rng/rank-00000.json": file_crc32(str(folder / "rng" / "rank-00000.json")),
                      "train_state.json": file_crc32(str(folder / "train_state.json"))}
+    files.write_own_checksums(str(folder), 1)  # too late (rank 0 committed without it): leaves nothing behind
+    assert not (folder / CHECKSUM_DIR).exists()
     crc32["__1_0.distcp"] = file_crc32(str(folder / "__1_0.distcp"))
     info = files.CheckpointInfo(str(folder), 1, {}, {}, crc32, sizes)
     read: list[list[str]] = []
@@ -1501,8 +1504,11 @@ def test_seed_checkpoint_starts_any_layout_from_the_same_weights(tmp_path):
     one, eight = read_full(str(folder)), read_full(str(tmp_path / "seed8" / "checkpoint" / "step-000000"))
     assert same_tensors(one, eight)
     one = [*BASE, "--training.steps", "2", "--checkpoint.enable", "false"]
-    run_jobs(2, train_job, {  # FSDP 2: both runs in one pair of ranks
+    printed = run_jobs(2, train_job, {  # FSDP 2: both runs in one pair of ranks
         "seeded": ([*one, "--checkpoint.initial_load_path", str(folder), "--job.dump_folder", str(tmp_path / "seeded")],),
         "direct": ([*one, "--debug.seed", "7", "--job.dump_folder", str(tmp_path / "direct")],),
     }, str(tmp_path / "jobs"))
     assert curve(tmp_path / "seeded", [1, 2]) == curve(tmp_path / "direct", [1, 2])
+    files = len(json.loads((folder / "COMMITTED.json").read_text())["crc32"])
+    assert re.search(rf"checkpoint: initial weights from {re.escape(str(folder))} \(step 0\) in [0-9.]+s; its "
+                     rf"{files} files matched their checksums \(checked in [0-9.]+s\)", printed["seeded"]), printed

@@ -494,9 +494,9 @@ class Checkpointer:
                   f"{time.perf_counter() - t0:.2f}s{_verified(info)}")
         return info.step
 
-    def load_model_only(self, path: str, from_hf: bool) -> None:
+    def load_model_only(self, path: str, from_hf: bool, info: Optional[CheckpointInfo] = None) -> None:
         """Initial weights from a Tessera step folder or, ``from_hf``, a Hugging Face folder
-        (checkpoint.initial_load_path)."""
+        (checkpoint.initial_load_path); ``info``: the step folder as checked before, if it was."""
         field = "checkpoint.initial_load_path"
         t0 = time.perf_counter()
         if from_hf:
@@ -504,7 +504,7 @@ class Checkpointer:
             self._log(f"checkpoint: initial weights from Hugging Face folder {path} in {time.perf_counter() - t0:.2f}s "
                       f"(this rank read {read / 2**20:,.1f} MiB of its {total / 2**20:,.1f} MiB)")
             return
-        info = inspect_checkpoint(path, field, self.cfg, self.rank, self.world_size)  # (its files checked before)
+        info = info or inspect_checkpoint(path, field, self.cfg, self.rank, self.world_size)
         parts = self._part_states()
         model = self.model_state(parts)
         check_entries(info, model, field)
@@ -518,7 +518,8 @@ class Checkpointer:
         else:
             dcp_load(model, path, field, no_dist=not dist.is_initialized())
         self._set_model(model, parts)
-        self._log(f"checkpoint: initial weights from {path} (step {info.step}) in {time.perf_counter() - t0:.2f}s")
+        self._log(f"checkpoint: initial weights from {path} (step {info.step}) in {time.perf_counter() - t0:.2f}s"
+                  f"{_verified(info)}")
 
     def _set_model(self, state: dict[str, torch.Tensor], parts: list[dict[str, torch.Tensor]]) -> None:
         """Each part takes its entries of ``state`` (``parts``: the parts' state dicts, for their keys)."""

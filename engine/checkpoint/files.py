@@ -223,7 +223,10 @@ def file_crc32(path: str) -> int:
 
 def write_own_checksums(folder: str, rank: int) -> None:
     """Rank ``rank``, once DCP has written its data files of the step folder ``folder`` (__<rank>_*.distcp): their
-    CRC32s, read back while the page cache holds them, to checksums/rank-<rank>.json for the commit marker."""
+    CRC32s, read back while the page cache holds them, to checksums/rank-<rank>.json for the commit marker. Nothing
+    once the folder is committed already (a rank stopping alone: rank 0 computed them itself)."""
+    if is_complete(folder):
+        return
     names = sorted(n for n in os.listdir(folder) if n.startswith(f"__{rank}_") and n.endswith(".distcp"))
     write_json(os.path.join(folder, CHECKSUM_DIR, f"rank-{rank:05d}.json"),
                {n: file_crc32(os.path.join(folder, n)) for n in names})

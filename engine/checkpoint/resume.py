@@ -34,6 +34,8 @@ class ResumePlan:
     """Without a checkpoint to resume from: the initial weights (checkpoint.initial_load_path); "" for none."""
     initial_from_hf: bool = False
     """Whether initial_load_path is a Hugging Face folder (else a Tessera step folder)."""
+    initial: Optional[CheckpointInfo] = None
+    """The initial weights' step folder once checked before anything is built (verify_start); None otherwise."""
     finished_at: Optional[int] = None
     """The newest step when it has reached training.steps already: nothing to train, nothing to build."""
     passed_over: str = ""
@@ -93,6 +95,8 @@ def verify_start(cfg: Config, plan: ResumePlan) -> None:
     with agree_on_user_errors():
         info = info or inspect_checkpoint(plan.initial_load_path, field, cfg, *_share())
         verify_checksums(info, field, *_share())
+    if plan.checkpoint is None:
+        plan.initial = info
 
 
 def _share() -> tuple[int, int]:
@@ -166,7 +170,7 @@ def check_fits_model(cfg: Config, model: nn.Module, model_args: Any, plan: Resum
         return
     elif plan.initial_load_path:
         field = "checkpoint.initial_load_path"
-        info = inspect_checkpoint(plan.initial_load_path, field, cfg, *_share())
+        info = plan.initial or inspect_checkpoint(plan.initial_load_path, field, cfg, *_share())
     else:
         return
     check_entries(info, {f"model.{k}": v for k, v in model.state_dict().items()}, field)
