@@ -322,13 +322,19 @@ class Checker:
             int(given.get(f"--parallelism.{d}", 1)) > 1 for d in ("dp_replicate", "dp_shard"))
         if sharded:
             out.append("FSDP2 on")
+            reshard = given.get("--parallelism.fsdp_reshard_after_forward")
+            if reshard in ("never", "always"):
+                out.append(f"({'none' if reshard == 'never' else 'all'} resharded after forward)")
         if "--compile.enable" in given:
             out.append("modules compiled")
         mode = given.get("--activation_checkpoint.mode")
         if mode in ("selective", "full"):
             out.append("blocks checkpointed " + ("per op" if mode == "selective" else "whole"))
         if "--float8.enable" in given:
-            out.append(f"float8 {given.get('--float8.recipe', 'tensorwise')}: ")
+            out.append(f"float8 {given.get('--float8.recipe', 'tensorwise')}"
+                       + (" (emulated)" if "--float8.emulate" in given else "") + ": ")
+        if "--float8.fsdp_float8_all_gather" in given:
+            out.append("weights all-gathered in float8")
         if "--training.loss_chunk_tokens" in given:
             out.append(f"output loss fused in {given['--training.loss_chunk_tokens']}-token chunks")
         if "--model.attn" in given:

@@ -12,6 +12,8 @@ from torch.distributed.fsdp import FSDPModule
 
 from engine.config import Config
 from parallelize import pipeline_parallel as pipeline
+from parallelize.float8 import is_float8_all_gathered
+from parallelize.fsdp import resharded_after_forward
 from parallelize.init import materialize
 from parallelize.mesh import ParallelDims
 
@@ -67,13 +69,20 @@ class ModelParts:
 
     def describe(self, device: torch.device) -> str:
         """What the parallel plan did to this rank's parts, read from the modules themselves rather than the
-        config: FSDP2 units, compiled modules, checkpointed blocks, parameters FSDP keeps in CPU memory."""
+        config: FSDP2 units (and those that free their parameters after forward), weights all-gathered in float8,
+        compiled modules, checkpointed blocks, parameters FSDP keeps in CPU memory."""
         modules = [m for part in self.parts for m in part.modules()]
         blocks = sum(len(part.layers) for part in self.parts)
         out = []
-        fsdp = sum(isinstance(m, FSDPModule) for m in modules)
+        fsdp = [m for m in modules if isinstance(m, FSDPModule)]
         if fsdp:
-            out.append(f"FSDP2 on {fsdp} units")
+            flags = [resharded_after_forward(m) for m in fsdp]
+            resharded = sum(bool(f) for f in flags)
+            which = "none" if resharded == 0 else "all" if resharded == len(fsdp) else str(resharded)
+            out.append(f"FSDP2 on {len(fsdp)} units" + ("" if None in flags else f" ({which} resharded after forward)"))
+        float8_gathered = sum(is_float8_all_gathered(p) for part in self.parts for p in part.parameters())
+        if float8_gathered:
+            out.append(f"{float8_gathered} weights all-gathered in float8")
         on_cpu = [p for part in self.parts for p in part.parameters() if p.device.type == "cpu"]
         if on_cpu and device.type != "cpu":
             out.append(f"{len(on_cpu)} parameters in CPU memory")

@@ -49,6 +49,7 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from engine.config.errors import ConfigError
 from parallelize.compile import set_inductor_option
@@ -132,6 +133,14 @@ def is_float8_linear(module: Optional[nn.Module]) -> bool:
     """Whether ``module`` is a torchao Float8Linear (False, without importing torchao, when it is not loaded)."""
     mod = sys.modules.get("torchao.float8.float8_linear")
     return module is not None and mod is not None and isinstance(module, mod.Float8Linear)
+
+
+def is_float8_all_gathered(param: torch.Tensor) -> bool:
+    """Whether FSDP2 all-gathers ``param`` in float8: torchao's float8 weight under its sharding (False, without
+    importing torchao, when it is not loaded)."""
+    mod = sys.modules.get("torchao.float8.fsdp_utils")
+    local = param.to_local() if isinstance(param, DTensor) else param
+    return mod is not None and isinstance(local, mod.WeightWithDynamicFloat8CastTensor)
 
 
 # --------------------------------------------------------------------------------------------------------

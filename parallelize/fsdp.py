@@ -10,6 +10,7 @@ is built on DTensor like the rest, it composes with tensor parallelism (torch's 
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 
 import torch
 from torch import nn
@@ -83,6 +84,20 @@ def apply_fsdp(
         offload_policy=offload,
         reshard_after_forward=reshard_after_forward == "always",
     )
+
+
+def resharded_after_forward(module: FSDPModule) -> Optional[bool]:
+    """Whether FSDP2 frees ``module``'s gathered parameters after its forward; None if this torch keeps it where
+    this does not look. torch has a setter (set_reshard_after_forward) and no getter, so this reads FSDP2's own
+    state: its parameter groups (one attribute in torch 2.11, a list in later releases)."""
+    try:
+        state = module._get_fsdp_state()
+        groups = getattr(state, "_fsdp_param_groups", None)
+        if groups is None:
+            groups = [g for g in [state._fsdp_param_group] if g is not None]
+        return any(g.post_forward_mesh_info is not None for g in groups)
+    except AttributeError:
+        return None
 
 
 def _rows(param) -> int:

@@ -254,6 +254,7 @@ def built_features(trainer) -> dict:
         "float8": sum(type(m).__name__ == "Float8Linear" for m in modules),
         "dtensor_params": all(isinstance(p, DTensor) for part in trainer.model_parts for p in part.parameters()),
         "schedule": type(trainer.pp_schedule).__name__ if trainer.dims.pp_enabled else None,
+        "plan": trainer.stages.describe(trainer.device),  # the trainer's plan line, read from the modules
     }
 
 

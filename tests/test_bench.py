@@ -901,21 +901,24 @@ def test_gpu_check_verdicts_can_fail(tmp_path):
 
 
 def test_gpu_check_fails_a_run_whose_log_does_not_show_its_path(tmp_path):
-    """A run that trained but whose start-up lines do not show what its arguments asked for (FSDP2 units,
-    checkpointed blocks, the fused loss, the optimizer's kernel, the layout) FAILs; a real run's log, from the
-    trainer on the CPU, shows all of it and PASSes."""
+    """A run that trained but whose start-up lines do not show what its arguments asked for (FSDP2 units and
+    their resharding, float8 and its all-gather, checkpointed blocks, the fused loss, the optimizer's kernel, the
+    layout) FAILs; a real run's log, from the trainer on the CPU, shows all of it and PASSes."""
     gpu_check = _gpu_check()
     asked = ["--training.steps", "1", "--training.seq_len", "128", "--parallelism.fsdp_single_rank",
-             "--activation_checkpoint.mode", "selective", "--training.loss_chunk_tokens", "256",
-             "--optimizer.implementation", "for-loop", "--job.dump_folder", str(tmp_path / "asked")]
+             "--parallelism.fsdp_reshard_after_forward", "never", "--activation_checkpoint.mode", "selective",
+             "--float8.enable", "--float8.emulate", "--float8.fsdp_float8_all_gather",
+             "--training.loss_chunk_tokens", "256", "--optimizer.implementation", "for-loop",
+             "--job.dump_folder", str(tmp_path / "asked")]
     proc = subprocess.run([os.path.join(ROOT, "run_train.sh"), *asked], cwd=ROOT, capture_output=True, text=True,
                           timeout=600, env={**os.environ, "PYTHON": sys.executable})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     plan = [gpu_check.Run("asked", asked)]
     c = gpu_check.Checker(plan, {"asked": gpu_check.Result(0, 1.0, proc.stdout)}, tmp_path, device="cpu")
     said = c.says("asked")
-    assert said == ["FSDP2 on", "blocks checkpointed per op", "output loss fused in 256-token chunks",
-                    "AdamW for-loop"], said
+    assert said == ["FSDP2 on", "(none resharded after forward)", "blocks checkpointed per op",
+                    "float8 tensorwise (emulated): ", "weights all-gathered in float8",
+                    "output loss fused in 256-token chunks", "AdamW for-loop"], said
     assert c.finished("asked") is None
     for line in said:
         c.results["asked"] = gpu_check.Result(0, 1.0, proc.stdout.replace(line, "?"))

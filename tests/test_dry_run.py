@@ -43,8 +43,10 @@ def test_dry_run_405b_on_16384_ranks():
     assert "note: model.hf_assets_path './assets/hf/Llama-3.1-405B' not found" in out
     assert "mesh: pp 8 x dp_replicate 1 x dp_shard 256 x cp 1 x tp 8 = 16384 ranks" in out
     assert "views: dp 256, dp_shard_cp 256, dp_cp 256, tp 8, cp 1, pp 8; FSDP mesh: dp_shard 256" in out
-    # Read from the built modules of pipeline stage 0 (15 blocks and the stage's root as FSDP units).
-    assert "plan (rank 0): FSDP2 on 16 units; 15 modules compiled; 15 of 15 blocks checkpointed whole" in out
+    # Read from the built modules of pipeline stage 0 (15 blocks and the stage's root as FSDP units; a pipeline
+    # stage keeps its parameters gathered from its forward to its backward).
+    assert ("plan (rank 0): FSDP2 on 16 units (none resharded after forward); 15 modules compiled; 15 of 15 blocks "
+            "checkpointed whole") in out
     rows = table_rows(out)
     assert [int(r[0]) for r in rows] == list(range(8))
     assert [int(r[1]) for r in rows] == [2048 * i for i in range(8)]  # one rank per pipeline stage

@@ -271,6 +271,13 @@ def _check_built(args: list[str], built: dict) -> None:
         assert built["schedule"] == SCHEDULES[name][0], built
     else:
         assert built["schedule"] is None, built
+    if "FSDP2 on" in built["plan"]:  # the units that free their parameters after forward, as the plan line says
+        mode = args[args.index("--parallelism.fsdp_reshard_after_forward") + 1] \
+            if "--parallelism.fsdp_reshard_after_forward" in args else "default"
+        if mode == "default":  # every block but the last; none of a pipeline stage's (its backward re-gathers)
+            mode = "never" if "--parallelism.pp " in a or blocks < 2 else str(blocks - 1)
+        which = {"never": "none", "always": "all"}.get(mode, mode)
+        assert f"units ({which} resharded after forward)" in built["plan"], built
     _check_built_sharding(args, built)
 
 
