@@ -26,8 +26,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from engine.checkpoint.files import (CHECKSUM_DIR, COMMIT_FILE, file_crc32, inspect_checkpoint, list_steps, read_full,
-                                     verify_checksums, write_commit_marker)
+from engine.checkpoint.files import (CHECKSUM_DIR, CHECKSUM_KEY, COMMIT_FILE, file_checksum, inspect_checkpoint,
+                                     list_steps, read_full, verify_checksums, write_commit_marker)
 from engine.checkpoint.resume import find_resume_point, plan_resume
 from engine.config import ConfigError, parse_args
 from engine.data.loader import build_dataloader
@@ -410,7 +410,7 @@ def test_resume_takes_the_new_peak_lr_and_schedule_length(tmp_path):
     state_file.write_text(json.dumps({k: v for k, v in json.loads(state_file.read_text()).items() if k != "settings"}))
     _recommit(state_file.parent)
     marker = json.loads((state_file.parent / COMMIT_FILE).read_text())
-    del marker["crc32"]
+    del marker[CHECKSUM_KEY]
     (state_file.parent / COMMIT_FILE).write_text(json.dumps(marker))
     resumed = train(old, "--training.steps", "5", "--optimizer.lr", "1e-5")
     assert (f"checkpoint: optimizer.lr 1e-05 (the checkpoint's run used {first.optimizer.lr:g}): the schedule goes on "
@@ -684,10 +684,10 @@ def test_async_save_on_two_ranks_commits_once_every_rank_has_written(tmp_path):
         assert same_tensors(a, b), step
         for run in ("sync", "async"):  # each rank's checksums written, folded into the marker
             folder = tmp_path / run / "checkpoint" / f"step-{step:06d}"
-            crc32 = json.loads((folder / COMMIT_FILE).read_text())["crc32"]
-            assert crc32 == {str(p.relative_to(folder)): file_crc32(str(p)) for p in folder.rglob("*")
+            sums = json.loads((folder / COMMIT_FILE).read_text())[CHECKSUM_KEY]
+            assert sums == {str(p.relative_to(folder)): file_checksum(str(p)) for p in folder.rglob("*")
                              if p.is_file() and p.name != COMMIT_FILE}
-            assert "__1_0.distcp" in crc32 and not (folder / CHECKSUM_DIR).exists()
+            assert "__1_0.distcp" in sums and not (folder / CHECKSUM_DIR).exists()
     assert curve(tmp_path / "async", range(1, 21)) == curve(tmp_path / "sync", range(1, 21))
     stopped = train(tmp_path / "stopped", *FOR_LOOP, "--checkpoint.async_mode", "async", fault="10:sigterm", ngpu=2)
     assert "SIGTERM: checkpoint of step 11 saved; exiting" in stopped.stdout
@@ -703,7 +703,7 @@ def _recommit(folder: Path) -> None:
     """Rewrite the commit marker's file sizes and checksums (a damaged folder that still looks committed)."""
     marker = json.loads((folder / COMMIT_FILE).read_text())
     marker["files"] = {k: (folder / k).stat().st_size for k in marker["files"] if (folder / k).exists()}
-    marker["crc32"] = {k: file_crc32(str(folder / k)) for k in marker["files"]}
+    marker[CHECKSUM_KEY] = {k: file_checksum(str(folder / k)) for k in marker["files"]}
     (folder / COMMIT_FILE).write_text(json.dumps(marker))
 
 
@@ -751,7 +751,7 @@ def _damage(kind: str, folder: Path) -> None:
         shard.write_bytes(bytes(data))
     elif kind == "edited checksums":
         marker = json.loads((folder / COMMIT_FILE).read_text())
-        marker["crc32"]["train_state.json"] = "0"
+        marker[CHECKSUM_KEY]["train_state.json"] = "0"
         (folder / COMMIT_FILE).write_text(json.dumps(marker))
     elif kind == "truncated shard":
         shard = folder / "__0_0.distcp"
@@ -773,8 +773,8 @@ BAD = {
     "another flavor": "saved for model llama3/8B, this run is llama3/debugmodel_L2",
     "edited train state": "train_state.json has no valid lr_scheduler.last_epoch, dp (edited or damaged)",
     "truncated shard": "__0_0.distcp has",
-    "other bytes, same size": "__0_0.distcp has other bytes than were saved (CRC32 ",
-    "edited checksums": f"{{folder}}/{COMMIT_FILE} has no valid crc32 list (edited or damaged)",
+    "other bytes, same size": "__0_0.distcp has other bytes than were saved (xxh3 ",
+    "edited checksums": f"{{folder}}/{COMMIT_FILE} has no valid xxh3 list (edited or damaged)",
     "no commit marker": "incomplete checkpoint",
     "corrupt commit marker": f"cannot read '{{folder}}/{COMMIT_FILE}' as JSON",
 }
@@ -842,12 +842,12 @@ def test_a_shard_damaged_after_its_commit_is_one_error_line(reference, tmp_path,
     shutil.copytree(reference / "checkpoint" / "step-000010", step)
     with open(step / "__0_0.distcp", "r+b") as f:
         f.write(b"A" * 300)
-    checked = f"{step} is damaged: __0_0.distcp has other bytes than were saved (CRC32 "
+    checked = f"{step} is damaged: __0_0.distcp has other bytes than were saved (xxh3 "
     undecodable = f"a data file of '{step}' is damaged (its size is as saved, its bytes are not: "
     for damaged in (checked, undecodable):
         if damaged == undecodable:  # saved without checksums (checkpoint.checksums = false)
             marker = json.loads((step / COMMIT_FILE).read_text())
-            del marker["crc32"]
+            del marker[CHECKSUM_KEY]
             (step / COMMIT_FILE).write_text(json.dumps(marker))
         cases = [
             (lambda: train_main.main([*BASE, "--job.dump_folder", str(run)]),
@@ -870,7 +870,7 @@ def test_a_shard_damaged_after_its_commit_is_one_error_line(reference, tmp_path,
 
 
 def test_the_commit_marker_takes_each_ranks_checksums_and_the_ranks_share_the_check(tmp_path, monkeypatch):
-    """Each rank's CRC32s of its own data files (written beside them once they are) go into the commit marker as
+    """Each rank's checksums of its own data files (written beside them once they are) go into the commit marker as
     they are, and the rest are computed there (a rank's that come after the commit are not written); checking,
     each rank reads its share of the files, each file once, the largest dealt first."""
     import engine.checkpoint.files as files
@@ -886,21 +886,21 @@ def test_the_commit_marker_takes_each_ranks_checksums_and_the_ranks_share_the_ch
     sizes = write_commit_marker(str(folder), 1)
     assert not (folder / CHECKSUM_DIR).exists() and sorted(sizes) == sorted(
         ["__0_0.distcp", "__1_0.distcp", "rng/rank-00000.json", "train_state.json"])
-    crc32 = json.loads((folder / COMMIT_FILE).read_text())["crc32"]
-    assert crc32 == {"__0_0.distcp": file_crc32(str(folder / "__0_0.distcp")), "__1_0.distcp": 12345,
-                     "rng/rank-00000.json": file_crc32(str(folder / "rng" / "rank-00000.json")),
-                     "train_state.json": file_crc32(str(folder / "train_state.json"))}
+    sums = json.loads((folder / COMMIT_FILE).read_text())[CHECKSUM_KEY]
+    assert sums == {"__0_0.distcp": file_checksum(str(folder / "__0_0.distcp")), "__1_0.distcp": 12345,
+                     "rng/rank-00000.json": file_checksum(str(folder / "rng" / "rank-00000.json")),
+                     "train_state.json": file_checksum(str(folder / "train_state.json"))}
     files.write_own_checksums(str(folder), 1)  # too late (rank 0 committed without it): leaves nothing behind
     assert not (folder / CHECKSUM_DIR).exists()
-    crc32["__1_0.distcp"] = file_crc32(str(folder / "__1_0.distcp"))
-    info = files.CheckpointInfo(str(folder), 1, {}, {}, crc32, sizes)
+    sums["__1_0.distcp"] = file_checksum(str(folder / "__1_0.distcp"))
+    info = files.CheckpointInfo(str(folder), 1, {}, {}, sums, sizes)
     read: list[list[str]] = []
 
-    def crc_of(path: str) -> int:
+    def sum_of(path: str) -> int:
         read[-1].append(os.path.relpath(path, folder))
         return info.checksums[read[-1][-1]]
 
-    monkeypatch.setattr(files, "file_crc32", crc_of)
+    monkeypatch.setattr(files, "file_checksum", sum_of)
     for rank in range(2):
         read.append([])
         files.verify_checksums(info, "checkpoint.folder", rank, 2)
@@ -1162,8 +1162,8 @@ def test_ranks_that_see_different_checkpoints_stop_before_loading(reference, tmp
     damaged = tmp_path / "damaged"
     step = damaged / "checkpoint" / "step-000020"
     shutil.copytree(reference / "checkpoint" / "step-000020", step)
-    crc32 = json.loads((step / COMMIT_FILE).read_text())["crc32"]
-    second = sorted(crc32, key=lambda rel: (-(step / rel).stat().st_size, rel))[1]  # rank 1's first file
+    sums = json.loads((step / COMMIT_FILE).read_text())[CHECKSUM_KEY]
+    second = sorted(sums, key=lambda rel: (-(step / rel).stat().st_size, rel))[1]  # rank 1's first file
     with open(step / second, "r+b") as f:
         f.seek(5)
         byte = f.read(1)
@@ -1172,7 +1172,7 @@ def test_ranks_that_see_different_checkpoints_stop_before_loading(reference, tmp
     # The sizes are looked at in name order, each file by one rank: the second name is rank 1's.
     truncated = tmp_path / "truncated" / "checkpoint" / "step-000020"
     shutil.copytree(reference / "checkpoint" / "step-000020", truncated)
-    name = sorted(crc32)[1]
+    name = sorted(sums)[1]
     with open(truncated / name, "r+b") as f:
         f.truncate(3)
     jobs = {"same": (str(reference), False), "split": (str(reference), True), "damaged": (str(damaged), False),
@@ -1180,7 +1180,7 @@ def test_ranks_that_see_different_checkpoints_stop_before_loading(reference, tmp
     result = run_jobs(2, resume_view_job, jobs, str(tmp_path / "jobs"))
     assert result["same"] == "step 20, 5 files checked"
     assert result["damaged"].startswith(f"error: [rank 1] checkpoint.folder: {step} is damaged: {second} has other "
-                                        "bytes than were saved (CRC32 "), result["damaged"]
+                                        "bytes than were saved (xxh3 "), result["damaged"]
     assert result["truncated"].startswith(f"error: [rank 1] checkpoint.folder: {truncated} is damaged: {name} has 3 "
                                           "bytes, "), result["truncated"]
     assert result["split"] == (f"error: checkpoint.folder: the ranks see different checkpoints to resume from in "
@@ -1509,6 +1509,6 @@ def test_seed_checkpoint_starts_any_layout_from_the_same_weights(tmp_path):
         "direct": ([*one, "--debug.seed", "7", "--job.dump_folder", str(tmp_path / "direct")],),
     }, str(tmp_path / "jobs"))
     assert curve(tmp_path / "seeded", [1, 2]) == curve(tmp_path / "direct", [1, 2])
-    files = len(json.loads((folder / "COMMITTED.json").read_text())["crc32"])
+    files = len(json.loads((folder / "COMMITTED.json").read_text())[CHECKSUM_KEY])
     assert re.search(rf"checkpoint: initial weights from {re.escape(str(folder))} \(step 0\) in [0-9.]+s; its "
                      rf"{files} files matched their checksums \(checked in [0-9.]+s\)", printed["seeded"]), printed

@@ -83,7 +83,7 @@ def plan_resume(cfg: Config) -> ResumePlan:
 
 def verify_start(cfg: Config, plan: ResumePlan) -> None:
     """Every rank reads its share of the files of the checkpoint the run resumes from, or of its initial weights
-    (a Tessera step folder), against the CRC32s written with them (collective when there are several ranks): a
+    (a Tessera step folder), against the checksums written with them (collective when there are several ranks): a
     damaged file stops every rank with one error line, before anything is built."""
     if plan.checkpoint is not None:
         info: Optional[CheckpointInfo] = plan.checkpoint

@@ -320,9 +320,9 @@ class Checkpoint:
     """disabled (training waits for the save), async (written by a background thread while training goes
     on), or async_with_pinned_mem (async, staged through pinned host memory on CUDA)."""
     checksums: bool = True
-    """The commit marker lists each saved file's CRC32 (each rank's read back once written), and a resume, initial
-    weights from a step folder and convert_hf check them first, every rank its share: a file whose bytes changed
-    after the save is one error line. false: neither (such a file may then load without a word)."""
+    """The commit marker lists each saved file's checksum (XXH3; each rank's read back once written), and a resume,
+    initial weights from a step folder and convert_hf check them first, every rank its share: a file whose bytes
+    changed after the save is one error line. false: neither (such a file may then load without a word)."""
     last_save_model_only: bool = False
     """The save at the last step holds the model weights only, in checkpoint.export_dtype (for inference
     or fine-tuning)."""
