@@ -79,7 +79,8 @@ class ModelParts:
             flags = [resharded_after_forward(m) for m in fsdp]
             resharded = sum(bool(f) for f in flags)
             which = "none" if resharded == 0 else "all" if resharded == len(fsdp) else str(resharded)
-            out.append(f"FSDP2 on {len(fsdp)} units" + ("" if None in flags else f" ({which} resharded after forward)"))
+            out.append(f"FSDP2 on {len(fsdp)} units"
+                       + ("" if None in flags else f" ({which} resharded after forward)"))
         float8_gathered = sum(is_float8_all_gathered(p) for part in self.parts for p in part.parameters())
         if float8_gathered:
             out.append(f"{float8_gathered} weights all-gathered in float8")

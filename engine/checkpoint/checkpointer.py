@@ -40,7 +40,7 @@ from torch.distributed.checkpoint.state_dict import (
 from engine import events
 from engine.checkpoint.files import (FORMAT_VERSION, HF_EXPORT_DIR, REMOVING_DIR, TRAIN_STATE_FILE, CheckpointInfo,
                                      StorageFull, check_entries, checkpoint_root, dcp_load, folder_bytes, free_bytes,
-                                     hf_export_folder, inspect_checkpoint, is_complete, is_model_only, list_steps,
+                                     hf_export_folder, is_complete, is_model_only, list_steps,
                                      out_of_space, set_aside, step_folder, write_commit_marker, write_json,
                                      write_own_checksums)
 from engine.config import Config, changed_settings, read_json_object, resume_settings
@@ -496,7 +496,7 @@ class Checkpointer:
 
     def load_model_only(self, path: str, from_hf: bool, info: Optional[CheckpointInfo] = None) -> None:
         """Initial weights from a Tessera step folder or, ``from_hf``, a Hugging Face folder
-        (checkpoint.initial_load_path); ``info``: the step folder as checked before, if it was."""
+        (checkpoint.initial_load_path); ``info``: the step folder as plan_resume checked it."""
         field = "checkpoint.initial_load_path"
         t0 = time.perf_counter()
         if from_hf:
@@ -504,7 +504,7 @@ class Checkpointer:
             self._log(f"checkpoint: initial weights from Hugging Face folder {path} in {time.perf_counter() - t0:.2f}s "
                       f"(this rank read {read / 2**20:,.1f} MiB of its {total / 2**20:,.1f} MiB)")
             return
-        info = info or inspect_checkpoint(path, field, self.cfg, self.rank, self.world_size)
+        assert info is not None, "plan_resume checks a step folder given as initial weights"
         parts = self._part_states()
         model = self.model_state(parts)
         check_entries(info, model, field)

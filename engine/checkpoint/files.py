@@ -402,8 +402,7 @@ def verify_checksums(info: CheckpointInfo, field: str, rank: int = 0, world_size
     since its save (a failing disk, a bad copy: same size, other bytes) is a ConfigError naming ``field``. Sets
     ``info.verified``; a checkpoint saved without checksums has none to compare."""
     t0 = time.perf_counter()
-    sizes = info.sizes  # (as inspect_checkpoint found them)
-    for rel in sorted(info.checksums, key=lambda rel: (-sizes[rel], rel))[rank::world_size]:
+    for rel in sorted(info.checksums, key=lambda rel: (-info.sizes[rel], rel))[rank::world_size]:
         actual = file_checksum(os.path.join(info.folder, rel))
         if actual != info.checksums[rel]:
             raise ConfigError(f"{field}: {info.folder} is damaged: {rel} has other bytes than were saved "

@@ -35,7 +35,7 @@ class ResumePlan:
     initial_from_hf: bool = False
     """Whether initial_load_path is a Hugging Face folder (else a Tessera step folder)."""
     initial: Optional[CheckpointInfo] = None
-    """The initial weights' step folder once checked before anything is built (verify_start); None otherwise."""
+    """initial_load_path as a Tessera step folder, checked (every rank its share of the files); None otherwise."""
     finished_at: Optional[int] = None
     """The newest step when it has reached training.steps already: nothing to train, nothing to build."""
     passed_over: str = ""
@@ -57,6 +57,9 @@ def plan_resume(cfg: Config) -> ResumePlan:
     if info is None and c.initial_load_path:
         plan.initial_load_path = c.initial_load_path
         plan.initial_from_hf = is_hf_folder(c.initial_load_path)
+        if not plan.initial_from_hf:
+            with agree_on_user_errors():
+                plan.initial = inspect_checkpoint(c.initial_load_path, "checkpoint.initial_load_path", cfg, *_share())
     root = checkpoint_root(cfg)
     saved = [(step, folder) for step, folder, complete in list_steps(root) if complete]
     if c.enable and c.load_step != 0 and not c.create_seed_checkpoint:
@@ -86,17 +89,13 @@ def verify_start(cfg: Config, plan: ResumePlan) -> None:
     (a Tessera step folder), against the checksums written with them (collective when there are several ranks): a
     damaged file stops every rank with one error line, before anything is built."""
     if plan.checkpoint is not None:
-        info: Optional[CheckpointInfo] = plan.checkpoint
-        field = "checkpoint.load_step" if cfg.checkpoint.load_step > 0 else "checkpoint.folder"
-    elif plan.initial_load_path and not plan.initial_from_hf:
-        info, field = None, "checkpoint.initial_load_path"
+        info, field = plan.checkpoint, "checkpoint.load_step" if cfg.checkpoint.load_step > 0 else "checkpoint.folder"
+    elif plan.initial is not None:
+        info, field = plan.initial, "checkpoint.initial_load_path"
     else:
         return
     with agree_on_user_errors():
-        info = info or inspect_checkpoint(plan.initial_load_path, field, cfg, *_share())
         verify_checksums(info, field, *_share())
-    if plan.checkpoint is None:
-        plan.initial = info
 
 
 def _share() -> tuple[int, int]:
@@ -168,9 +167,8 @@ def check_fits_model(cfg: Config, model: nn.Module, model_args: Any, plan: Resum
     elif plan.initial_from_hf:
         check_hf(plan.initial_load_path, model_args, model_label=f"model.flavor {cfg.model.flavor}")
         return
-    elif plan.initial_load_path:
-        field = "checkpoint.initial_load_path"
-        info = plan.initial or inspect_checkpoint(plan.initial_load_path, field, cfg, *_share())
+    elif plan.initial is not None:
+        field, info = "checkpoint.initial_load_path", plan.initial
     else:
         return
     check_entries(info, {f"model.{k}": v for k, v in model.state_dict().items()}, field)
