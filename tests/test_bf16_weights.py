@@ -411,12 +411,13 @@ def fsdp_bf16_job(world_size: int, rank: int, argv: list[str]):
 
 @pytest.mark.parametrize("world, layout", [
     (3, ["--parallelism.dp_shard", "3"]),  # shards of uneven sizes (FSDP2 pads them)
-    (4, ["--parallelism.dp_replicate", "2", "--parallelism.dp_shard", "2", *COMPILED_OP_AC]),
+    (4, ["--parallelism.dp_replicate", "2", "--parallelism.dp_shard", "2"]),
+    (1, ["--parallelism.fsdp_single_rank", *COMPILED_OP_AC]),  # FSDP2's code path of any size, compiled
     (4, ["--parallelism.dp_shard", "2", "--parallelism.tp", "2"]),
     (4, ["--parallelism.dp_shard", "2", "--parallelism.pp", "2", "--training.local_batch_size", "4"]),
     (2, ["--config", "train_configs/qwen3_moe_debug.toml", "--model.flavor", "debugmodel_moe_L2",
          "--parallelism.dp_shard", "2", "--parallelism.ep", "2"]),
-], ids=["fsdp3", "hsdp2x2_compile_op_ac", "fsdp2_tp2", "pp2_fsdp2", "moe_ep2"])
+], ids=["fsdp3", "hsdp2x2", "fsdp1_compile_op_ac", "fsdp2_tp2", "pp2_fsdp2", "moe_ep2"])
 def test_fsdp_split_weights_train_as_fsdps_bf16_bit_for_bit(world, layout, tmp_path):
     """FSDP2 with bf16 parameters, on split shards and on fp32 shards (torch's foreach AdamW): 4 steps of the
     same losses and gradient norms, bit for bit."""
