@@ -12,6 +12,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # process that compiles (a g++ build and a loading child per set); the kernels are the same (docs/testing.md).
 os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "1")
 
+from tests.parallel_harness import scalar_cpu_kernels  # noqa: E402
+
+scalar_cpu_kernels()
+
 
 def pytest_sessionstart(session):
     """The project's modules compiled to bytecode once, before the suite starts its training processes: where
