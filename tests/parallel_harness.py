@@ -41,19 +41,6 @@ SHALLOW = ["--model.flavor", "debugmodel_L2"]
 """The debug model with 2 layers: for layouts whose checks do not need depth (each layer costs every rank CPU time)."""
 
 
-def scalar_cpu_kernels() -> None:
-    """Inductor compiles this process's CPU kernels without vector instructions: g++ takes about a quarter less per
-    kernel (no ATen vector templates to instantiate), and what the compiled tests check is the same (Dynamo's
-    graphs, AOT autograd's partition under activation checkpointing, the collectives, the numerics to their
-    tolerances). A GPU runs Triton kernels, which no CPU test builds (docs/testing.md)."""
-    import torch._inductor.config
-
-    torch._inductor.config.cpp.simdlen = 1  # no ISA is 1 bit wide: scalar C++
-
-
-scalar_cpu_kernels()  # in every process that imports the harness: the suite's, the forkserver and its ranks
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
