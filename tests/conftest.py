@@ -8,11 +8,8 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# Inductor builds the suite's CPU kernels scalar, without vector instructions, in every process the suite starts:
-# g++ takes about a quarter less per kernel (no ATen vector templates to instantiate) and no process probes the
-# CPU's vector instruction sets (a g++ build and a loading child per set). What the compiled tests check is the
-# same: Dynamo's graphs, AOT autograd's partition under activation checkpointing, the collectives, the numerics to
-# each test's tolerance; a GPU runs Triton kernels, which no CPU test builds (docs/testing.md).
+# Inductor builds the suite's CPU kernels scalar and probes no vector instruction sets: each kernel compiles faster,
+# and what the compiled tests check (graphs, AC partitions, collectives, numerics) is the same (docs/testing.md).
 os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")
 
 
