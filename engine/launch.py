@@ -19,13 +19,14 @@ run_train.sh, the training processes with the launcher, each by a SIGKILL from t
 (the out-of-memory killer, a container stopping) never leaves orphans training, writing into the run folder and
 holding GPUs. torchrun starts its workers as session leaders, out of reach of a signal to its process group.
 When a failed rank 0 was killed before it could end its ownership of the run folder (engine/run_owner.py), the
-launcher ends it.
+launcher ends it. Every rank's output, the ranks LOG_RANK hides included, is kept in the run folder (``RANK_LOGS``).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -105,16 +106,43 @@ def check_first(argv: list[str], world_size: int) -> int:
     return status if status >= 0 else 1
 
 
-def end_ownership_of(training_args: list[str], failures: dict[int, Any]) -> None:
+RANK_LOGS = "rank_logs"
+"""Inside the run folder: torchrun's log folder of each host (``<host>/<run id>_*/attempt_<n>/<local rank>/``:
+every rank's stdout, stderr and error file), instead of a new /tmp/torchelastic_* folder per launch that nothing
+removes."""
+
+
+def dump_folder_of(training_args: list[str]) -> Optional[str]:
+    """The run folder the training processes are given; None when the configuration cannot be read (the ranks
+    report that)."""
+    from engine.config import parse_args
+
+    try:
+        return parse_args(training_args).job.dump_folder
+    except (Exception, SystemExit):
+        return None
+
+
+def end_ownership_of(dump_folder: str, failures: dict[int, Any]) -> None:
     """End the run folder's ownership when the failed rank 0 that held it could not (torchrun kills a rank that
     does not stop within its grace period), so that the folder is left as any other ending leaves it."""
-    from engine.config import parse_args
     from engine.run_owner import remove_if_ended
 
     try:
-        remove_if_ended(parse_args(training_args).job.dump_folder, {f.pid for f in failures.values()})
-    except Exception:  # a configuration error (the ranks report it) or an unreadable folder: the ranks' failure
-        pass           # is what the launcher reports, never this clean-up's
+        remove_if_ended(dump_folder, {f.pid for f in failures.values()})
+    except Exception:  # an unreadable folder: the ranks' failure is what the launcher reports, never this
+        pass           # clean-up's
+
+
+def remove_if_only_logs(dump_folder: str) -> None:
+    """A run folder this launch created, holding nothing but the ranks' logs: the ranks stopped on a user error
+    before writing anything, and a run refused at start-up leaves no folder behind (the launcher printed the
+    line)."""
+    try:
+        if os.listdir(dump_folder) == [RANK_LOGS]:
+            shutil.rmtree(dump_folder)
+    except OSError:
+        pass
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -131,6 +159,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         status = check_first(args.training_script_args, int(world_size))
         if status:
             return status
+    dump = dump_folder_of(args.training_script_args)
+    fresh = False  # this launch creates the run folder, for its ranks' logs
+    if args.log_dir is None and dump is not None:
+        fresh = not os.path.lexists(dump)
+        args.log_dir = os.path.join(dump, RANK_LOGS, socket.gethostname())
     for name in ("torch.distributed.elastic.multiprocessing.api", "torch.distributed.elastic.agent.server.api"):
         logging.getLogger(name).addFilter(_QuietStops())
     os.environ[LAUNCHER_ENV] = "1"  # inherited by the training processes
@@ -140,7 +173,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     except SignalException as e:  # Ctrl-C, or a signal sent to this process: torchrun has stopped the workers
         return 128 + int(e.sigval)
     except ChildFailedError as e:
-        end_ownership_of(args.training_script_args, e.failures)
+        if dump is not None:
+            end_ownership_of(dump, e.failures)
         recorded = {rank: user_error(f) for rank, f in e.failures.items()}
         recorded = {rank: info for rank, info in recorded.items() if info is not None}
         if not recorded:
@@ -152,6 +186,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         rank = 0 if 0 in recorded else min(recorded, key=lambda r: (e.failures[r].timestamp, r))
         line = recorded[rank]["line"] if rank == 0 else f"[rank {rank}] {recorded[rank]['line']}"
         print(f"error: {line}", file=sys.stderr, flush=True)
+        if fresh:
+            remove_if_only_logs(dump)
         return int(recorded[rank]["status"])
     return 0
 

@@ -202,6 +202,11 @@ def test_a_killed_rank_ends_the_run_with_one_line_naming_it(tmp_path, killed):
                       "(the out-of-memory killer sends it: see dmesg); the other ranks stopped. Run the same "
                       "command again to resume from the newest committed checkpoint"], out[-3000:]
     assert not (tmp_path / "run" / OWNER_FILE).exists()
+    # Every rank's output is kept in the run folder, that of rank 1 (which LOG_RANK hides) too.
+    attempts = list((tmp_path / "run" / "rank_logs" / socket.gethostname()).glob("none_*/attempt_0"))
+    assert len(attempts) == 1 and sorted(p.name for p in attempts[0].iterdir()) == ["0", "1"], attempts
+    assert (attempts[0] / "0" / "stdout.log").read_text().startswith("model llama3/")
+    assert (attempts[0] / "1" / "stdout.log").is_file() and (attempts[0] / "1" / "stderr.log").is_file()
     # What a resume would load is whole: the newest step folder with its commit marker.
     steps = list_steps(checkpoints)
     cfg = parse_args([*BASE, "--job.dump_folder", str(tmp_path / "run")])
