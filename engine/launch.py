@@ -135,9 +135,9 @@ def end_ownership_of(dump_folder: str, failures: dict[int, Any]) -> None:
 
 
 def remove_if_only_logs(dump_folder: str) -> None:
-    """A run folder this launch created, holding nothing but the ranks' logs: the ranks stopped on a user error
-    before writing anything, and a run refused at start-up leaves no folder behind (the launcher printed the
-    line)."""
+    """Remove the run folder this launch created when it holds nothing but the ranks' logs: the ranks stopped on a
+    user error before writing anything, and a run refused at start-up leaves no folder behind (its line is
+    printed)."""
     try:
         if os.listdir(dump_folder) == [RANK_LOGS]:
             shutil.rmtree(dump_folder)
