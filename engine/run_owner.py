@@ -244,7 +244,10 @@ class RunOwner:
     def _beat(self) -> None:
         interval = self.timeout / 10
         while not self._stop.wait(interval):
-            record = read_owner(self.folder)
+            try:
+                record = read_owner(self.folder)
+            except OSError:  # a filesystem hiccup (EIO, ESTALE on NFS): the next beat reads again
+                continue
             if record is None or record.get("token") != self.record["token"]:
                 taker = f"the run of {describe(record)}" if record and not record.get("damaged") else "another run"
                 self.on_lost(f"job.dump_folder: {self.folder} was taken over by {taker} (this run's heartbeat "

@@ -343,6 +343,33 @@ def test_an_owner_on_another_host_is_judged_by_its_heartbeat(tmp_path):
     assert read_owner(str(tmp_path))["host"] == "node-18"  # not this run's record: left alone
 
 
+def test_the_heartbeat_outlives_a_filesystem_error(tmp_path, monkeypatch):
+    """A read of the record that fails (EIO, ESTALE on NFS) is a missed beat, not the end of the heartbeat: a dead
+    heartbeat would let a run on another host take the folder over while this one still writes there."""
+    import errno
+
+    import engine.run_owner as run_owner
+
+    read = run_owner.read_owner
+    failures = []
+
+    def flaky(folder):
+        if len(failures) < 3:
+            failures.append(1)
+            raise OSError(errno.EIO, "Input/output error")
+        return read(folder)
+
+    run, lines = owner(tmp_path, timeout=0.5)
+    run.acquire()
+    monkeypatch.setattr(run_owner, "read_owner", flaky)
+    deadline = time.monotonic() + 10
+    while len(failures) < 3 or read(str(tmp_path))["beat"] < 3:
+        assert time.monotonic() < deadline, "the heartbeat stopped after a failed read"
+        time.sleep(0.05)
+    assert run._thread.is_alive() and lines == []
+    run.release()
+
+
 def test_exit_with_parent_follows_only_its_own_parent():
     """A value naming this process's parent arms the parent-death signal; one naming this process itself (an
     in-process launcher's) or another live process (inherited through a process that did not set it) is ignored;
