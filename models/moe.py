@@ -144,7 +144,10 @@ _grouped_mm_loop.register_autograd(_loop_backward, setup_context=_loop_setup)
 def grouped_matmul(x: Tensor, w: Tensor, counts: Tensor) -> Tensor:
     """``x [T, in]`` (rows sorted by group) times each group's ``w [G, out, in]`` transposed: rows of group g are
     ``x[offset_g : offset_g + counts[g]] @ w[g].T``. One grouped GEMM where torch has it for this device and dtype
-    (bf16; on CUDA, compute capability >= 9.0), else a loop over the groups."""
+    (bf16; on CUDA, compute capability >= 9.0), else a loop over the groups. One group (shared experts, one expert
+    per rank) is one plain GEMM: no offsets (Inductor folds a constant one into an int64 tensor _grouped_mm refuses)."""
+    if w.shape[0] == 1:
+        return x @ w[0].T
     if grouped_mm_works(x.device.type, x.dtype):
         offsets = torch.cumsum(counts, 0, dtype=torch.int32)
         return torch._grouped_mm(x, w.transpose(-2, -1), offs=offsets)
@@ -187,6 +190,10 @@ class GroupedExperts(nn.Module):
         """``x [T, dim]``, its rows sorted by expert, ``counts [E]`` rows per expert -> ``[T, dim]``. Under expert
         parallelism the weights are DTensors and this rank computes with its own experts (their local shard)."""
         w1, w2, w3 = (w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w2, self.w3))
+        device = x.device.type
+        if torch.is_autocast_enabled(device):  # what autocast does for nn.Linear: the GEMMs in its dtype
+            dtype = torch.get_autocast_dtype(device)
+            x, w1, w2, w3 = (t.to(dtype) for t in (x, w1, w2, w3))
         h = F.silu(grouped_matmul(x, w1, counts)) * grouped_matmul(x, w3, counts)
         return grouped_matmul(h, w2, counts)
 
@@ -252,8 +259,11 @@ class MoE(nn.Module):
         if self.shared_experts is not None:
             self.shared_experts.init_weights(init_std)
         device = buffer_device if buffer_device is not None else self.tokens_per_expert.device
-        for dtype in (self.experts.w1.dtype, torch.bfloat16):  # answered now, outside any compiled forward
-            grouped_mm_works(self.experts.w1.device.type, dtype)
+        # Answered now, outside any compiled forward, for the device the forward runs on (the parameters are in CPU
+        # memory under FSDP's CPU offload).
+        for device_type in {device.type, self.experts.w1.device.type}:
+            for dtype in (self.experts.w1.dtype, torch.bfloat16):
+                grouped_mm_works(device_type, dtype)
         if self.expert_bias is not None:
             self.expert_bias = torch.zeros(self.args.num_experts, device=device)
         self.tokens_per_expert = torch.zeros(self.args.num_experts, device=device)
@@ -265,8 +275,10 @@ class MoE(nn.Module):
         a = self.args
         weights, experts, probs = self.router(x, self.expert_bias)
         flat = experts.reshape(-1)
-        # histc, not bincount: a fixed output size, which compiles without a graph break.
-        counts = torch.histc(flat.float(), bins=a.num_experts, min=0, max=a.num_experts).to(torch.int64)
+        # A fixed output size, which compiles without a graph break (bincount's is data-dependent); deterministic
+        # on CUDA (histc is not: it fails under debug.deterministic).
+        counts = torch.zeros(a.num_experts, dtype=torch.int64, device=flat.device).scatter_add_(
+            0, flat, torch.ones_like(flat))
         training = torch.is_grad_enabled()  # an evaluation's forwards run without gradients
         self.aux_loss, logged = self._aux_loss(counts, probs, training)
         if not _RECOMPUTING["active"]:

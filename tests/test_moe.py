@@ -211,6 +211,36 @@ def test_compiled_moe_matches_eager_without_a_graph_break():
         torch.testing.assert_close(p.grad, eager_grads[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
 
+@pytest.mark.parametrize("compiled", [False, True])
+def test_under_autocast_the_experts_compute_in_its_dtype(compiled):
+    """One GPU without FSDP trains fp32 weights under bf16 autocast: the experts' GEMMs take bf16 copies of the
+    weights and the input, as autocast does for nn.Linear (one dtype for both operands, which the grouped GEMM
+    needs), eager and compiled alike, and the gradients reach the fp32 weights. CPU autocast stands in for CUDA's."""
+    layer = build(num_shared_experts=1)
+    torch.manual_seed(1)
+    x = torch.randn(18, DIM)
+    counts = torch.tensor([3, 0, 5, 2, 1, 4, 0, 3])
+    experts = layer.experts
+    bf16 = moe.GroupedExperts(DIM, 24, 8)  # the same weights stored in bf16, given a bf16 input, no autocast
+    bf16.load_state_dict(experts.state_dict())
+    expected = bf16.bfloat16()(x.bfloat16(), counts)
+    run = torch.compile(experts, fullgraph=True) if compiled else experts
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = run(x, counts)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, expected, rtol=0 if not compiled else 1e-2, atol=0 if not compiled else 1e-3)
+    # The whole layer under autocast: its output near the fp32 one, its gradients in the weights' fp32.
+    x = torch.randn(2, 9, DIM)
+    full = layer(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = (torch.compile(layer, fullgraph=True) if compiled else layer)(x)
+    assert out.dtype == torch.float32 and not torch.equal(out, full)
+    torch.testing.assert_close(out, full, rtol=5e-2, atol=5e-3)
+    out.square().sum().backward()
+    assert experts.w2.grad.dtype == torch.float32 and experts.w2.grad.abs().sum() > 0
+    assert layer.shared_experts.w1.grad.abs().sum() > 0
+
+
 def test_a_moe_model_trains_logs_its_expert_load_and_balances(tmp_path, capsys):
     """A MoE variant of the debug model, 12 steps at the full lr from the first: the auxiliary loss joins the trained
     loss (not the logged one) and keeps the router balanced, metrics.jsonl, the console and experts.png carry the
