@@ -19,6 +19,16 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
 
+def _compute_device(param: DTensor) -> torch.device:
+    """Where ``param``'s init draws its numbers: the device its mesh computes on, also when its shard lives in CPU
+    memory (FSDP's CPU offload), since the CPU's generator draws other numbers than CUDA's for the same seed."""
+    local = param.to_local().device
+    kind = param.device_mesh.device_type
+    if local.type == kind or kind == "cpu":
+        return local
+    return torch.device(kind, torch.get_device_module(kind).current_device())
+
+
 @contextlib.contextmanager
 def materialize(module: nn.Module | None):
     """Within the context, ``module``'s DTensor parameters are whole plain tensors (see module doc)."""
@@ -29,8 +39,7 @@ def materialize(module: nn.Module | None):
     for owner in module.modules():
         for name, param in list(owner.named_parameters(recurse=False)):
             if isinstance(param, DTensor):
-                local = param.to_local()
-                full = torch.empty(param.shape, dtype=param.dtype, device=local.device)
+                full = torch.empty(param.shape, dtype=param.dtype, device=_compute_device(param))
                 owner.register_parameter(name, nn.Parameter(full, requires_grad=param.requires_grad))
                 swapped.append((owner, name, param, full))
     try:

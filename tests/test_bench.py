@@ -898,6 +898,8 @@ def test_gpu_check_verdicts_can_fail(tmp_path):
                     c.close("died", "ref", 1e-2), c.exact_resume("async"), c.falls("same", by=0.5)):
         assert not verdict.ok, verdict.detail
     assert "illegal memory access" in c.close("died", "ref", 1e-2).detail
+    # A first step off by 1e-3 passes a curve's tolerance but not the same initial weights'.
+    assert c.close("same", "ref", 1e-2, first_rtol=2e-3).ok and not c.close("same", "ref", 1e-2, first_rtol=1e-4).ok
 
 
 def test_gpu_check_fails_a_run_whose_log_does_not_show_its_path(tmp_path):
