@@ -281,8 +281,8 @@ class Attention(nn.Module):
         xq = self.wq(x).view(bs, seqlen, -1, self.head_dim)
         xk = self.wk(x).view(bs, seqlen, -1, self.head_dim)
         xv = self.wv(x).view(bs, seqlen, -1, self.head_dim)
-        if self.q_norm is not None:
-            xq, xk = self.q_norm(xq), self.k_norm(xk)
+        if self.q_norm is not None:  # in v's dtype: under autocast, newer torch computes RMSNorm in fp32
+            xq, xk = self.q_norm(xq).to(xv.dtype), self.k_norm(xk).to(xv.dtype)
         xq, xk = apply_rotary_emb(xq, xk, rope_table)
         q, k, v = xq.transpose(1, 2), xk.transpose(1, 2), xv.transpose(1, 2)
         if self.attn_fn is not None:
