@@ -142,6 +142,7 @@ def runs() -> list[Run]:
         # Mixture-of-Experts (torch._grouped_mm on Hopper): eager, compiled, FSDP2 on one rank with per-op AC.
         Run("moe_eager", MOE), Run("moe_compile", MOE + COMPILE),
         Run("moe_fsdp_compile_op_ac", MOE + FSDP + COMPILE + OP_AC),
+        Run("moe_deterministic", MOE + ["--debug.deterministic"]),  # only deterministic kernels (the expert counts)
         # Checkpoints on CUDA: an uninterrupted run; each save mode killed after step 3's commit, then resumed.
         Run("ckpt_whole", SMALL + CKPT),
         # Hugging Face export, then transformers' logits.
@@ -539,6 +540,7 @@ def checks(c: Checker) -> list[tuple[str, list[str], Callable[[], Check]]]:
         ("MoE one GPU eager", ["moe_eager"], lambda: c.falls("moe_eager")),
         ("MoE one GPU compiled", *close("moe_compile", "moe_eager", 2e-2)),
         ("MoE FSDP2 one rank, compiled, per-op AC", *close("moe_fsdp_compile_op_ac", "moe_compile", 2e-2)),
+        ("MoE one GPU, deterministic kernels", *close("moe_deterministic", "moe_eager", 2e-2)),
     ]
     for mode, name in (("disabled", "sync"), ("async", "async"), ("async_with_pinned_mem", "async, pinned memory")):
         out.append((f"checkpoint {name}, killed and resumed",
