@@ -908,6 +908,30 @@ def test_the_commit_marker_takes_each_ranks_checksums_and_the_ranks_share_the_ch
     assert read == [["__0_0.distcp", "train_state.json"], ["__1_0.distcp", "rng/rank-00000.json"]]
 
 
+def test_the_commit_marker_lists_no_file_a_late_rank_is_still_writing(tmp_path, monkeypatch):
+    """Rank 0 committing alone (close_alone) while another rank still writes its checksums: the checksums/ folder
+    that rank makes again and a writer's temporary file are not listed, so the committed step never reads as
+    missing a file that was renamed away."""
+    import engine.checkpoint.files as files
+
+    folder = tmp_path / "step-000001"
+    folder.mkdir()
+    (folder / "__0_0.distcp").write_bytes(b"a" * 300)
+    files.write_own_checksums(str(folder), 0)
+    rmtree = shutil.rmtree
+
+    def late_rank(path, ignore_errors=False):
+        rmtree(path, ignore_errors=ignore_errors)
+        (folder / CHECKSUM_DIR).mkdir()  # rank 1's write_json, halfway
+        (folder / CHECKSUM_DIR / "rank-00001.json.tmp4242").write_text("{")
+        (folder / "train_state.json.tmp4242").write_text("{")
+
+    monkeypatch.setattr(files.shutil, "rmtree", late_rank)
+    sizes = write_commit_marker(str(folder), 1)
+    assert sorted(sizes) == ["__0_0.distcp"]
+    assert sorted(json.loads((folder / COMMIT_FILE).read_text())[CHECKSUM_KEY]) == ["__0_0.distcp"]
+
+
 def test_a_data_file_that_cannot_be_read_is_not_called_damaged(tmp_path, monkeypatch):
     """Only bytes that do not decode make a data file "damaged" (a user error: pick another step). An OSError while
     reading (a failing disk, a stale network mount) is an OSError naming the file, with its traceback; anything

@@ -200,6 +200,9 @@ def dcp_load(state: dict, folder: str, field: str, no_dist: bool) -> None:
         raise
 
 
+_TEMPORARY = re.compile(r"\.tmp\d+$")  # write_json's temporary files
+
+
 def write_json(path: str, data: dict) -> None:
     """Write atomically: a reader sees the old file or the whole new one."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -247,10 +250,14 @@ def write_commit_marker(folder: str, step: int, checksums: bool = True) -> dict[
                 sums.update(read_json_object(os.path.join(own, name), "checkpoint.folder"))
         shutil.rmtree(own, ignore_errors=True)  # folded into the marker
     files = {}
-    for dirpath, _, names in os.walk(folder):
+    for dirpath, dirs, names in os.walk(folder):
+        # Not checksums/ nor a writer's temporary file: a rank stopping alone may still be writing its checksums
+        # (checkpointer.close_alone), and a listed file renamed away would read as missing.
+        dirs[:] = [d for d in dirs if not (dirpath == folder and d == CHECKSUM_DIR)]
         for name in names:
-            path = os.path.join(dirpath, name)
-            files[os.path.relpath(path, folder)] = os.path.getsize(path)
+            if not _TEMPORARY.search(name):
+                path = os.path.join(dirpath, name)
+                files[os.path.relpath(path, folder)] = os.path.getsize(path)
     marker: dict[str, Any] = {"step": step, "files": files, "time": time.time()}
     if checksums:
         marker[CHECKSUM_KEY] = {rel: sums[rel] if rel in sums else file_checksum(os.path.join(folder, rel))
