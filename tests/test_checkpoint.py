@@ -398,6 +398,23 @@ def test_rollback_and_retention_keep_the_run_resumable(tmp_path):
     assert sorted(os.listdir(back / "checkpoint")) == ["step-000002", "step-000003", "step-000004.abandoned"]
 
 
+def test_a_rollback_sets_the_other_continuation_aside_before_its_first_commit(tmp_path):
+    """Back to step 2 with checkpoints every 6 steps: the old step 4, between the step gone back to and the first
+    new commit, is set aside too (keep_latest_k 2 then keeps 2 and the new 6, not 4 and 6). Killed after the set-aside
+    and before the new step's marker, a plain resume goes on from step 2, not from the continuation given up."""
+    train(tmp_path, "--training.steps", "6", "--checkpoint.interval", "2")
+    root = tmp_path / "checkpoint"
+    args = ["--training.steps", "6", "--checkpoint.interval", "6", "--checkpoint.keep_latest_k", "2"]
+    killed = train(tmp_path, *args, "--checkpoint.load_step", "2", fault="6:before_commit", check=False)
+    assert killed.returncode == -signal.SIGKILL
+    assert [(s, ok) for s, _, ok in list_steps(str(root))] == [(2, True), (6, False)]
+    assert sorted(os.listdir(root)) == ["step-000002", "step-000004.abandoned", "step-000006", "step-000006.replaced"]
+    resumed = train(tmp_path, *args)
+    assert "resumed from step 2" in resumed.stdout, resumed.stdout
+    assert [(s, ok) for s, _, ok in list_steps(str(root))] == [(2, True), (6, True)]
+    assert "step-000004.abandoned" in os.listdir(root)
+
+
 def test_resume_takes_the_new_peak_lr_and_schedule_length(tmp_path):
     """Only the step comes from the checkpoint: a resumed run with a lower optimizer.lr and more training.steps
     updates with that lr on that schedule from its first step (the divergence error's advice relies on it)."""

@@ -168,6 +168,10 @@ class Checkpointer:
         self._purge_queue: Optional[queue.Queue] = None
         self._purge_queued: set[str] = set()
         self.preempted = False
+        # The step this run went on from (0: a fresh start). Until its first commit, the steps after it in the
+        # folder are another continuation's (a rollback by checkpoint.load_step, a restart by load_step = 0).
+        self.resumed_step = 0
+        self.claimed = False
 
     # -- state dicts -------------------------------------------------------------------------------------------
     def model_state(self, parts: Optional[list[dict[str, torch.Tensor]]] = None) -> dict[str, torch.Tensor]:
@@ -329,27 +333,29 @@ class Checkpointer:
 
     def _write_commit(self, step: int, folder: str, seconds: float, model_only: bool, overlapped: int) -> None:
         """Rank 0, once every rank's files of ``step`` are written: the marker, then retention."""
+        if not self.claimed and not self.cfg.checkpoint.create_seed_checkpoint:  # a last model-only save claims too
+            self._set_aside_other_continuation(step)
+            self.claimed = True
         events.point(step, "before_commit")
         files = write_commit_marker(folder, step, checksums=self.cfg.checkpoint.checksums)
         size = sum(files.values()) / 2**20
         how = f"in the background over {overlapped} training steps, " if overlapped else ""
         self._log(f"checkpoint: step {step} committed ({'model only, ' if model_only else ''}{size:.1f} MiB "
                   f"written {how}in {seconds:.2f}s) -> {folder}")
-        if not self.cfg.checkpoint.create_seed_checkpoint:  # a last save of the model only commits the run too
-            self._set_aside_later_steps(step)
         self._retention()
 
-    def _set_aside_later_steps(self, step: int) -> None:
-        """This run went back to an earlier step (checkpoint.load_step) and has now committed ``step``: the
-        checkpoints after it belong to the abandoned continuation. Renamed (not deleted), so that neither a
-        resume nor keep_latest_k takes them for this run's."""
+    def _set_aside_other_continuation(self, step: int) -> None:
+        """Before this run's first commit (of ``step``): the checkpoints after the step it went on from, but
+        ``step``'s own folder, belong to a continuation it went back from. Renamed (not deleted), so that neither a
+        resume nor keep_latest_k takes them for this run's; before the marker, so that a kill between the two
+        leaves the step this run went on from as the newest."""
         for later, folder, _ in list_steps(self.root):
-            if later > step:
+            if later > self.resumed_step and later != step:
                 self._log(f"checkpoint: step {later} belongs to the continuation this run went back from; set "
                           f"aside as {set_aside(folder, '.abandoned')}")
         for name in sorted(os.listdir(self.root)):
             m = HF_EXPORT_DIR.match(name)
-            if m and int(m.group(1)) > step:
+            if m and int(m.group(1)) > self.resumed_step:
                 self._log(f"checkpoint: the Hugging Face folder of step {int(m.group(1))} belongs to that "
                           f"continuation too; set aside as {set_aside(os.path.join(self.root, name), '.abandoned')}")
 
@@ -490,6 +496,7 @@ class Checkpointer:
         if saved_layout == (self.world_size, self.dims.describe()):
             rng_file = os.path.join(info.folder, "rng", f"rank-{self.rank:05d}.json")
             set_rng_state(read_json_object(rng_file, "checkpoint.folder"))
+        self.resumed_step = info.step
         self._log(f"checkpoint: resumed from step {info.step} ({info.folder}, saved on {saved_layout[1]}) in "
                   f"{time.perf_counter() - t0:.2f}s{_verified(info)}")
         return info.step
