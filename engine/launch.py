@@ -112,26 +112,28 @@ every rank's stdout, stderr and error file), instead of a new /tmp/torchelastic_
 removes."""
 
 
-def dump_folder_of(training_args: list[str]) -> Optional[str]:
-    """The run folder the training processes are given; None when the configuration cannot be read (the ranks
-    report that)."""
+def folders_of(training_args: list[str]) -> list[str]:
+    """The folders the training processes own (engine.train.owned_folders), the run folder first; none when the
+    configuration cannot be read (the ranks report that)."""
     from engine.config import parse_args
+    from engine.train import owned_folders
 
     try:
-        return parse_args(training_args).job.dump_folder
+        return [folder for folder, _ in owned_folders(parse_args(training_args))]
     except (Exception, SystemExit):
-        return None
+        return []
 
 
-def end_ownership_of(dump_folder: str, failures: dict[int, Any]) -> None:
-    """End the run folder's ownership when the failed rank 0 that held it could not (torchrun kills a rank that
-    does not stop within its grace period), so that the folder is left as any other ending leaves it."""
+def end_ownership_of(folders: list[str], failures: dict[int, Any]) -> None:
+    """End the ownership of the run's folders when the failed rank 0 that held it could not (torchrun kills a rank
+    that does not stop within its grace period), so that they are left as any other ending leaves them."""
     from engine.run_owner import remove_if_ended
 
-    try:
-        remove_if_ended(dump_folder, {f.pid for f in failures.values()})
-    except Exception:  # an unreadable folder: the ranks' failure is what the launcher reports, never this
-        pass           # clean-up's
+    for folder in folders:
+        try:
+            remove_if_ended(folder, {f.pid for f in failures.values()})
+        except Exception:  # an unreadable folder: the ranks' failure is what the launcher reports, never this
+            pass           # clean-up's
 
 
 def remove_if_only_logs(dump_folder: str) -> None:
@@ -159,7 +161,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         status = check_first(args.training_script_args, int(world_size))
         if status:
             return status
-    dump = dump_folder_of(args.training_script_args)
+    owned = folders_of(args.training_script_args)
+    dump = owned[0] if owned else None
     fresh = False  # this launch creates the run folder, for its ranks' logs
     if args.log_dir is None and dump is not None:
         fresh = not os.path.lexists(dump)
@@ -173,8 +176,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     except SignalException as e:  # Ctrl-C, or a signal sent to this process: torchrun has stopped the workers
         return 128 + int(e.sigval)
     except ChildFailedError as e:
-        if dump is not None:
-            end_ownership_of(dump, e.failures)
+        end_ownership_of(owned, e.failures)
         recorded = {rank: user_error(f) for rank, f in e.failures.items()}
         recorded = {rank: info for rank, info in recorded.items() if info is not None}
         if not recorded:

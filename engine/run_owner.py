@@ -1,4 +1,5 @@
-"""One run folder, one writer: the run training into job.dump_folder owns it while it lives.
+"""One run folder, one writer: the run training into job.dump_folder owns it while it lives (and its
+checkpoint.folder, when that lies elsewhere).
 
 Rank 0 creates ``<dump_folder>/OWNER.json`` before the run writes anything there: the host, the process id and
 the process's start time, the machine's boot id and process namespace, and a heartbeat counter it advances
@@ -128,20 +129,21 @@ def heartbeat_advances(folder: str, record: dict, timeout: float, poll: float = 
 
 
 class OwnerError(ValueError):
-    """The run folder belongs to a live run (a user error: its message names job.dump_folder)."""
+    """The run folder belongs to a live run (a user error: its message names the field, job.dump_folder or
+    checkpoint.folder)."""
 
 
-def refusal(folder: str, record: dict) -> OwnerError:
-    return OwnerError(f"job.dump_folder: {folder} is in use by the run of {describe(record)}; wait for that run "
-                      f"to end or stop it, or give another job.dump_folder (a run that is gone is taken over)")
+def refusal(folder: str, record: dict, field: str = "job.dump_folder") -> OwnerError:
+    return OwnerError(f"{field}: {folder} is in use by the run of {describe(record)}; wait for that run "
+                      f"to end or stop it, or give another {field} (a run that is gone is taken over)")
 
 
-def check_free(folder: str) -> None:
+def check_free(folder: str, field: str = "job.dump_folder") -> None:
     """Refuse a folder whose owner lives on this machine (no waiting: a check before anything starts); an owner
     elsewhere is judged by ``RunOwner.acquire``."""
     record = read_owner(folder)
     if record is not None and local_owner_alive(record):
-        raise refusal(folder, record)
+        raise refusal(folder, record, field)
 
 
 def remove_record(folder: str, gone: dict) -> bool:
@@ -186,8 +188,9 @@ class RunOwner:
     ``on_lost(message)`` is called, from the heartbeat thread, when another run has replaced the record."""
 
     def __init__(self, folder: str, timeout: float, on_lost: Callable[[str], None],
-                 log: Callable[[str], None] = print):
+                 log: Callable[[str], None] = print, field: str = "job.dump_folder"):
         self.folder = folder
+        self.field = field  # the setting that named the folder, for the messages
         self.path = os.path.join(folder, OWNER_FILE)
         self.timeout = timeout
         self.on_lost = on_lost
@@ -229,12 +232,12 @@ class RunOwner:
                 else:
                     why = "its process is gone"
                 if alive:
-                    raise refusal(self.folder, record)
+                    raise refusal(self.folder, record, self.field)
                 if remove_record(self.folder, record):
                     what = "a damaged owner record" if record.get("damaged") else f"the run of {describe(record)}"
-                    self.log(f"job.dump_folder: taking {self.folder} over from {what}: {why}")
+                    self.log(f"{self.field}: taking {self.folder} over from {what}: {why}")
             else:
-                raise OwnerError(f"job.dump_folder: {self.folder}: another run keeps taking it over at the same time; "
+                raise OwnerError(f"{self.field}: {self.folder}: another run keeps taking it over at the same time; "
                                  "start one run per folder")
         finally:
             os.unlink(self._tmp)
@@ -250,7 +253,7 @@ class RunOwner:
                 continue
             if record is None or record.get("token") != self.record["token"]:
                 taker = f"the run of {describe(record)}" if record and not record.get("damaged") else "another run"
-                self.on_lost(f"job.dump_folder: {self.folder} was taken over by {taker} (this run's heartbeat "
+                self.on_lost(f"{self.field}: {self.folder} was taken over by {taker} (this run's heartbeat "
                              f"did not reach it for job.owner_timeout_seconds = {self.timeout:g}); this run stops "
                              "so that one run writes there")
                 return

@@ -49,8 +49,22 @@ def check_run(argv: list[str], rank: int, world_size: int | None = None):
     if rank == 0:
         from engine.run_owner import check_free
 
-        check_free(cfg.job.dump_folder)
+        for folder, field in owned_folders(cfg):
+            check_free(folder, field)
     return cfg, plan
+
+
+def owned_folders(cfg) -> list[tuple[str, str]]:
+    """(folder, the field naming it) of each folder a run writes and owns (engine.run_owner): job.dump_folder,
+    and checkpoint.folder when checkpoints are on and it lies outside the run folder (an absolute path), so that two
+    runs in two run folders never save into one checkpoint folder."""
+    from engine.config import checkpoint_root
+
+    folders = [(cfg.job.dump_folder, "job.dump_folder")]
+    root, dump = os.path.realpath(checkpoint_root(cfg)), os.path.realpath(cfg.job.dump_folder)
+    if cfg.checkpoint.enable and os.path.commonpath([root, dump]) != dump:
+        folders.append((checkpoint_root(cfg), "checkpoint.folder"))
+    return folders
 
 
 def check_before_launch(argv: list[str], world_size: int) -> int:
@@ -68,7 +82,7 @@ def check_output_folders(cfg) -> None:
     seed checkpoint) and the profiler's folders when on (relative ones are inside the dump folder)."""
     check_writable_folder(cfg.job.dump_folder, "job.dump_folder")
     if cfg.checkpoint.enable or cfg.checkpoint.create_seed_checkpoint:
-        from engine.checkpoint.files import checkpoint_root
+        from engine.config import checkpoint_root
 
         check_writable_folder(checkpoint_root(cfg), "checkpoint.folder")
     pr = cfg.profiling
@@ -143,19 +157,19 @@ def user_error(e: BaseException, status: int, show: bool) -> int:
     return status
 
 
-def own_run_folder(cfg, world):
-    """Rank 0 takes job.dump_folder for this run (engine.run_owner), or every rank raises the OwnerError naming the
-    live run that has it. Returns the ownership on rank 0, None on the others."""
+def own_run_folders(cfg, world, at_exit: contextlib.ExitStack) -> None:
+    """Rank 0 takes the run's folders (owned_folders) for this run (engine.run_owner), or every rank raises the
+    OwnerError naming the live run that has one. ``at_exit`` ends each ownership taken."""
     from engine.distributed import agree_on_user_errors
     from engine.run_owner import RunOwner
 
-    owner = None
     with agree_on_user_errors():
         if world.rank == 0:
             log = (lambda line: print(line, flush=True)) if world.logs else (lambda line: None)
-            owner = RunOwner(cfg.job.dump_folder, cfg.job.owner_timeout_seconds, on_lost=folder_lost, log=log)
-            owner.acquire()
-    return owner
+            for folder, field in owned_folders(cfg):
+                owner = RunOwner(folder, cfg.job.owner_timeout_seconds, on_lost=folder_lost, log=log, field=field)
+                owner.acquire()
+                at_exit.callback(owner.release)
 
 
 def folder_lost(message: str) -> None:
@@ -219,9 +233,7 @@ def run(argv: list[str], at_exit: contextlib.ExitStack) -> int:
 
         world = init_distributed(cfg)
         try:
-            owner = own_run_folder(cfg, world)
-            if owner is not None:
-                at_exit.callback(owner.release)
+            own_run_folders(cfg, world, at_exit)
             plan = dataclasses.replace(plan, resume=plan_resume(cfg))
             if finished_already(cfg, world, plan.resume):
                 destroy_distributed()

@@ -343,6 +343,38 @@ def test_an_owner_on_another_host_is_judged_by_its_heartbeat(tmp_path):
     assert read_owner(str(tmp_path))["host"] == "node-18"  # not this run's record: left alone
 
 
+def test_a_checkpoint_folder_outside_the_run_folder_has_one_writer_too(tmp_path):
+    """Two runs in two run folders given one absolute checkpoint.folder would save into the same step folders (and
+    each one's keep_latest_k delete the other's): the checkpoint folder is owned as the run folder is. Refused while
+    its owner lives, with one line naming checkpoint.folder and nothing created; taken over once it is gone, and
+    left without an owner record at the end."""
+    shared, dump = tmp_path / "shared_checkpoints", tmp_path / "run_b"
+    args = ["--training.steps", "2", "--checkpoint.enable", "--checkpoint.interval", "2", "--checkpoint.folder",
+            str(shared), "--job.dump_folder", str(dump)]
+    env = {**os.environ, "NGPU": "1", "PYTHON": sys.executable}
+    sleeper = subprocess.Popen(["sleep", "60"])
+    try:
+        from engine.run_owner import _start_time
+
+        owner = write_owner(shared, pid=sleeper.pid, start_time=_start_time(sleeper.pid))
+        refused = subprocess.run(["./run_train.sh", *BASE, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                                 timeout=120)
+        assert refused.returncode == 2 and refused.stderr.splitlines() == [
+            f"error: checkpoint.folder: {shared} is in use by the run of process {sleeper.pid} on host "
+            f"{owner['host']} (started {owner['started']}); wait for that run to end or stop it, or give another "
+            "checkpoint.folder (a run that is gone is taken over)"], refused.stdout[-2000:] + refused.stderr[-2000:]
+        assert not dump.exists() and sorted(os.listdir(shared)) == [OWNER_FILE]
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    done = subprocess.run(["./run_train.sh", *BASE, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert f"checkpoint.folder: taking {shared} over from the run of process {sleeper.pid}" in done.stdout
+    assert sorted(os.listdir(shared)) == ["step-000002"] and not (dump / "checkpoint").exists()
+    assert not (dump / OWNER_FILE).exists()
+
+
 def test_the_heartbeat_outlives_a_filesystem_error(tmp_path, monkeypatch):
     """A read of the record that fails (EIO, ESTALE on NFS) is a missed beat, not the end of the heartbeat: a dead
     heartbeat would let a run on another host take the folder over while this one still writes there."""

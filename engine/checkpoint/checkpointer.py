@@ -39,11 +39,11 @@ from torch.distributed.checkpoint.state_dict import (
 
 from engine import events
 from engine.checkpoint.files import (FORMAT_VERSION, HF_EXPORT_DIR, REMOVING_DIR, TRAIN_STATE_FILE, CheckpointInfo,
-                                     StorageFull, check_entries, checkpoint_root, dcp_load, folder_bytes, free_bytes,
+                                     StorageFull, check_entries, dcp_load, folder_bytes, free_bytes,
                                      hf_export_folder, is_complete, is_model_only, list_steps,
                                      out_of_space, set_aside, step_folder, write_commit_marker, write_json,
                                      write_own_checksums)
-from engine.config import Config, changed_settings, read_json_object, resume_settings
+from engine.config import Config, changed_settings, checkpoint_root, read_json_object, resume_settings
 from engine.distributed import keep_own_timeout, log_ranks, longer_collective_timeout
 from engine.hf import EXPORT_DTYPES, export_checkpoint_hf, load_hf_into
 from engine.optim import load_lr_scheduler_state

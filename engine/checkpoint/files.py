@@ -102,11 +102,6 @@ def hf_export_folder(root: str, step: int) -> str:
     return step_folder(root, step) + "-hf"
 
 
-def checkpoint_root(cfg: Config) -> str:
-    folder = cfg.checkpoint.folder
-    return folder if os.path.isabs(folder) else os.path.join(cfg.job.dump_folder, folder)
-
-
 class _MetadataUnpickler(pickle.Unpickler):
     """Unpickles DCP's .metadata and nothing else: the classes of DCP's metadata module (plain dataclasses and
     enums) and the storage info of its file system writer, torch sizes, dtypes and layouts, paths. A name is

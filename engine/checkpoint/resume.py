@@ -14,9 +14,9 @@ from typing import Any, Callable, Optional
 import torch.distributed as dist
 from torch import nn
 
-from engine.checkpoint.files import (CheckpointInfo, check_entries, checkpoint_root, inspect_checkpoint, is_model_only,
-                                     list_steps, verify_checksums)
-from engine.config import Config, ConfigError, check_shard_split, is_hf_folder, read_json_object
+from engine.checkpoint.files import (CheckpointInfo, check_entries, inspect_checkpoint, is_model_only, list_steps,
+                                     verify_checksums)
+from engine.config import Config, ConfigError, check_shard_split, checkpoint_root, is_hf_folder, read_json_object
 from engine.data.loader import READING_FIELDS, reading_options, source_id
 from engine.distributed import agree_on_user_errors
 from engine.hf import check_hf

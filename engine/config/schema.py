@@ -1,15 +1,17 @@
 """The configuration's schema: one typed dataclass per section of the TOML file, every field with its default
-and a docstring (``--help`` prints them). Declarations only: loading is in loading.py, the cross-field rules in
-validation.py.
+and a docstring (``--help`` prints them). Declarations only, and the one path derived from two fields
+(``checkpoint_root``): loading is in loading.py, the cross-field rules in validation.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 
 __all__ = ["Job", "Model", "Data", "Training", "Parallelism", "ActivationCheckpoint", "Compile", "Float8", "Optimizer",
-           "LRScheduler", "Metrics", "Validation", "Checkpoint", "Profiling", "Comm", "Debug", "Config", "SECTIONS"]
+           "LRScheduler", "Metrics", "Validation", "Checkpoint", "Profiling", "Comm", "Debug", "Config", "SECTIONS",
+           "checkpoint_root"]
 
 @dataclass
 class Job:
@@ -20,8 +22,9 @@ class Job:
     print_config: bool = False
     """Print the resolved configuration on rank 0 before training."""
     owner_timeout_seconds: float = 60.0
-    """The run owns dump_folder (its OWNER.json) while it lives; an owner on another host whose heartbeat stops
-    for this long is gone and its folder is taken over (one on this host is checked by its process)."""
+    """The run owns dump_folder (its OWNER.json), and checkpoint.folder when outside it, while it lives; an
+    owner on another host whose heartbeat stops this long is gone, its folder taken over (one on this host: its
+    process is checked)."""
 
 
 @dataclass
@@ -418,6 +421,12 @@ class Config:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def checkpoint_root(cfg: Config) -> str:
+    """The folder of the run's step folders: checkpoint.folder, relative to job.dump_folder unless absolute."""
+    folder = cfg.checkpoint.folder
+    return folder if os.path.isabs(folder) else os.path.join(cfg.job.dump_folder, folder)
 
 
 SECTIONS: dict[str, type] = {f.name: type(getattr(Config(), f.name)) for f in dataclasses.fields(Config)}
