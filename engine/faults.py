@@ -1,11 +1,12 @@
 """Fault injection for tests: TESSERA_FAULT_AT=<step>:<point>[,...] kills this process at a named point of the run
 (engine/events.py) with SIGKILL, or with SIGTERM for the point "sigterm" (the middle of every training step, a
-preemption signal arriving mid-step). ``<step>:<point>:stall`` stops the thread there for good instead, and once
-the last stall of the list is reached it creates the file TESSERA_FAULT_STALLED names (a test then kills the
-launcher); ``<step>:<point>:enospc`` raises the OSError of a full disk there (ENOSPC). The points: "mid_step"
-(named "sigterm" here), "validation"; in a checkpoint save "begin", "small_files", "dcp_write", "dcp_data_written",
-"dcp_before_metadata" (inside DCP's write), "dcp_done", "before_commit" and "committed". Installed by the entry
-point only when the variable is set: the training path never reads it."""
+preemption signal arriving mid-step) and at any point with ``<step>:<point>:sigterm``. ``<step>:<point>:stall``
+stops the thread there for good instead, and once the last stall of the list is reached it creates the file
+TESSERA_FAULT_STALLED names (a test then kills the launcher); ``<step>:<point>:enospc`` raises the OSError of a
+full disk there (ENOSPC). The points: "set_up" (the trainer built, its checkpoint loaded; the step it goes on
+from), "mid_step" (named "sigterm" here), "validation"; in a checkpoint save "begin", "small_files", "dcp_write",
+"dcp_data_written", "dcp_before_metadata" (inside DCP's write), "dcp_done", "before_commit" and "committed".
+Installed by the entry point only when the variable is set: the training path never reads it."""
 
 from __future__ import annotations
 
@@ -37,6 +38,8 @@ def fault_point(step: int, point: str) -> None:
     name = _NAMES.get(point, point)
     if f"{step}:{name}" in faults:
         os.kill(os.getpid(), signal.SIGTERM if name == "sigterm" else signal.SIGKILL)
+    elif f"{step}:{name}:sigterm" in faults:
+        os.kill(os.getpid(), signal.SIGTERM)
     elif f"{step}:{name}:enospc" in faults:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
     elif f"{step}:{name}:stall" in faults:

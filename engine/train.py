@@ -224,6 +224,10 @@ def run(argv: list[str], at_exit: contextlib.ExitStack) -> int:
         cfg, plan = check_run(argv, rank)
         if os.environ.get("TESSERA_CHECK_ONLY") == "1":
             return 0
+        if cfg.checkpoint.enable:  # a SIGTERM from here on saves at a step boundary, or ends set-up with status 0
+            from engine.lifetime import defer_sigterm
+
+            defer_sigterm()
         from engine.checkpoint.resume import plan_resume
         from engine.distributed import destroy_distributed, init_distributed
         from engine.faults import install_from_env

@@ -27,6 +27,7 @@ from engine.config.validation import Plan
 from engine.data.datasets import DataError, validation_data
 from engine.data.loader import build_dataloader
 from engine.data.tokenizer import build_tokenizer
+from engine.lifetime import defer_sigterm
 from engine.load_balance import LoadBalance
 from engine.distributed import (World, agree_on_user_errors, announce_user_error, comm_trace_prefix,
                                 longer_collective_timeout, process_group_backend, set_collective_timeout,
@@ -190,6 +191,7 @@ class Trainer:
         elif self.fsdp_bf16_weights:
             self.optimizer.set_low_halves(split_fsdp_weights(self.model_parts))
         self.doc_masking = cfg.model.attn_mask == "block_causal"
+        events.point(self.step, "set_up")
         if world.logs:
             print(
                 f"model {cfg.model.name}/{cfg.model.flavor}: {self.num_params:,} parameters, "
@@ -434,7 +436,14 @@ class Trainer:
             ckpt.close()
             return []
         if cfg.checkpoint.enable:
-            ckpt.install_sigterm_handler()
+            defer_sigterm()  # (engine.train installs it first, as soon as it has read the configuration)
+            if ckpt.stopped_in_set_up():
+                if self.world.logs:
+                    print(f"SIGTERM during set-up: nothing trained since step {self.step}, nothing to save; exiting",
+                          flush=True)
+                ckpt.close()
+                self.metrics.close()
+                return []
         tokens_per_step = cfg.training.local_batch_size * cfg.training.seq_len * self.grad_accum * self.dp_size
         data_iter = iter(self.dataloader)
 

@@ -327,6 +327,7 @@ def train_job(world_size: int, rank: int, argv: list[str], env: Optional[dict[st
     from engine.checkpoint.resume import plan_resume
     from engine.distributed import init_distributed
     from engine.faults import install_from_env
+    from engine.lifetime import defer_sigterm, forget_sigterm
     from engine.train import finished_already
     from engine.trainer import Trainer
 
@@ -340,6 +341,9 @@ def train_job(world_size: int, rank: int, argv: list[str], env: Optional[dict[st
         argv = ["--config", "train_configs/debug_model.toml", *argv]
     cfg = parse_args(argv)
     plan = validate(cfg, world_size)
+    forget_sigterm()  # (an earlier run in this process may have got one)
+    if cfg.checkpoint.enable:  # as engine.train.run does
+        defer_sigterm()
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
         world = init_distributed()

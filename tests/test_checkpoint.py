@@ -185,6 +185,25 @@ def test_sigterm_vote_of_several_ranks_overlaps_a_step(tmp_path):
     assert committed(tmp_path / "checkpoint") == [7]
 
 
+@pytest.mark.parametrize("ngpu", [1, 2])
+def test_sigterm_during_set_up_exits_zero_before_the_first_step(reference, tmp_path, ngpu):
+    """A SIGTERM while the run is set up (the model built, the checkpoint loaded: minutes at scale) ends it with
+    status 0 before its first step, with nothing new to save, so that the SLURM templates requeue the job (a run
+    killed by the signal was not requeued); several ranks agree by a vote. The requeued run goes on as if nothing
+    had happened."""
+    killed = train(tmp_path, *FOR_LOOP, fault="10:committed", ngpu=ngpu, check=False)  # step 10 committed
+    assert killed.returncode == -signal.SIGKILL
+    records = (tmp_path / "metrics.jsonl").read_text()
+    stopped = train(tmp_path, *FOR_LOOP, fault="10:set_up:sigterm", ngpu=ngpu, launcher="run_train.sh", check=False)
+    assert stopped.returncode == 0, stdout_of(stopped)[-3000:]
+    assert "SIGTERM during set-up: nothing trained since step 10, nothing to save; exiting" in stopped.stdout
+    assert committed(tmp_path / "checkpoint") == [10] and (tmp_path / "metrics.jsonl").read_text() == records
+    train(tmp_path, *FOR_LOOP, ngpu=ngpu)
+    if ngpu == 1:
+        assert curve(tmp_path, range(1, 21)) == curve(reference, range(1, 21))
+    assert committed(tmp_path / "checkpoint") == [10, 20]
+
+
 def test_sigterm_to_run_train_sh_with_two_ranks(tmp_path):
     env = {**os.environ, "NGPU": "2", "PYTHON": sys.executable}
     env.pop("TESSERA_FAULT_AT", None)

@@ -15,7 +15,6 @@ import os
 import queue
 import random
 import shutil
-import signal
 import threading
 import time
 from concurrent.futures import Future
@@ -46,6 +45,7 @@ from engine.checkpoint.files import (FORMAT_VERSION, HF_EXPORT_DIR, REMOVING_DIR
 from engine.config import Config, changed_settings, checkpoint_root, read_json_object, resume_settings
 from engine.distributed import keep_own_timeout, log_ranks, longer_collective_timeout
 from engine.hf import EXPORT_DTYPES, export_checkpoint_hf, load_hf_into
+from engine.lifetime import sigterm_received
 from engine.optim import load_lr_scheduler_state
 from parallelize.mesh import ParallelDims
 
@@ -167,7 +167,6 @@ class Checkpointer:
         self._purge_thread: Optional[threading.Thread] = None  # deleting checkpoints that keep_latest_k let go
         self._purge_queue: Optional[queue.Queue] = None
         self._purge_queued: set[str] = set()
-        self.preempted = False
         # The step this run went on from (0: a fresh start). Until its first commit, the steps after it in the
         # folder are another continuation's (a rollback by checkpoint.load_step, a restart by load_step = 0).
         self.resumed_step = 0
@@ -440,21 +439,22 @@ class Checkpointer:
         export_last_hf(self.cfg, step, tokenizer_path, rank, self.world_size if self.distributed else 1)
 
     # -- preemption -------------------------------------------------------------------------------------------
-    def install_sigterm_handler(self) -> None:
-        def handler(signum, frame):
-            self.preempted = True
-
-        signal.signal(signal.SIGTERM, handler)
-
     def stop_requested(self) -> bool:
-        """Whether any rank got SIGTERM; called by every rank at every step boundary. All ranks agree, so they
-        stop at the same step boundary: with several ranks, the one after the vote that saw the signal (the
-        vote runs during a step, see ``_Vote``)."""
+        """Whether any rank got SIGTERM (engine.lifetime.defer_sigterm); called by every rank at every step
+        boundary. All ranks agree, so they stop at the same step boundary: with several ranks, the one after the
+        vote that saw the signal (the vote runs during a step, see ``_Vote``)."""
         if self.stop_vote is None:
-            return self.preempted
+            return sigterm_received()
         stop = self.stop_vote.collect()  # the previous boundary's vote (none at the first)
-        self.stop_vote.start(int(self.preempted))
+        self.stop_vote.start(int(sigterm_received()))
         return bool(stop)
+
+    def stopped_in_set_up(self) -> bool:
+        """Whether any rank got SIGTERM before the first step (every rank calls it then, and waits for the vote)."""
+        if self.stop_vote is None:
+            return sigterm_received()
+        self.stop_vote.start(int(sigterm_received()))
+        return bool(self.stop_vote.collect())
 
     # -- load ------------------------------------------------------------------------------------------------
     def load(self, info: CheckpointInfo, data_position_loaded: bool) -> int:
