@@ -343,10 +343,11 @@ def test_retention_deletes_in_the_background_and_never_waits_for_it(tmp_path, mo
 
     monkeypatch.setattr(engine.checkpoint.checkpointer.shutil, "rmtree", slow_rmtree)
 
-    def commit(step):
+    def commit(step, train_state='{"step": 0}'):
         folder = root / f"step-{step:06d}"
         folder.mkdir(parents=True)
         (folder / "data").write_bytes(b"x" * 10)
+        (folder / "train_state.json").write_text(train_state)
         write_commit_marker(str(folder), step)
         done = threading.Thread(target=ckpt._retention)
         done.start()
@@ -360,6 +361,15 @@ def test_retention_deletes_in_the_background_and_never_waits_for_it(tmp_path, mo
     gate.set()
     ckpt.wait_purge()
     assert sorted(os.listdir(root)) == ["step-000003"]
+    # A step whose train_state.json cannot be read (as on a filesystem's hiccup) is neither counted nor removed: taken
+    # for a full checkpoint, a model-only save would push the last full one out.
+    commit(4, train_state="{")
+    assert sorted(os.listdir(root)) == ["step-000003", "step-000004"]
+    commit(5, train_state='{"step": 5, "model_only": true}')
+    assert sorted(os.listdir(root)) == ["step-000003", "step-000004", "step-000005"]
+    commit(6)
+    ckpt.wait_purge()
+    assert sorted(os.listdir(root)) == ["step-000004", "step-000005", "step-000006"]
 
 
 def test_rollback_and_retention_keep_the_run_resumable(tmp_path):

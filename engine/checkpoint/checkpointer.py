@@ -39,7 +39,7 @@ from torch.distributed.checkpoint.state_dict import (
 from engine import events
 from engine.checkpoint.files import (FORMAT_VERSION, HF_EXPORT_DIR, REMOVING_DIR, TRAIN_STATE_FILE, CheckpointInfo,
                                      StorageFull, check_entries, dcp_load, folder_bytes, free_bytes,
-                                     hf_export_folder, is_complete, is_model_only, list_steps,
+                                     hf_export_folder, is_complete, is_full, list_steps,
                                      out_of_space, set_aside, step_folder, write_commit_marker, write_json,
                                      write_own_checksums)
 from engine.config import Config, changed_settings, checkpoint_root, read_json_object, resume_settings
@@ -280,7 +280,7 @@ class Checkpointer:
             folder = step_folder(self.root, step)
             if self.is_main:
                 shutil.rmtree(folder, ignore_errors=True)
-            committed = [(s, f) for s, f, ok in list_steps(self.root) if ok and not is_model_only(f)]
+            committed = [(s, f) for s, f, ok in list_steps(self.root) if ok and is_full(f)]
             free = free_bytes(self.root)
             last = (f"the last committed checkpoint is step {committed[-1][0]} "
                     f"({folder_bytes(committed[-1][1]) / 2**20:,.1f} MiB)" if committed
@@ -360,12 +360,12 @@ class Checkpointer:
 
     def _retention(self) -> None:
         """checkpoint.keep_latest_k: remove all but the newest k complete full checkpoints. Incomplete ones never
-        count; model-only ones (the last save's export, a seed) neither count nor are removed, so the newest
-        resumable checkpoint always stays."""
+        count; model-only ones (the last save's export, a seed) neither count nor are removed, nor are those whose
+        train_state.json cannot be read now, so the newest resumable checkpoint always stays."""
         k = self.cfg.checkpoint.keep_latest_k
         if k <= 0:
             return
-        full = [(s, f) for s, f, ok in list_steps(self.root) if ok and not is_model_only(f)]
+        full = [(s, f) for s, f, ok in list_steps(self.root) if ok and is_full(f)]
         removing = [os.path.join(self.root, name) for name in os.listdir(self.root) if REMOVING_DIR.match(name)]
         for step, folder in full[:-k]:  # out of the way at once (a rename), deleted in the background
             try:

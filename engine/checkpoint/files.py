@@ -276,11 +276,23 @@ def set_aside(folder: str, suffix: str) -> str:
 
 
 def is_model_only(folder: str) -> bool:
+    return _saved_whole(folder) is False
+
+
+def is_full(folder: str) -> bool:
+    """Whether the step folder ``folder`` holds the whole training state (read from its train_state.json): False
+    for a model-only save and for a folder whose train_state.json cannot be read now, which keep_latest_k then
+    neither counts nor removes."""
+    return _saved_whole(folder) is True
+
+
+def _saved_whole(folder: str) -> Optional[bool]:
+    """True: the whole training state; False: the model only; None: its train_state.json cannot be read."""
     try:
         with open(os.path.join(folder, TRAIN_STATE_FILE)) as f:
-            return bool(json.load(f).get("model_only"))
+            return not json.load(f).get("model_only")
     except (OSError, ValueError, AttributeError):
-        return False
+        return None
 
 
 def list_steps(root: str) -> list[tuple[int, str, bool]]:
