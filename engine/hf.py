@@ -31,7 +31,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
-from engine.checkpoint.files import COMMIT_FILE, inspect_checkpoint, read_tensors
+from engine.checkpoint.files import COMMIT_FILE, fsync_path, inspect_checkpoint, read_tensors
 from engine.config import read_json_object
 from engine.data.tokenizer import Tokenizer
 from models.registry import get_model_spec, model_names
@@ -86,14 +86,6 @@ def _plan_shards(numels: dict[str, int], dtype: torch.dtype, max_shard_bytes: in
     return shards
 
 
-def _fsync(path: str) -> None:
-    """Flush ``path`` (a file or a folder) to disk."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
 
 def _shard_filename(i: int, n: int) -> str:
     return SINGLE_FILE if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
@@ -115,7 +107,7 @@ def _write_shard(path: str, names: list[str], fetch: Callable[[list[str]], dict[
     partial = f"{path}.partial"
     save_file(tensors, partial, metadata={"format": "pt"})
     os.chmod(partial, 0o666 & ~_umask())  # safetensors creates its files readable by their owner alone
-    _fsync(partial)
+    fsync_path(partial)
     os.replace(partial, path)
 
 
@@ -148,7 +140,7 @@ def _finish_folder(
     for name, path in tokenizer_files.items():
         shutil.copyfile(path, os.path.join(tmp, name))
     for name in os.listdir(tmp):
-        _fsync(os.path.join(tmp, name))
+        fsync_path(os.path.join(tmp, name))
 
 
 def shard_writer(i: int, world_size: int, node_size: int) -> int:
@@ -281,7 +273,7 @@ def _rename_folder(tmp: str, folder: str, field: str) -> None:
         os.rename(tmp, folder)
     except OSError as e:
         raise ValueError(f"{field}: cannot create '{folder}' ({e.strerror}); choose a new folder") from None
-    _fsync(os.path.dirname(folder))
+    fsync_path(os.path.dirname(folder))
 
 
 def model_args_for(name: str, flavor: str, vocab_size: int, field: str = "flavor", model_field: str = "model") -> Any:

@@ -209,6 +209,15 @@ def write_json(path: str, data: dict) -> None:
     os.replace(tmp, path)
 
 
+def fsync_path(path: str) -> None:
+    """Flush ``path`` (a file or a folder: the names in it) to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def file_checksum(path: str) -> int:
     """The 64-bit xxHash (XXH3) of a file's bytes, read 16 MiB at a time: about 12 GB/s on one core (zlib's CRC32:
     2.5), so reading the file costs more than checking it; it lets go of the GIL (a background thread checksums
@@ -258,6 +267,8 @@ def write_commit_marker(folder: str, step: int, checksums: bool = True) -> dict[
         marker[CHECKSUM_KEY] = {rel: sums[rel] if rel in sums else file_checksum(os.path.join(folder, rel))
                                 for rel in files}
     write_json(os.path.join(folder, COMMIT_FILE), marker)
+    for path in (folder, os.path.dirname(folder)):  # the marker's name, and the step's, on disk before retention
+        fsync_path(path)
     return files
 
 
