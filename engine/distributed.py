@@ -9,6 +9,8 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+import signal
+import threading
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Optional
@@ -71,6 +73,35 @@ def backend_from_env(cuda: bool) -> Optional[str]:
     return backend
 
 
+def backend_for(device_type: str, cpu_offload: bool) -> str:
+    """The run's process-group backend: gloo when TESSERA_BACKEND says so, else process_group_backend's
+    (TESSERA_BACKEND=nccl is its choice on CUDA, with gloo beside it under CPU offload all the same)."""
+    chosen = backend_from_env(device_type == "cuda")
+    return chosen if chosen == "gloo" else process_group_backend(device_type, cpu_offload)
+
+
+_terminated = threading.Event()
+
+
+def defer_sigterm() -> None:
+    """SIGTERM (a preemption or time limit under SLURM) is remembered instead of ending this process: the trainer
+    then saves at the next step boundary and exits 0, or, when it came during set-up, exits 0 before the first
+    step with nothing new to save, so that a requeued job resumes either way. A run that saves checkpoints installs
+    it as soon as its configuration is read."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, lambda signum, frame: _terminated.set())
+
+
+def sigterm_received() -> bool:
+    """Whether this process got SIGTERM since ``defer_sigterm``."""
+    return _terminated.is_set()
+
+
+def forget_sigterm() -> None:
+    """A new run in this process (the tests' harness runs one after another): no SIGTERM received yet."""
+    _terminated.clear()
+
+
 MAX_WORLD_SIZE = 2**20  # a sanity bound (the dry run simulates 16,384 ranks in seconds): beyond it, a typo
 
 
@@ -101,8 +132,7 @@ def init_distributed(cfg=None) -> World:
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-    backend = (backend_from_env(device.type == "cuda")
-               or process_group_backend(device.type, cfg is not None and cfg.parallelism.fsdp_cpu_offload))
+    backend = backend_for(device.type, cfg is not None and cfg.parallelism.fsdp_cpu_offload)
     timeout = None
     if cfg is not None:
         timeout = timedelta(seconds=cfg.comm.init_timeout_seconds)

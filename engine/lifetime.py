@@ -110,28 +110,6 @@ def interrupted(e: BaseException | None = None) -> bool:
     return _interrupted or isinstance(e, KeyboardInterrupt)
 
 
-_terminated = threading.Event()
-
-
-def defer_sigterm() -> None:
-    """SIGTERM (a preemption or time limit under SLURM) is remembered instead of ending this process: the trainer
-    then saves at the next step boundary and exits 0, or, when it came during set-up, exits 0 before the first
-    step with nothing new to save, so that a requeued job resumes either way. A run that saves checkpoints installs
-    it as soon as its configuration is read."""
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, lambda signum, frame: _terminated.set())
-
-
-def sigterm_received() -> bool:
-    """Whether this process got SIGTERM since ``defer_sigterm``."""
-    return _terminated.is_set()
-
-
-def forget_sigterm() -> None:
-    """A new run in this process (the tests' harness runs one after another): no SIGTERM received yet."""
-    _terminated.clear()
-
-
 def _shut_threads_down() -> None:
     """What the interpreter does first at exit: the threading module's exit hooks, among them concurrent.futures'
     (which tells idle thread-pool workers, such as Inductor's compile pool's, to stop), then a join of every

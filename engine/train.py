@@ -225,7 +225,7 @@ def run(argv: list[str], at_exit: contextlib.ExitStack) -> int:
         if os.environ.get("TESSERA_CHECK_ONLY") == "1":
             return 0
         if cfg.checkpoint.enable:  # a SIGTERM from here on saves at a step boundary, or ends set-up with status 0
-            from engine.lifetime import defer_sigterm
+            from engine.distributed import defer_sigterm
 
             defer_sigterm()
         from engine.checkpoint.resume import plan_resume

@@ -27,9 +27,8 @@ from engine.config.validation import Plan
 from engine.data.datasets import DataError, validation_data
 from engine.data.loader import build_dataloader
 from engine.data.tokenizer import build_tokenizer
-from engine.lifetime import defer_sigterm
 from engine.load_balance import LoadBalance
-from engine.distributed import (World, agree_on_user_errors, announce_user_error, comm_trace_prefix,
+from engine.distributed import (World, agree_on_user_errors, announce_user_error, comm_trace_prefix, defer_sigterm,
                                 longer_collective_timeout, process_group_backend, set_collective_timeout,
                                 set_determinism)
 from engine.metrics import MetricsLogger

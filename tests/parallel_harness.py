@@ -325,9 +325,8 @@ def train_job(world_size: int, rank: int, argv: list[str], env: Optional[dict[st
     from engine.config import parse_args
     from engine.config.validation import validate
     from engine.checkpoint.resume import plan_resume
-    from engine.distributed import init_distributed
+    from engine.distributed import defer_sigterm, forget_sigterm, init_distributed
     from engine.faults import install_from_env
-    from engine.lifetime import defer_sigterm, forget_sigterm
     from engine.train import finished_already
     from engine.trainer import Trainer
 

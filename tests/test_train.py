@@ -203,6 +203,23 @@ def test_log_rank_shows_that_ranks_log_lines(tmp_path):
     assert len(shown) == len(written) == 2 and f"loss: {written[-1]['loss']:7.4f}" in shown[-1], (shown, written)
 
 
+def test_the_backend_keeps_gloo_beside_nccl_under_cpu_offload_whatever_tessera_backend_says(monkeypatch):
+    """FSDP's CPU offload reduces the gradient norm's squares in CPU memory, which NCCL cannot: TESSERA_BACKEND=nccl
+    (the default on CUDA, named) gets gloo beside it all the same; gloo stays gloo."""
+    from engine.distributed import backend_for
+
+    for env, offload, backend in ((None, False, "nccl"), (None, True, "cuda:nccl,cpu:gloo"),
+                                  ("nccl", False, "nccl"), ("nccl", True, "cuda:nccl,cpu:gloo"),
+                                  ("gloo", True, "gloo")):
+        if env is None:
+            monkeypatch.delenv("TESSERA_BACKEND", raising=False)
+        else:
+            monkeypatch.setenv("TESSERA_BACKEND", env)
+        assert backend_for("cuda", offload) == backend, (env, offload)
+    monkeypatch.delenv("TESSERA_BACKEND")
+    assert backend_for("cpu", True) == "gloo"
+
+
 @pytest.mark.parametrize("env, argv, message", [
     ({"DRY_RUN": "true"}, [], "DRY_RUN: expected 0 or 1, got 'true'"),
     ({"CONFIG_FILE": "/no/such.toml"}, [], "CONFIG_FILE: '/no/such.toml' is not a file"),

@@ -43,9 +43,8 @@ from engine.checkpoint.files import (FORMAT_VERSION, HF_EXPORT_DIR, REMOVING_DIR
                                      out_of_space, set_aside, step_folder, write_commit_marker, write_json,
                                      write_own_checksums)
 from engine.config import Config, changed_settings, checkpoint_root, read_json_object, resume_settings
-from engine.distributed import keep_own_timeout, log_ranks, longer_collective_timeout
+from engine.distributed import keep_own_timeout, log_ranks, longer_collective_timeout, sigterm_received
 from engine.hf import EXPORT_DTYPES, export_checkpoint_hf, load_hf_into
-from engine.lifetime import sigterm_received
 from engine.optim import load_lr_scheduler_state
 from parallelize.mesh import ParallelDims
 
