@@ -225,8 +225,9 @@ def run(argv: list[str], at_exit: contextlib.ExitStack) -> int:
         if os.environ.get("TESSERA_CHECK_ONLY") == "1":
             return 0
         if cfg.checkpoint.enable:  # a SIGTERM from here on saves at a step boundary, or ends set-up with status 0
-            from engine.distributed import defer_sigterm
+            from engine.distributed import defer_sigterm, forget_sigterm
 
+            forget_sigterm()  # (one received by an earlier run in this process, as the tests run several)
             defer_sigterm()
         from engine.checkpoint.resume import plan_resume
         from engine.distributed import destroy_distributed, init_distributed
