@@ -439,7 +439,7 @@ class Checkpointer:
 
     # -- preemption -------------------------------------------------------------------------------------------
     def stop_requested(self) -> bool:
-        """Whether any rank got SIGTERM (engine.lifetime.defer_sigterm); called by every rank at every step
+        """Whether any rank got SIGTERM (engine.distributed.defer_sigterm); called by every rank at every step
         boundary. All ranks agree, so they stop at the same step boundary: with several ranks, the one after the
         vote that saw the signal (the vote runs during a step, see ``_Vote``)."""
         if self.stop_vote is None:
