@@ -147,7 +147,7 @@ class Trainer:
         # averages them (a sum with a pre-multiplier, which gloo lacks), so backward runs on the loss times
         # the divisor.
         self.backward_scale = gradient_divide_factor(self.dims.mesh("fsdp")) if self.dims.data_parallel else 1
-        self.loss_fn = compile_loss(cross_entropy_sum) if cfg.compile.enable else cross_entropy_sum
+        self.loss_fn = compile_loss(cross_entropy_sum, cfg.compile.backend) if cfg.compile.enable else cross_entropy_sum
         # Under TP each rank runs the MoE layers on its own sequence shard: their counts add up over tp too.
         token_groups = [g for g in (self.loss_group, self.dims.group("tp") if self.dims.tp_enabled else None)
                         if g is not None]
@@ -205,7 +205,9 @@ class Trainer:
                 flush=True,
             )
             chunk = cfg.training.loss_chunk_tokens
+            backend = cfg.compile.backend
             print(f"plan: {self.stages.describe(self.device)}"
+                  + (f"; compile backend {backend}" if cfg.compile.enable and backend != "inductor" else "")
                   + (f"; output loss fused in {chunk}-token chunks" if chunk else "")
                   + f"; optimizer {describe_optimizer(self.optimizer)}", flush=True)
             source = self.dataloader.source

@@ -14,10 +14,16 @@ from torch import nn
 from models.moe import MoE
 
 
-def apply_compile(blocks: nn.ModuleDict, inside_checkpoint: bool = False, fullgraph: bool = True) -> None:
-    """Compile each block in place, with fullgraph (context parallelism's ring attention, whichever way it
-    rotates, is one operator to the compiler: parallelize/context_parallel.py) unless told otherwise: expert
-    parallelism's all-to-all dispatch, whose split sizes live on the host, runs between two compiled graphs.
+COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
+"""compile.backend's choices: torch.compile's backends by their registered names."""
+
+
+def apply_compile(blocks: nn.ModuleDict, inside_checkpoint: bool = False, fullgraph: bool = True,
+                  backend: str = "inductor") -> None:
+    """Compile each block in place with ``backend``, with fullgraph (context parallelism's ring attention,
+    whichever way it rotates, is one operator to the compiler: parallelize/context_parallel.py) unless told
+    otherwise: expert parallelism's all-to-all dispatch, whose split sizes live on the host, runs between two
+    compiled graphs.
 
     ``inside_checkpoint`` (full and every-N activation checkpointing): a checkpoint-wrapped block's own module is
     compiled and the checkpoint runs eagerly around it, recomputing the compiled forward in backward. Compiling
@@ -32,7 +38,7 @@ def apply_compile(blocks: nn.ModuleDict, inside_checkpoint: bool = False, fullgr
         torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
     for block in blocks.values():
         inner = getattr(block, "_checkpoint_wrapped_module", None) if inside_checkpoint else None
-        (inner if inner is not None else block).compile(fullgraph=fullgraph)
+        (inner if inner is not None else block).compile(backend=backend, fullgraph=fullgraph)
 
 
 def wait_before_compiled_blocks(module: nn.Module) -> None:
@@ -69,8 +75,8 @@ def tag_compile_caches(group_names: list[str]) -> None:
     compiler_config.cache_key_tag = f"{_USER_CACHE_TAG[0]}|tessera-groups:{','.join(group_names)}"
 
 
-def compile_loss(loss_fn: Callable) -> Callable:
-    return torch.compile(loss_fn)
+def compile_loss(loss_fn: Callable, backend: str = "inductor") -> Callable:
+    return torch.compile(loss_fn, backend=backend)
 
 
 def set_inductor_option(name: str, value) -> None:

@@ -33,6 +33,11 @@ def _layout(local: int, *args: str, deep: bool = False) -> list[str]:
 
 
 FSDP2_TP2 = ["--parallelism.dp_shard", "2", "--parallelism.tp", "2"]
+# Compiled blocks run by eager kernels: Dynamo's graphs and AOT autograd's partition (where compile's failures
+# under TP were: both TP layouts below fail without their fixes on this backend too), without Inductor's C++
+# code generation, which a GPU does not run (it builds Triton kernels) and which costs a CPU 10 to 20 s per
+# layout. FSDP2's compiled layout and the single-process ones compile with Inductor (docs/testing.md).
+AOT_EAGER = ["--compile.enable", "--compile.backend", "aot_eager"]
 PP_SCHEDULES = ["GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"]
 
 
@@ -58,12 +63,11 @@ LAYOUTS = {
         "fsdp2_compile_ac_op": _layout(4, "--parallelism.dp_shard", "2", "--compile.enable",
                                        "--activation_checkpoint.mode", "selective"),
         # Without FSDP the first compiled block takes the embedding's pending reduce-scatter (torch 2.13's backward
-        # failed there: parallelize.compile.wait_before_compiled_blocks).
-        "tp2_compile": _layout(8, "--parallelism.tp", "2", "--compile.enable"),
+        # failed there: parallelize.compile.wait_before_compiled_blocks). AOT_EAGER: see its definition.
+        "tp2_compile": _layout(8, "--parallelism.tp", "2", *AOT_EAGER),
         # Full AC compiles inside the checkpoint (torch 2.13 failed compiling the wrapper under TP: the shipped
         # 70B and 405B configs' combination; parallelize.compile.apply_compile).
-        "tp2_compile_ac_full": _layout(8, "--parallelism.tp", "2", "--compile.enable",
-                                       "--activation_checkpoint.mode", "full"),
+        "tp2_compile_ac_full": _layout(8, "--parallelism.tp", "2", *AOT_EAGER, "--activation_checkpoint.mode", "full"),
         **_pipelines(2),
         "pp2_csv": _layout(8, "--parallelism.pp", "2", "--parallelism.pp_schedule", "Interleaved1F1B",
                            "--parallelism.pp_schedule_csv", "tests/data/pp2_looped_bfs.csv"),
@@ -78,7 +82,7 @@ LAYOUTS = {
         # Compiled blocks (fullgraph) with the point-to-point ring inside, under per-op AC, which saves the ring's
         # output whole (parallelize/context_parallel.py: one operator).
         "cp2_alltoall_compile_ac_op": _layout(8, "--parallelism.cp", "2", "--parallelism.cp_rotate", "alltoall",
-                                              "--compile.enable", "--activation_checkpoint.mode", "selective"),
+                                              *AOT_EAGER, "--activation_checkpoint.mode", "selective"),
         # The harness steps the optimizer per tensor (see BASE); this layout keeps the engine's CPU default.
         "fsdp2_fused_loss_foreach_adamw": _layout(4, "--parallelism.dp_shard", "2", "--training.loss_chunk_tokens",
                                                   "48", "--optimizer.implementation", "foreach"),
@@ -209,6 +213,25 @@ def test_single_process_fused_loss_matches_reference(batches, reference, tmp_pat
 def test_single_process_compile_matches_reference(batches, reference, tmp_path):
     args = _layout(GLOBAL, "--compile.enable")
     _check(run_layout(args, 1, 0, batches, str(tmp_path)), reference, args)
+
+
+def test_compile_backend_aot_eager_traces_without_inductor(batches, reference, tmp_path, monkeypatch):
+    """compile.backend = aot_eager: the blocks and the loss are compiled (Dynamo and AOT autograd trace them),
+    Inductor generates nothing, and the run is the reference's."""
+    import torch._inductor.compile_fx as compile_fx
+
+    generated = []
+    inductor = compile_fx.compile_fx
+    monkeypatch.setattr(compile_fx, "compile_fx", lambda *a, **k: generated.append(1) or inductor(*a, **k))
+    torch._dynamo.reset()  # graphs cached by earlier tests would not be traced again
+    args = _layout(GLOBAL, *AOT_EAGER)
+    result = run_layout(args, 1, 0, batches, str(tmp_path))
+    _check(result, reference, args)
+    assert result["built"]["compiled"] == 2 and not generated
+    torch._dynamo.reset()
+    args = _layout(GLOBAL, "--compile.enable")  # the check can fail: the default backend is Inductor's
+    run_layout(args, 1, 0, batches, str(tmp_path / "inductor"))
+    assert generated
 
 
 def test_compile_without_autotuning_matches_reference(batches, reference, tmp_path):

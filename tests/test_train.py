@@ -74,6 +74,10 @@ BAD_INPUTS = [
     (["--checkpoint.exclude_from_loading", "optimizer"], "checkpoint.exclude_from_loading"),
     (["--checkpoint.last_save_model_only"], "checkpoint.last_save_model_only"),  # needs checkpoint.enable
     (["--compile.no-autotune"], "compile.autotune"),  # needs compile.enable
+    (["--compile.enable", "--compile.backend", "aot_eagre"], "compile.backend: 'aot_eagre' is not one of inductor, "
+     "aot_eager, eager (did you mean"),
+    (["--compile.backend", "aot_eager"], "compile.backend"),  # needs compile.enable
+    (["--compile.enable", "--compile.backend", "eager", "--compile.no-autotune"], "compile.autotune"),  # inductor's
     (["--debug.seed", "4294967296"], "debug.seed: must be in [0, 2**32 - 1]"),
     (["--parallelism.pp_schedule", "1f1b"], "parallelism.pp_schedule"),  # checked at pp = 1 too
     (["--validation.enable", "--validation.dataset_config", "en"], "validation.dataset_config"),

@@ -188,6 +188,10 @@ class ActivationCheckpoint:
 class Compile:
     enable: bool = False
     """torch.compile each transformer block (fullgraph) and the loss."""
+    backend: str = "inductor"
+    """The torch.compile backend: inductor (generated kernels: the speed-up), aot_eager (the same Dynamo graphs
+    and AOT autograd partition, run by eager kernels: tells a code-generation problem from a tracing one) or
+    eager (Dynamo's graphs alone)."""
     autotune: bool = True
     """Inductor benchmarks several launch configurations of each kernel at its first launch (on clones of its
     outputs, which can leave the first step's memory reserved) and keeps the fastest. false: one configuration

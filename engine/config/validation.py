@@ -17,6 +17,7 @@ from engine.config.errors import ConfigError, check_choice, check_positive, chec
 from engine.config.schema import Config
 from models.attention import BACKENDS, SDPA_BACKENDS, flash_attn_available
 from models.registry import get_model_spec, model_names
+from parallelize.compile import COMPILE_BACKENDS
 from parallelize.float8 import check_float8_layers, check_float8_supported, cuda_capability
 from parallelize.mesh import ParallelDims
 from parallelize.pipeline_parallel import (SCHEDULES, V_SCHEDULES, check_schedule_csv, is_multi_stage, num_stages,
@@ -165,6 +166,14 @@ def validate(cfg: Config, world_size: int = 1, machine: Optional[Machine] = None
     if not cfg.compile.autotune and not cfg.compile.enable:
         raise ConfigError("compile.autotune: false applies to compiled kernels; set compile.enable = true as well, "
                           "or drop it")
+    check_choice("compile.backend", cfg.compile.backend, list(COMPILE_BACKENDS))
+    if cfg.compile.backend != "inductor":
+        if not cfg.compile.enable:
+            raise ConfigError(f"compile.backend: {cfg.compile.backend} applies to compiled blocks; set "
+                              "compile.enable = true as well, or drop it")
+        if not cfg.compile.autotune:
+            raise ConfigError(f"compile.autotune: false applies to inductor's kernels, and compile.backend is "
+                              f"{cfg.compile.backend}; drop compile.autotune, or set compile.backend = inductor")
 
     # optimizer
     o = cfg.optimizer
@@ -312,9 +321,10 @@ def validate_parallelism(cfg: Config, world_size: int, spec, machine: Optional[M
     _validate_model_layout(cfg, dims, args)
     cuda = (machine or Machine.this()).cuda
     if p.enable_async_tp:
-        if dims.tp == 1 or not cfg.compile.enable or not cuda:
+        if dims.tp == 1 or not cfg.compile.enable or cfg.compile.backend != "inductor" or not cuda:
             raise ConfigError(
-                "parallelism.enable_async_tp: needs parallelism.tp > 1, compile.enable and CUDA GPUs"
+                "parallelism.enable_async_tp: needs parallelism.tp > 1, compile.enable (compile.backend inductor) and "
+                "CUDA GPUs"
             )
     if p.fsdp_cpu_offload:
         if not cuda:

@@ -183,7 +183,7 @@ def parallelize_llama(model: nn.Module, dims: ParallelDims, cfg: Any, device_typ
         set_kernel_autotuning(cfg.compile.autotune)  # the loss's graph too
         apply_compile(model.layers,
                       inside_checkpoint=ac.mode == "full" or (ac.mode == "selective" and ac.selective_option != "op"),
-                      fullgraph=not (dims.ep_enabled and moe_layers))
+                      fullgraph=not (dims.ep_enabled and moe_layers), backend=cfg.compile.backend)
         if dims.tp_enabled and model.tok_embeddings is not None:
             wait_before_compiled_blocks(model.tok_embeddings)
 
