@@ -273,8 +273,10 @@ class TiedEmbedding:
         self.output = next((p.output.weight for p in parts if p.output is not None), None)
         self.group = None
         first, last = owners[0], owners[-1]
-        if first != last:  # every rank takes part in making every pair's group
-            columns = root_mesh.mesh.reshape(root_mesh.mesh.shape[0], -1).T  # root_mesh's dim 0 is pp
+        if first != last and root_mesh.mesh.shape[0] == 2:  # root_mesh's dim 0 is pp: the pair is the pp group
+            self.group = root_mesh.get_group("pp")
+        elif first != last:  # every rank takes part in making every pair's group
+            columns = root_mesh.mesh.reshape(root_mesh.mesh.shape[0], -1).T
             pairs = [[int(ranks[first]), int(ranks[last])] for ranks in columns]
             self.group, _ = dist.new_subgroups_by_enumeration(pairs)
 

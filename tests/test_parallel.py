@@ -420,7 +420,9 @@ def test_tied_embeddings_match_single_process(batches, tmp_path):
         4: {"fsdp2_tp2": _layout(4, *tied, *FSDP2_TP2),
             "pp2_fsdp2": _layout(4, *tied, *pp2, "--parallelism.dp_shard", "2"),
             "pp2_tp2_fused_loss": _layout(8, *tied, *pp2, "--parallelism.tp", "2", "--parallelism.pp_schedule",
-                                          "Interleaved1F1B", "--training.loss_chunk_tokens", "100")},
+                                          "Interleaved1F1B", "--training.loss_chunk_tokens", "100"),
+            # the first and last of 4 stages: a group of their own (with 2 stages, the pp group is the pair)
+            "pp4_1F1B": _layout(8, *tied, "--parallelism.pp", "4", "--parallelism.pp_schedule", "1F1B")},
     }
     for world, layouts in worlds.items():
         results = run_world(world, layouts, {name: batches for name in layouts}, str(tmp_path / f"w{world}"),
