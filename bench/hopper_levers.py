@@ -263,7 +263,7 @@ def lever_clip(reps: int, device: str = "cuda", flavor: str = "8B_L8") -> dict:
 def lever_bf16(reps: int, device: str = "cuda", flavor: str = "8B_L8", tokens: int = 8192) -> dict:
     from engine.config import Optimizer
     from engine.optim import build_optimizer, clip_grad_norm_
-    from parallelize.bf16_weights import master_weight, split_linear_weights
+    from parallelize.bf16_weights import master_weight, split_matmul_weights
 
     meta = _meta_model(flavor)
     linear = [m.weight.shape for m in meta.modules() if isinstance(m, torch.nn.Linear)]
@@ -303,7 +303,7 @@ def lever_bf16(reps: int, device: str = "cuda", flavor: str = "8B_L8", tokens: i
                 if p.ndim == 2:
                     holder = torch.nn.Linear(1, 1, bias=False)
                     holder.weight = p
-                    lows.update(split_linear_weights([holder]))
+                    lows.update(split_matmul_weights([holder]))
             opt.set_low_halves(lows)
         if autotune:  # the update with Inductor's default options (pointwise autotuning on)
             from engine.optim import _adam_update

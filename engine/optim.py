@@ -70,7 +70,7 @@ def _adam_update(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs
 
 class AdamWWithBf16Weights(torch.optim.Optimizer):
     """AdamW (or Adam) over parameters of which some are split bf16 weights (``set_low_halves``;
-    parallelize/bf16_weights.py: the linear weights on one GPU, every FSDP2 shard under
+    parallelize/bf16_weights.py: the matmul weights on one GPU, every FSDP2 shard under
     training.fsdp_bf16_weights, updated shard by shard): each update rebuilds the fp32 weight from the bf16
     parameter and its low half, reads the bf16 gradient, and writes both halves back; the other parameters are
     fp32 as usual. The state is torch's AdamW's (``step``, a float32 tensor on the parameter's device as torch's fused

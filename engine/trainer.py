@@ -40,7 +40,7 @@ from models.attention import select_sdpa_backend
 from models.loss import IGNORE_INDEX, cross_entropy_sum
 from models.moe import MoE
 from parallelize import pipeline_parallel as pipeline
-from parallelize.bf16_weights import bf16_weights_apply, split_fsdp_weights, split_linear_weights
+from parallelize.bf16_weights import bf16_weights_apply, split_fsdp_weights, split_matmul_weights
 from parallelize.compile import compile_loss, tag_compile_caches
 from parallelize.context_parallel import shard_sequence
 from parallelize.fsdp import gradient_divide_factor, mixed_precision_policy, set_replica_all_reduce
@@ -186,7 +186,7 @@ class Trainer:
             self.checkpointer.load_model_only(resume.initial_load_path, resume.initial_from_hf, resume.initial)
 
         if self.bf16_weights:  # from the final weights (initialized or loaded), before the first forward
-            self.optimizer.set_low_halves(split_linear_weights(self.model_parts))
+            self.optimizer.set_low_halves(split_matmul_weights(self.model_parts))
         elif self.fsdp_bf16_weights:
             self.optimizer.set_low_halves(split_fsdp_weights(self.model_parts))
         self.doc_masking = cfg.model.attn_mask == "block_causal"

@@ -1,15 +1,15 @@
 """bf16 matmul weights whose fp32 masters are kept as a bf16 high half and a 16-bit low half (one GPU).
 
-Without FSDP, bf16 compute on CUDA is autocast: every fp32 ``nn.Linear`` weight is cast to bf16 wherever a
-matmul reads it (each forward, each recomputation) and its bf16 gradient is cast back to fp32: casts whose
-results the optimizer could have written once (their cost: docs/performance.md).
+Without FSDP, bf16 compute on CUDA is autocast: every fp32 matmul weight (``nn.Linear``'s, the MoE experts')
+is cast to bf16 wherever a matmul reads it (each forward, each recomputation) and its bf16 gradient is cast back
+to fp32: casts whose results the optimizer could have written once (their cost: docs/performance.md).
 
-``split_linear_weights`` stores each linear layer's weight (``nn.Linear`` and its subclasses, torchao's
-``Float8Linear`` included) as its bf16 rounding (round to nearest even, as autocast's cast), with a 16-bit
-buffer ``weight_low`` holding the rest: together the fp32 weight exactly (``master_weight``), in the same 4
-bytes per element. The matmuls read the parameter with no cast, its gradient stays bf16, and the optimizer
-(``engine.optim.AdamWWithBf16Weights``) rebuilds each fp32 weight, updates it and writes both halves back in
-one pass.
+``split_matmul_weights`` stores each matmul weight (``nn.Linear`` and its subclasses, torchao's
+``Float8Linear`` included, and a Mixture-of-Experts layer's stacked expert weights) as its bf16 rounding (round
+to nearest even, as autocast's cast), with a 16-bit buffer (``weight_low``, ``w1_low``, ...) holding the rest:
+together the fp32 weight exactly (``master_weight``), in the same 4 bytes per element. The matmuls read the
+parameter with no cast, its gradient stays bf16, and the optimizer (``engine.optim.AdamWWithBf16Weights``)
+rebuilds each fp32 weight, updates it and writes both halves back in one pass.
 
 What does not change:
 
@@ -43,6 +43,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from models.moe import GroupedExperts
 
 
 def bf16_weights_apply(enabled: bool, distributed: bool, grad_accum: int) -> bool:
@@ -151,27 +152,37 @@ def _holders(part: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
     return holders
 
 
-def split_linear_weights(parts: Iterable[nn.Module]) -> dict[nn.Parameter, torch.Tensor]:
-    """Store every linear weight of ``parts`` as bf16 + low half (in place: the same Parameter objects, so an
-    optimizer built over them keeps them); returns parameter -> low half, for the optimizer. Call it once the
-    weights are final (initialized or loaded) and before the first forward (compiled blocks trace then). A weight
-    that another module shares (an output projection tied to the embedding) stays fp32: the embedding would
-    otherwise read bf16 and start the residual stream in bf16."""
+def _matmul_weight_names(module: nn.Module) -> tuple[str, ...]:
+    """The weights of ``module`` that its matmuls read in the compute dtype (autocast casts them): a linear
+    layer's ``weight``, the experts' stacked ``w1``, ``w2`` and ``w3`` (models/moe.py casts them as autocast
+    would)."""
+    if isinstance(module, nn.Linear):
+        return ("weight",)
+    if isinstance(module, GroupedExperts):
+        return ("w1", "w2", "w3")
+    return ()
+
+
+def split_matmul_weights(parts: Iterable[nn.Module]) -> dict[nn.Parameter, torch.Tensor]:
+    """Store every matmul weight of ``parts`` (``_matmul_weight_names``) as bf16 + low half (in place: the same
+    Parameter objects, so an optimizer built over them keeps them); returns parameter -> low half, for the
+    optimizer. Call it once the weights are final (initialized or loaded) and before the first forward (compiled
+    blocks trace then). A weight that another module shares (an output projection tied to the embedding) stays
+    fp32: the embedding would otherwise read bf16 and start the residual stream in bf16."""
     lows: dict[nn.Parameter, torch.Tensor] = {}
     for part in parts:
         holders = _holders(part)
         for module in part.modules():
-            if not isinstance(module, nn.Linear) or _low_name("weight") in module._buffers:
-                continue
-            weight = module._parameters["weight"]
-            if len(holders[id(weight)]) > 1:
-                continue
-            assert weight is not None and weight.dtype == torch.float32, (type(module), weight)
-            assert not isinstance(weight, DTensor), "split weights are for one rank"
-            high, low = split(weight.detach())
-            weight.data = high
-            _keep_low(module, "weight", low)
-            lows[weight] = low
+            for name in _matmul_weight_names(module):
+                weight = module._parameters[name]
+                if _low_name(name) in module._buffers or len(holders[id(weight)]) > 1:
+                    continue
+                assert weight is not None and weight.dtype == torch.float32, (type(module), name, weight)
+                assert not isinstance(weight, DTensor), "split weights are for one rank"
+                high, low = split(weight.detach())
+                weight.data = high
+                _keep_low(module, name, low)
+                lows[weight] = low
     return lows
 
 

@@ -18,7 +18,7 @@ from engine.config import Optimizer
 from engine.optim import AdamWWithBf16Weights, build_optimizer, clip_grad_norm_, scales_gradients
 from engine.plot import read_metrics
 from models.loss import cross_entropy_sum
-from parallelize.bf16_weights import bf16_weights_apply, master_weight, split, split_linear_weights
+from parallelize.bf16_weights import bf16_weights_apply, master_weight, split, split_matmul_weights
 from tests.test_model import build, debug_args
 
 # Few tokens per step: a CPU without AVX-512 runs bf16 matmuls (autocast's) tens of times slower than fp32 ones
@@ -114,7 +114,7 @@ def test_split_weights_give_autocasts_loss_and_gradients_exactly(compiled):
     blocks compiled. The state dict still holds the fp32 weights, bit for bit, and loading one splits it again."""
     ref = build(debug_args())
     ours = copy.deepcopy(ref)
-    lows = split_linear_weights([ours])
+    lows = split_matmul_weights([ours])
     assert len(lows) == 1 + 7 * len(ours.layers)  # the output projection and each block's seven
     assert all(p.dtype == torch.bfloat16 and low.dtype == torch.int16 for p, low in lows.items())
     assert ours.output.weight in lows
@@ -139,13 +139,43 @@ def test_split_weights_give_autocasts_loss_and_gradients_exactly(compiled):
     assert all(torch.equal(ours.state_dict()[k], _as_stored(k, other[k])) for k in other)
 
 
+def test_moe_experts_are_split_and_give_autocasts_output_and_gradients_exactly():
+    """A MoE layer with a shared expert: its stacked expert weights are split too (the grouped GEMMs read them with
+    no cast), and under autocast it gives the output and gradients of fp32 weights, bit for bit."""
+    from tests.test_moe import DIM
+    from tests.test_moe import build as build_moe
+
+    ref = build_moe(num_shared_experts=1)
+    ours = copy.deepcopy(ref)
+    lows = split_matmul_weights([ours])
+    experts = [getattr(e, w) for e in (ours.experts, ours.shared_experts) for w in ("w1", "w2", "w3")]
+    assert set(lows) == {*experts, ours.router.gate.weight}
+    assert all(p.dtype == torch.bfloat16 and lows[p].shape == p.shape for p in experts)
+    theirs, mine = ref.state_dict(), ours.state_dict()
+    assert sorted(mine) == sorted(theirs) and all(mine[k].dtype == theirs[k].dtype for k in theirs)
+    for k in ("experts.w1", "shared_experts.w2", "router.gate.weight"):
+        assert torch.equal(mine[k], master_weight(*split(theirs[k]))), k
+    x = torch.randn(2, 9, DIM, generator=torch.Generator().manual_seed(1))
+    outs = []
+    for layer in (ref, ours):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = layer(x)
+        out.float().square().sum().backward()
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+    for (name, p), q in zip(ref.named_parameters(), ours.parameters()):
+        assert q.grad.dtype == (torch.bfloat16 if q in lows else torch.float32), name
+        assert torch.equal(p.grad, q.grad.float()), name
+    assert all(p.grad.abs().sum() > 0 for p in experts)
+
+
 def test_fused_loss_on_split_weights_adds_the_output_gradient_up_in_fp32():
     """The output projection fused with the loss (training.loss_chunk_tokens): under autocast the weight's gradient
     adds up over the chunks in fp32 either way; on a split weight it is that fp32 sum rounded to bf16 once (not
     rounded after every chunk), and every other gradient and the loss are autocast's exactly."""
     ref = build(debug_args())
     ours = copy.deepcopy(ref)
-    lows = split_linear_weights([ours])
+    lows = split_matmul_weights([ours])
     for m in (ref, ours):
         m.loss_chunk_tokens = 16
     g = torch.Generator().manual_seed(0)
@@ -168,7 +198,7 @@ def test_optimizer_state_loaded_after_the_split_stays_fp32():
     model, grads = _model_and_grads(0)
     cfg = Optimizer(lr=0.1, weight_decay=0.1, implementation="foreach")
     opt = build_optimizer(model, cfg, torch.device("cpu"), bf16_weights=True)
-    lows = split_linear_weights([model])
+    lows = split_matmul_weights([model])
     opt.set_low_halves(lows)
     for p, g in zip(model.parameters(), grads[0]):
         p.grad = g.to(p.dtype)
@@ -207,7 +237,7 @@ def test_optimizer_computes_torchs_update_on_the_fp32_weights(name, compiled):
         theirs = copy.deepcopy(model)
         ours = build_optimizer(model, cfg, torch.device("cpu"), bf16_weights=True)
         assert isinstance(ours, AdamWWithBf16Weights) and scales_gradients(ours)
-        lows = split_linear_weights([model])
+        lows = split_matmul_weights([model])
         ours.set_low_halves(lows)
         reference = build_optimizer(theirs, Optimizer(name=name, lr=0.1, weight_decay=0.1,
                                                       implementation="foreach"), torch.device("cpu"))
@@ -261,7 +291,7 @@ def test_a_tied_output_weight_stays_fp32_on_one_gpu():
     model = torch.nn.Sequential(torch.nn.Embedding(10, 6), torch.nn.Linear(6, 6), torch.nn.Linear(6, 10, bias=False))
     model[2].weight = model[0].weight
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    lows = split_linear_weights([model])
+    lows = split_matmul_weights([model])
     assert list(lows) == [model[1].weight] and model[0].weight.dtype == torch.float32
     after = model.state_dict()
     assert {k: v.dtype for k, v in after.items()} == {k: torch.float32 for k in before}
@@ -279,10 +309,13 @@ COMPILED_OP_AC = ["--compile.enable", "--activation_checkpoint.mode", "selective
 SPLIT_LINE = "bf16 autocast on bf16 weights (fp32 masters split in two)"
 
 
-@pytest.mark.parametrize("layout", [[], COMPILED_OP_AC], ids=["eager", "compile_op_ac"])
+MOE = ["--config", "train_configs/qwen3_moe_debug.toml", "--model.flavor", "debugmodel_moe_L2"]
+
+
+@pytest.mark.parametrize("layout", [[], COMPILED_OP_AC, MOE], ids=["eager", "compile_op_ac", "moe"])
 def test_training_on_split_weights_is_autocast_bit_for_bit(layout, tmp_path, capsys, cpu_autocast):
     """The trainer on one rank under bf16 autocast, on split bf16 weights (the default) and on fp32 weights,
-    eager and with compiled blocks under per-op AC: 4 steps of the same losses, bit for bit (the update is
+    eager, with compiled blocks under per-op AC, and for a MoE model (its experts split too): 4 steps of the same losses, bit for bit (the update is
     torch's foreach AdamW's, the CPU's default kernel, on the same fp32 weights). The clip is off (max_norm 1e9)
     because it differs by design: the split weights' update divides by the inverse clip factor as it reads a
     gradient, as torch's fused kernel does, where foreach multiplies by the factor."""
