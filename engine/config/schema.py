@@ -99,10 +99,9 @@ class Training:
     mixed_precision_reduce: str = "float32"
     """On CUDA: dtype of gradient reductions across data-parallel ranks."""
     bf16_weights: bool = True
-    """On one CUDA GPU with bf16 autocast, no FSDP or other parallelism, no gradient accumulation: keep the matmul
-    weights (linear layers, MoE experts) in bf16 plus a 16-bit low half (exactly the fp32 weight) instead of
-    casting them in every pass; same numbers, memory and fp32 checkpoints (parallelize/bf16_weights.py). false =
-    plain autocast."""
+    """One CUDA GPU, bf16 autocast, no parallelism or gradient accumulation: keep the matmul weights (linear, MoE
+    experts) in bf16 plus a 16-bit low half (exactly the fp32 weight) instead of casting them in every pass; same
+    numbers, memory and fp32 checkpoints (parallelize/bf16_weights.py). false = plain autocast."""
     fsdp_bf16_weights: bool = False
     """On CUDA under FSDP2 (FSDP, HSDP or fsdp_single_rank) with bf16 mixed precision: keep every parameter's
     shard as bf16 plus a 16-bit low half, so the all-gather reads bf16 with no cast and gradients are kept in
