@@ -315,11 +315,13 @@ MOE = ["--config", "train_configs/qwen3_moe_debug.toml", "--model.flavor", "debu
 @pytest.mark.parametrize("layout", [[], COMPILED_OP_AC, MOE], ids=["eager", "compile_op_ac", "moe"])
 def test_training_on_split_weights_is_autocast_bit_for_bit(layout, tmp_path, capsys, cpu_autocast):
     """The trainer on one rank under bf16 autocast, on split bf16 weights (the default) and on fp32 weights,
-    eager, with compiled blocks under per-op AC, and for a MoE model (its experts split too): 4 steps of the same losses, bit for bit (the update is
-    torch's foreach AdamW's, the CPU's default kernel, on the same fp32 weights). The clip is off (max_norm 1e9)
-    because it differs by design: the split weights' update divides by the inverse clip factor as it reads a
-    gradient, as torch's fused kernel does, where foreach multiplies by the factor."""
-    common = ["--training.steps", "4", "--training.max_norm", "1e9", *layout]
+    eager, with compiled blocks under per-op AC, and for a MoE model (its experts split too): 4 steps of the same
+    losses, bit for bit (the update is torch's foreach AdamW's, the CPU's default kernel, on the same fp32
+    weights). The clip is off (max_norm 1e9) because it differs by design: the split weights' update divides by
+    the inverse clip factor as it reads a gradient, as torch's fused kernel does, where foreach multiplies by the
+    factor. The learning rate is 4e-3 (the default 8e-4 left 4 steps of 32 tokens within their batches' spread:
+    8.85 -> 8.77 on torch 2.11); measured: 8.93 -> 7.64 on torch 2.13, 8.85 -> 7.58 on 2.11."""
+    common = ["--training.steps", "4", "--training.max_norm", "1e9", "--optimizer.lr", "4e-3", *layout]
     ours, out = _train(tmp_path / "split", capsys, *common)
     assert SPLIT_LINE in out
     plain, out = _train(tmp_path / "plain", capsys, *common, "--training.no-bf16_weights")
@@ -327,7 +329,7 @@ def test_training_on_split_weights_is_autocast_bit_for_bit(layout, tmp_path, cap
     assert [r["loss"] for r in ours] == [r["loss"] for r in plain]
     # The norms differ in fp32's last bits: a bf16 gradient's norm is summed by another kernel than the fp32 one's.
     assert [r["grad_norm"] for r in ours] == pytest.approx([r["grad_norm"] for r in plain], rel=1e-6)
-    assert ours[-1]["loss"] < ours[0]["loss"] - 0.1
+    assert ours[-1]["loss"] < ours[0]["loss"] - 0.5
 
 
 def test_a_lost_low_half_would_show(tmp_path, capsys, cpu_autocast, monkeypatch):
