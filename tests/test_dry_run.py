@@ -376,6 +376,26 @@ def test_fsdp_estimate_ends_with_the_roots_reduce_scatter():
     assert est.phase == "backward end" and est.peak / 2**30 == pytest.approx(45.70, rel=0.01)
 
 
+@pytest.mark.parametrize("config", ["debug_model.toml", "qwen3_moe_debug.toml"])
+def test_one_gpu_estimate_holds_the_gradients_of_the_weights_the_trainer_splits(config):
+    """On one GPU (split bf16 weights, the default) the estimate's gradient bytes are those of the model as the
+    trainer splits it: bf16 for every weight split_matmul_weights stores in bf16 (a MoE's stacked experts too),
+    fp32 for the others."""
+    from models.registry import get_model_spec
+    from parallelize.bf16_weights import split_matmul_weights
+
+    cfg = parse_args(["--config", f"train_configs/{config}"])
+    shape = memory.model_shape(cfg)
+    estimate = memory.analytic_rows(cfg, memory.validate_layout(cfg, 1), shape)[0].estimate
+    assert memory.layout_precision(cfg, memory.validate_layout(cfg, 1)).split_weights
+    spec = get_model_spec(cfg.model.name)
+    with torch.device("meta"):
+        model = spec.model_cls(dataclasses.replace(spec.flavors[cfg.model.flavor], vocab_size=shape.vocab_size))
+    lows = split_matmul_weights([model])
+    assert estimate.grads == sum(p.numel() * (2 if p in lows else 4) for p in model.parameters())
+    assert any(p.ndim == 3 for p in lows) == bool(shape.experts)
+
+
 def test_fsdp_estimate_on_split_shards_keeps_bf16_gradients():
     """training.fsdp_bf16_weights: the same parameter bytes (bf16 + low half), the sharded gradients in bf16."""
     argv = ["--config", "train_configs/debug_model.toml", "--model.flavor", "8B_L8", "--training.seq_len", "8192",
