@@ -70,7 +70,7 @@ def _reused_dataloader(cfg, tokenizer, dp_rank: int = 0, dp_world_size: int = 1,
     """``build_dataloader`` for the Trainers of ``build_trainer``, whose training loader nobody reads (the harness
     gives each step its batches): one loader per configuration it depends on, kept for the next layout of this
     rank, unless it has been read (a reading caller gets a fresh one). Building one reads and tokenizes the
-    data's first document: 0.1 to 0.3 s per rank per layout on 2 cores."""
+    data's first document, for every rank of every layout."""
     from engine.data.loader import build_dataloader
 
     if num_shards != -1 or kwargs:  # a validation loader (it reads batches when built), or a resume's

@@ -386,8 +386,9 @@ def test_one_gpu_estimate_holds_the_gradients_of_the_weights_the_trainer_splits(
 
     cfg = parse_args(["--config", f"train_configs/{config}"])
     shape = memory.model_shape(cfg)
-    estimate = memory.analytic_rows(cfg, memory.validate_layout(cfg, 1), shape)[0].estimate
-    assert memory.layout_precision(cfg, memory.validate_layout(cfg, 1)).split_weights
+    dims = memory.validate_layout(cfg, 1)
+    estimate = memory.analytic_rows(cfg, dims, shape)[0].estimate
+    assert memory.layout_precision(cfg, dims).split_weights
     spec = get_model_spec(cfg.model.name)
     with torch.device("meta"):
         model = spec.model_cls(dataclasses.replace(spec.flavors[cfg.model.flavor], vocab_size=shape.vocab_size))
