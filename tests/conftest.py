@@ -21,21 +21,54 @@ def pytest_sessionstart(session):
         compileall.compile_dir(os.path.join(ROOT, package), quiet=1)
 
 
+def _xdist_controller(config) -> bool:
+    return bool(getattr(config.option, "numprocesses", None)) and not hasattr(config, "workerinput")
+
+
+def pytest_configure(config):
+    """Under xdist, the controller makes the session's shared folder before it starts the workers
+    (tests/workers.py), and starts the README's main job there when the whole suite runs (the workers each collect
+    the tests, and either one may check the job)."""
+    if _xdist_controller(config):
+        from tests import test_default_run, workers
+
+        folder = workers.start_session()
+        whole_suite = not config.option.keyword and not config.option.markexpr and all(
+            os.path.abspath(arg.split("::")[0]) in (ROOT, os.path.join(ROOT, "tests")) for arg in config.args)
+        if whole_suite and not config.option.collectonly:
+            test_default_run.start_in_background(os.path.join(folder, "readme_job"))
+
+
 def pytest_collection_modifyitems(config, items):
     """The README's main job (a minute of compute on 2 cores) starts now, in the background at idle priority, when
     other tests run in this session too; its test moves to the end, where it checks the finished run."""
     readme = [item for item in items if item.nodeid.split("::")[0].endswith("test_default_run.py")]
     if readme and len(readme) < len(items) and not config.option.collectonly:
-        from tests import test_default_run
+        from tests import test_default_run, workers
 
         items[:] = [item for item in items if item not in readme] + readme
-        test_default_run.start_in_background()
+        if workers.session_folder() is None:  # (under xdist, the controller starts it)
+            test_default_run.start_in_background()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Under xdist, each test holds the machine shared or alone (tests/workers.py) from its set-up to its teardown."""
+    from tests import workers
+
+    workers.begin_test()
+    try:
+        yield
+    finally:
+        workers.end_test()
 
 
 def pytest_sessionfinish(session):
-    from tests import test_default_run
+    from tests import test_default_run, workers
 
     test_default_run.discard_background()
+    if _xdist_controller(session.config):
+        workers.end_session()
 
 
 @pytest.fixture(autouse=True, scope="module")

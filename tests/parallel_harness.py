@@ -327,10 +327,15 @@ PRELOAD = ["torch", "torch.distributed.tensor", "torch._dynamo", "torch._inducto
            "engine.trainer", "engine.data.loader", "engine.plot", "tests.parallel_harness"]
 
 
-def start_method() -> str:
-    """``forkserver`` with the engine preloaded (one thread per rank: the ranks share few cores)."""
+def start_method(ranks: int) -> str:
+    """``forkserver`` with the engine preloaded (one thread per rank: the ranks share few cores), for starting
+    ``ranks`` processes; more than one hold the machine alone (tests/workers.py)."""
     import multiprocessing
 
+    from tests import workers
+
+    if ranks > 1:
+        workers.hold_alone()
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
     return "forkserver"
@@ -342,7 +347,7 @@ def run_jobs(world_size: int, fn, jobs: dict[str, tuple], out: str) -> dict:
     module-level function of an importable module (the ranks import it by name)."""
     os.makedirs(out, exist_ok=True)
     mp.start_processes(_worker, args=(world_size, free_port(), fn, jobs, out), nprocs=world_size, join=True,
-                       start_method=start_method())
+                       start_method=start_method(world_size))
     return {name: torch.load(os.path.join(out, f"{name}.pt"), weights_only=False) for name in jobs}
 
 

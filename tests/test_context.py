@@ -129,7 +129,7 @@ def _worker(rank: int, world_size: int, port: int) -> None:
 
 @pytest.mark.parametrize("cp", [2, 4])
 def test_ring_attention_matches_full_attention(cp):
-    mp.start_processes(_worker, args=(cp, free_port()), nprocs=cp, start_method=start_method())
+    mp.start_processes(_worker, args=(cp, free_port()), nprocs=cp, start_method=start_method(cp))
 
 
 def _ac_compile_worker(rank: int, world_size: int, port: int) -> None:
@@ -188,7 +188,7 @@ def _ac_compile_worker(rank: int, world_size: int, port: int) -> None:
 
 
 def test_ring_attention_under_op_checkpointing_and_compile():
-    mp.start_processes(_ac_compile_worker, args=(2, free_port()), nprocs=2, start_method=start_method())
+    mp.start_processes(_ac_compile_worker, args=(2, free_port()), nprocs=2, start_method=start_method(2))
 
 
 # ----------------------------------------------------------------------------------------------------------------

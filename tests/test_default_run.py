@@ -6,8 +6,9 @@ first logged value, and metrics.jsonl and the PNG plots are written. Only the du
 (the run's wall time is printed by the run itself and measured in the closing notes).
 
 When other tests run in the same session, the job starts in the background as the session's tests start
-(``tests/conftest.py``) and is checked last: it runs on one thread at idle scheduling priority, so it takes only the
-CPU time the other tests leave unused instead of a minute of its own (docs/testing.md).
+(``tests/conftest.py``; under xdist, in the controller, and a worker checks it from its status file) and is checked
+last: it runs on one thread at idle scheduling priority, so it takes only the CPU time the other tests leave unused
+instead of a minute of its own (docs/testing.md).
 """
 
 import json
@@ -16,6 +17,8 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -25,8 +28,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 class ReadmeJob:
     """``./run_train.sh --job.dump_folder <folder>/debug_model``, its output in ``<folder>/run.log``."""
 
-    def __init__(self, background: bool):
-        self.folder = Path(tempfile.mkdtemp(prefix="readme_job_"))
+    def __init__(self, background: bool, folder: Optional[str] = None):
+        self.folder = Path(folder) if folder else Path(tempfile.mkdtemp(prefix="readme_job_"))
+        self.folder.mkdir(parents=True, exist_ok=True)
         self.dump = self.folder / "debug_model"
         env = {**os.environ, "PYTHON": sys.executable}
         env.pop("WORLD_SIZE", None)
@@ -37,17 +41,32 @@ class ReadmeJob:
             self.proc = subprocess.Popen(["./run_train.sh", "--job.dump_folder", str(self.dump)], cwd=ROOT, env=env,
                                          stdout=log, stderr=subprocess.STDOUT,
                                          preexec_fn=_idle_priority if background else None)
+        # Its exit status, in a file: under xdist the process that checks the run is not the one that started it.
+        threading.Thread(target=self._record_status, daemon=True).start()
+
+    def _record_status(self) -> None:
+        status = self.proc.wait()
+        (self.folder / "status.tmp").write_text(str(status))
+        os.replace(self.folder / "status.tmp", self.folder / "status")
 
     def finish(self) -> tuple[int, str]:
         """Wait for the run; its exit status and output."""
-        status = self.proc.wait()
-        return status, (self.folder / "run.log").read_text()
+        return finished(self.folder)
 
     def discard(self) -> None:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
         shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def finished(folder: Path) -> tuple[int, str]:
+    """The exit status and output of the job run in ``folder``, once it has ended (by whichever process)."""
+    deadline = time.time() + 1800  # a controller that died leaves no status
+    while not (folder / "status").exists():
+        assert time.time() < deadline, f"the README job in {folder} did not end"
+        time.sleep(0.5)
+    return int((folder / "status").read_text()), (folder / "run.log").read_text()
 
 
 def _idle_priority() -> None:
@@ -63,9 +82,19 @@ BACKGROUND: Optional[ReadmeJob] = None
 """The job conftest started in the background for this session, if it did."""
 
 
-def start_in_background() -> None:
+def start_in_background(folder: Optional[str] = None) -> None:
+    """``folder``: where the job runs (under xdist, in the session's folder, for the worker that checks it)."""
     global BACKGROUND
-    BACKGROUND = ReadmeJob(background=True)
+    BACKGROUND = ReadmeJob(background=True, folder=folder)
+
+
+def _session_job() -> Optional[Path]:
+    """Under xdist: the folder of the job the controller started in the background, if it did."""
+    from tests import workers
+
+    session = workers.session_folder()
+    folder = Path(session) / "readme_job" if session else None
+    return folder if folder is not None and folder.is_dir() else None
 
 
 def discard_background() -> None:
@@ -74,12 +103,13 @@ def discard_background() -> None:
 
 
 def test_default_run_trains_debug_model():
-    job = BACKGROUND or ReadmeJob(background=False)
+    session_job = _session_job()
+    job = BACKGROUND or (None if session_job else ReadmeJob(background=False))
     try:
-        status, out = job.finish()
+        status, out = job.finish() if job is not None else finished(session_job)
         assert status == 0, out[-3000:]
 
-        dump = job.dump
+        dump = job.dump if job is not None else session_job / "debug_model"
         with open(dump / "metrics.jsonl") as f:
             rows = [json.loads(line) for line in f]
         steps = [r["step"] for r in rows]
@@ -90,5 +120,5 @@ def test_default_run_trains_debug_model():
         assert (dump / "throughput.png").stat().st_size > 0
         assert (dump / "config.toml").exists()
     finally:
-        if job is not BACKGROUND:
+        if job is not None and job is not BACKGROUND:
             job.discard()
