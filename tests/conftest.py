@@ -56,7 +56,7 @@ def pytest_runtest_protocol(item, nextitem):
     """Under xdist, each test holds the machine shared or alone (tests/workers.py) from its set-up to its teardown."""
     from tests import workers
 
-    workers.begin_test()
+    workers.begin_test(item.nodeid)
     try:
         yield
     finally:

@@ -14,6 +14,7 @@ from tests import workers
 def _shares(tmp_path, monkeypatch, count: int) -> list:
     """``count`` workers' hold on a lock of their own (not the session's)."""
     monkeypatch.setenv(workers.SESSION_ENV, str(tmp_path))
+    monkeypatch.delenv(workers.TIMELINE_ENV, raising=False)
     return [workers._Share() for _ in range(count)]
 
 
@@ -25,15 +26,15 @@ def _in_thread(fn) -> threading.Thread:
 
 def test_one_process_tests_share_and_a_test_with_ranks_waits_then_holds_the_machine_alone(tmp_path, monkeypatch):
     a, b = _shares(tmp_path, monkeypatch, 2)
-    a.begin()
-    b.begin()  # both shared at once: this returns
+    a.begin('a')
+    b.begin('b')  # both shared at once: this returns
     alone = _in_thread(a.hold_alone)
     alone.join(0.5)
     assert alone.is_alive()  # b's test still runs
     b.end()
     alone.join(5)
     assert not alone.is_alive() and a.alone
-    nxt = _in_thread(b.begin)  # b's next test waits for a's to end
+    nxt = _in_thread(lambda: b.begin('b'))  # b's next test waits for a's to end
     nxt.join(0.5)
     assert nxt.is_alive()
     a.end()
@@ -44,8 +45,8 @@ def test_one_process_tests_share_and_a_test_with_ranks_waits_then_holds_the_mach
 
 def test_both_workers_asking_to_hold_the_machine_alone_take_turns(tmp_path, monkeypatch):
     a, b = _shares(tmp_path, monkeypatch, 2)
-    a.begin()
-    b.begin()
+    a.begin('a')
+    b.begin('b')
     first, second = _in_thread(a.hold_alone), _in_thread(b.hold_alone)
     deadline = time.time() + 5
     while not (a.alone or b.alone):
@@ -74,7 +75,7 @@ def test_two_ranks_of_a_world_among_a_tests_processes_make_it_hold_the_machine_a
     try:
         assert workers.ranks_among([p.pid for p in singles]) == 0
         assert set(p.pid for p in singles) <= set(workers.descendants(os.getpid()))
-        a.begin()
+        a.begin('a')
         time.sleep(3 * workers._POLL_SECONDS)
         assert not a.alone
         ranks = _sleepers(2)

@@ -16,15 +16,21 @@ nothing.
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import shutil
 import tempfile
 import threading
+import time
 from typing import Optional
 
 SESSION_ENV = "TESSERA_TEST_SESSION"
 """A folder the xdist controller makes for the session's shared files (the lock, the README job); its workers
 inherit the variable."""
+
+TIMELINE_ENV = "TESSERA_TEST_TIMELINE"
+"""A file: each worker appends one JSON line per test (when it asked for the machine, got it, asked for and got it
+alone, ended), to see where a run's time goes (docs/testing.md)."""
 
 _POLL_SECONDS = 0.2
 
@@ -58,8 +64,10 @@ class _Share:
         self.stop = threading.Event()
         self.watcher: threading.Thread | None = None
 
-    def begin(self) -> None:
+    def begin(self, test: str) -> None:
+        self.times = {"worker": os.environ.get("PYTEST_XDIST_WORKER"), "test": test, "asked": time.time()}
         fcntl.flock(self.machine, fcntl.LOCK_SH)  # waits while the other worker's test holds the machine alone
+        self.times["got"] = time.time()
         self.alone = False
         self.stop.clear()
         self.watcher = threading.Thread(target=self._watch, daemon=True)
@@ -69,7 +77,9 @@ class _Share:
         with self.mutex:
             if self.alone:
                 return
+            self.times["asked_alone"] = time.time()
             fcntl.flock(self.machine, fcntl.LOCK_EX)  # waits for the other worker's test to end
+            self.times["got_alone"] = time.time()
             self.alone = True
 
     def end(self) -> None:
@@ -79,6 +89,10 @@ class _Share:
         with self.mutex:
             fcntl.flock(self.machine, fcntl.LOCK_UN)
             self.alone = False
+        timeline = os.environ.get(TIMELINE_ENV)
+        if timeline:
+            with open(timeline, "a") as f:
+                f.write(json.dumps({**self.times, "ended": time.time()}) + "\n")
 
     def _watch(self) -> None:
         while not self.stop.wait(_POLL_SECONDS):
@@ -125,13 +139,13 @@ def ranks_among(pids: list[int]) -> int:
 _SHARE: _Share | None = None
 
 
-def begin_test() -> None:
+def begin_test(test: str) -> None:
     global _SHARE
     if not (os.environ.get("PYTEST_XDIST_WORKER") and session_folder()):
         return
     if _SHARE is None:
         _SHARE = _Share()
-    _SHARE.begin()
+    _SHARE.begin(test)
 
 
 def hold_alone() -> None:
