@@ -3,8 +3,8 @@
     TESSERA_TEST_TIMELINE=/tmp/timeline.jsonl python -m pytest -q -n 2 --dist loadfile
     python scripts/test_timeline.py /tmp/timeline.jsonl
 
-Prints the run's span split by what ran (one test held the machine alone, by itself or while the other worker's
-test ended; two tests shared it; one test ran while the other worker was idle or waiting), the time workers waited for the machine, and the tests that held it alone
+Prints the run's span split by what ran (one test held the machine alone; two tests shared it; one test ran while
+the other worker was idle or waiting), the time workers waited for the machine, and the tests that held it alone
 longest.
 """
 
@@ -33,12 +33,11 @@ def main() -> None:
             events += [(t["got_alone"], "alone", +1), (t["ended"], "alone", -1)]
     events.sort()
     start, end = events[0][0], max(t["ended"] for t in tests)
-    spans = {"alone": 0.0, "alone beside a test ending": 0.0, "two shared": 0.0, "one shared": 0.0, "none": 0.0}
+    spans = {"alone": 0.0, "two shared": 0.0, "one shared": 0.0, "none": 0.0}
     running = {"shared": 0, "alone": 0}
     last = start
     for when, kind, delta in events:
-        key = ("alone beside a test ending" if running["alone"] and running["shared"]
-               else "alone" if running["alone"] else "two shared" if running["shared"] >= 2
+        key = ("alone" if running["alone"] else "two shared" if running["shared"] >= 2
                else "one shared" if running["shared"] == 1 else "none")
         spans[key] += when - last
         running[kind] += delta
@@ -47,7 +46,7 @@ def main() -> None:
     waited_alone = sum(t["got_alone"] - t["asked_alone"] for t in tests if "got_alone" in t)
     print(f"{len(tests)} tests over {end - start:.1f} s")
     for key, seconds in spans.items():
-        print(f"  {key:26s} {seconds:8.1f} s")
+        print(f"  {key:11s} {seconds:8.1f} s")
     print(f"waited to start: {waited:.1f} s; waited to hold the machine alone: {waited_alone:.1f} s")
     alone = sorted((t for t in tests if "got_alone" in t), key=lambda t: t["got_alone"] - t["ended"])
     print(f"held alone longest ({len(alone)} tests held it alone):")

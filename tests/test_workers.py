@@ -1,5 +1,5 @@
 """The lock two pytest-xdist workers share (tests/workers.py): tests that run one process run side by side, a test
-that starts ranks holds the machine alone (the other worker's next test waits for it to end), and torchrun's
+that starts ranks waits for the other worker's test to end and then holds the machine alone, and torchrun's
 workers among a test's processes are seen."""
 
 import os
@@ -24,15 +24,17 @@ def _in_thread(fn) -> threading.Thread:
     return thread
 
 
-def test_one_process_tests_share_and_a_test_with_ranks_holds_the_machine_alone_until_it_ends(tmp_path, monkeypatch):
+def test_one_process_tests_share_and_a_test_with_ranks_waits_then_holds_the_machine_alone(tmp_path, monkeypatch):
     a, b = _shares(tmp_path, monkeypatch, 2)
-    a.begin("a")
-    b.begin("b")  # both at once: this returns
+    a.begin('a')
+    b.begin('b')  # both shared at once: this returns
     alone = _in_thread(a.hold_alone)
-    alone.join(5)
-    assert not alone.is_alive() and a.alone  # b's current test ends beside a's ranks
+    alone.join(0.5)
+    assert alone.is_alive()  # b's test still runs
     b.end()
-    nxt = _in_thread(lambda: b.begin("b"))  # b's next test waits for a's to end
+    alone.join(5)
+    assert not alone.is_alive() and a.alone
+    nxt = _in_thread(lambda: b.begin('b'))  # b's next test waits for a's to end
     nxt.join(0.5)
     assert nxt.is_alive()
     a.end()

@@ -5,13 +5,12 @@ Most of the suite's time with one worker is either multi-rank (2 to 16 processes
 collective, and keep both cores busy) or one process (a core left idle). Two workers fill the idle core; ranks
 beside another test's processes lose more than the other test gains (docs/testing.md), hence the lock.
 
-The lock is a file every worker of a run opens (``flock``), a turnstile: a test passes it (shared) to start, and a
-test that holds the machine alone holds it exclusively to its end, so the other worker's next test waits. The other
-worker's current test, a one-process one, is not waited for: it ends beside the ranks (waiting for it would leave a
-core idle: docs/testing.md). Two tests asking to hold the machine alone take turns. A test holds it alone once it
-forks harness ranks (``hold_alone``, from ``parallel_harness.start_method``) or once two processes of a distributed
-world (``RANK`` set and ``WORLD_SIZE`` above 1 in their environment: torchrun's workers) are among its
-descendants. Without xdist every call here does nothing.
+The lock is a file every worker of a run opens (``flock``): a test holds it shared, and converts its hold to an
+exclusive one to hold the machine alone (Linux drops the shared hold first, so two workers asking at once take
+turns). A test holds the machine alone once it forks harness ranks (``hold_alone``, from
+``parallel_harness.start_method``) or once two processes of a distributed world (``RANK`` set and ``WORLD_SIZE``
+above 1 in their environment: torchrun's workers) are among its descendants. Without xdist every call here does
+nothing.
 """
 
 from __future__ import annotations
@@ -59,7 +58,7 @@ def _lock_path(name: str) -> str:
 
 class _Share:
     def __init__(self):
-        self.turnstile = os.open(_lock_path("turnstile"), os.O_RDWR | os.O_CREAT, 0o600)
+        self.machine = os.open(_lock_path("machine"), os.O_RDWR | os.O_CREAT, 0o600)
         self.alone = False
         self.mutex = threading.Lock()  # the test's thread and the watcher's
         self.stop = threading.Event()
@@ -67,8 +66,7 @@ class _Share:
 
     def begin(self, test: str) -> None:
         self.times = {"worker": os.environ.get("PYTEST_XDIST_WORKER"), "test": test, "asked": time.time()}
-        fcntl.flock(self.turnstile, fcntl.LOCK_SH)  # waits while the other worker's test holds the machine alone
-        fcntl.flock(self.turnstile, fcntl.LOCK_UN)
+        fcntl.flock(self.machine, fcntl.LOCK_SH)  # waits while the other worker's test holds the machine alone
         self.times["got"] = time.time()
         self.alone = False
         self.stop.clear()
@@ -80,7 +78,7 @@ class _Share:
             if self.alone:
                 return
             self.times["asked_alone"] = time.time()
-            fcntl.flock(self.turnstile, fcntl.LOCK_EX)  # waits while the other worker's test holds it alone
+            fcntl.flock(self.machine, fcntl.LOCK_EX)  # waits for the other worker's test to end
             self.times["got_alone"] = time.time()
             self.alone = True
 
@@ -89,8 +87,7 @@ class _Share:
         if self.watcher is not None:
             self.watcher.join()
         with self.mutex:
-            if self.alone:
-                fcntl.flock(self.turnstile, fcntl.LOCK_UN)
+            fcntl.flock(self.machine, fcntl.LOCK_UN)
             self.alone = False
         timeline = os.environ.get(TIMELINE_ENV)
         if timeline:
