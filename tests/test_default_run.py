@@ -26,20 +26,20 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 class ReadmeJob:
-    """``./run_train.sh --job.dump_folder <folder>/debug_model``, its output in ``<folder>/run.log``."""
+    """``./run_train.sh --job.dump_folder <folder>/debug_model``, its output in ``<folder>/run.log`` and its exit
+    status, once it ends, in ``<folder>/status`` (``finished``)."""
 
     def __init__(self, background: bool, folder: Optional[str] = None):
         self.folder = Path(folder) if folder else Path(tempfile.mkdtemp(prefix="readme_job_"))
         self.folder.mkdir(parents=True, exist_ok=True)
-        self.dump = self.folder / "debug_model"
         env = {**os.environ, "PYTHON": sys.executable}
         env.pop("WORLD_SIZE", None)
         env.pop("NGPU", None)
         if background:
             env["OMP_NUM_THREADS"] = "1"  # one thread: a second one would wait on the core the other tests hold
         with open(self.folder / "run.log", "w") as log:
-            self.proc = subprocess.Popen(["./run_train.sh", "--job.dump_folder", str(self.dump)], cwd=ROOT, env=env,
-                                         stdout=log, stderr=subprocess.STDOUT,
+            self.proc = subprocess.Popen(["./run_train.sh", "--job.dump_folder", str(self.folder / "debug_model")],
+                                         cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
                                          preexec_fn=_idle_priority if background else None)
         # Its exit status, in a file: under xdist the process that checks the run is not the one that started it.
         threading.Thread(target=self._record_status, daemon=True).start()
@@ -48,10 +48,6 @@ class ReadmeJob:
         status = self.proc.wait()
         (self.folder / "status.tmp").write_text(str(status))
         os.replace(self.folder / "status.tmp", self.folder / "status")
-
-    def finish(self) -> tuple[int, str]:
-        """Wait for the run; its exit status and output."""
-        return finished(self.folder)
 
     def discard(self) -> None:
         if self.proc.poll() is None:
@@ -105,11 +101,12 @@ def discard_background() -> None:
 def test_default_run_trains_debug_model():
     session_job = _session_job()
     job = BACKGROUND or (None if session_job else ReadmeJob(background=False))
+    folder = job.folder if job is not None else session_job
     try:
-        status, out = job.finish() if job is not None else finished(session_job)
+        status, out = finished(folder)
         assert status == 0, out[-3000:]
 
-        dump = job.dump if job is not None else session_job / "debug_model"
+        dump = folder / "debug_model"
         with open(dump / "metrics.jsonl") as f:
             rows = [json.loads(line) for line in f]
         steps = [r["step"] for r in rows]

@@ -26,15 +26,15 @@ def _in_thread(fn) -> threading.Thread:
 
 def test_one_process_tests_share_and_a_test_with_ranks_waits_then_holds_the_machine_alone(tmp_path, monkeypatch):
     a, b = _shares(tmp_path, monkeypatch, 2)
-    a.begin('a')
-    b.begin('b')  # both shared at once: this returns
+    a.begin("a")
+    b.begin("b")  # both shared at once: this returns
     alone = _in_thread(a.hold_alone)
     alone.join(0.5)
     assert alone.is_alive()  # b's test still runs
     b.end()
     alone.join(5)
     assert not alone.is_alive() and a.alone
-    nxt = _in_thread(lambda: b.begin('b'))  # b's next test waits for a's to end
+    nxt = _in_thread(lambda: b.begin("b"))  # b's next test waits for a's to end
     nxt.join(0.5)
     assert nxt.is_alive()
     a.end()
@@ -45,8 +45,8 @@ def test_one_process_tests_share_and_a_test_with_ranks_waits_then_holds_the_mach
 
 def test_both_workers_asking_to_hold_the_machine_alone_take_turns(tmp_path, monkeypatch):
     a, b = _shares(tmp_path, monkeypatch, 2)
-    a.begin('a')
-    b.begin('b')
+    a.begin("a")
+    b.begin("b")
     first, second = _in_thread(a.hold_alone), _in_thread(b.hold_alone)
     deadline = time.time() + 5
     while not (a.alone or b.alone):
@@ -75,7 +75,7 @@ def test_two_ranks_of_a_world_among_a_tests_processes_make_it_hold_the_machine_a
     try:
         assert workers.ranks_among([p.pid for p in singles]) == 0
         assert set(p.pid for p in singles) <= set(workers.descendants(os.getpid()))
-        a.begin('a')
+        a.begin("a")
         time.sleep(3 * workers._POLL_SECONDS)
         assert not a.alone
         ranks = _sleepers(2)
