@@ -63,15 +63,23 @@ def test_both_workers_asking_to_hold_the_machine_alone_take_turns(tmp_path, monk
     loser.end()
 
 
-def _sleepers(world_size: int, count: int = 2) -> list[subprocess.Popen]:
-    return [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
-                             env={**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world_size)})
-            for rank in range(count)]
+def _sleepers(world_size: int, count: int = 2, env: dict | None = None) -> list[subprocess.Popen]:
+    """``count`` processes with the environment of ranks of ``world_size`` (or ``env``), once they run their own
+    program (until exec, /proc shows the parent's environment)."""
+    procs = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                              env=env or {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world_size)})
+             for rank in range(count)]
+    deadline = time.time() + 10
+    while not all(b"time.sleep" in open(f"/proc/{p.pid}/cmdline", "rb").read() for p in procs):
+        assert time.time() < deadline, "the processes did not start"
+        time.sleep(0.01)
+    return procs
 
 
 def test_two_ranks_of_a_world_among_a_tests_processes_make_it_hold_the_machine_alone(tmp_path, monkeypatch):
     (a,) = _shares(tmp_path, monkeypatch, 1)
     singles = _sleepers(1)  # two one-process runs (RANK 0, WORLD_SIZE 1): no world
+    singles += _sleepers(1, 1, env={**os.environ, "RANK": "0"})  # RANK alone: no world either
     try:
         assert workers.ranks_among([p.pid for p in singles]) == 0
         assert set(p.pid for p in singles) <= set(workers.descendants(os.getpid()))

@@ -128,7 +128,8 @@ def ranks_among(pids: list[int]) -> int:
                 env = dict(v.split(b"=", 1) for v in f.read().split(b"\0") if b"=" in v)
         except OSError:
             continue
-        if b"RANK" in env and env.get(b"WORLD_SIZE", b"1").isdigit() and int(env[b"WORLD_SIZE"]) > 1:
+        world = env.get(b"WORLD_SIZE", b"1")
+        if b"RANK" in env and world.isdigit() and int(world) > 1:
             count += 1
     return count
 
