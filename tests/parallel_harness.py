@@ -327,17 +327,27 @@ PRELOAD = ["torch", "torch.distributed.tensor", "torch._dynamo", "torch._inducto
            "engine.trainer", "engine.data.loader", "engine.plot", "tests.parallel_harness"]
 
 
+_FORKSERVER_READY: list[bool] = []
+
+
 def start_method(ranks: int) -> str:
     """``forkserver`` with the engine preloaded (one thread per rank: the ranks share few cores), for starting
-    ``ranks`` processes; more than one hold the machine alone (tests/workers.py)."""
+    ``ranks`` processes; more than one hold the machine alone (tests/workers.py) once the forkserver is ready
+    (its start, once per test process, imports the engine on one core for seconds)."""
     import multiprocessing
+    import time
 
     from tests import workers
 
-    if ranks > 1:
-        workers.hold_alone()
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
+    if not _FORKSERVER_READY:  # the first process it forks waits for its imports
+        first = ctx.Process(target=time.sleep, args=(0,))
+        first.start()
+        first.join()
+        _FORKSERVER_READY.append(True)
+    if ranks > 1:
+        workers.hold_alone()
     return "forkserver"
 
 

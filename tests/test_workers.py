@@ -103,3 +103,25 @@ def test_two_ranks_of_a_world_among_a_tests_processes_make_it_hold_the_machine_a
         for p in singles:
             p.kill()
             p.wait()
+
+
+BURN = "import time\nstart = time.process_time()\nwhile time.process_time() - start < 0.5:\n    pass"
+
+
+def test_the_timeline_counts_the_cpu_time_of_the_processes_a_test_started(tmp_path, monkeypatch):
+    """A test's CPU time is its worker's and every process it started, reaped ones included; while it holds the
+    machine alone, the machine's busy time is recorded too."""
+    import json
+
+    (a,) = _shares(tmp_path, monkeypatch, 1)
+    timeline = tmp_path / "timeline.jsonl"
+    monkeypatch.setenv(workers.TIMELINE_ENV, str(timeline))
+    a.begin("idle")
+    a.end()
+    a.begin("burns")
+    a.hold_alone()
+    subprocess.run([sys.executable, "-c", BURN], check=True)  # half a second of CPU, in a child reaped here
+    a.end()
+    idle, burns = (json.loads(line) for line in timeline.read_text().splitlines())
+    assert idle["cpu"] < 0.3 and "busy_alone" not in idle, idle
+    assert burns["cpu"] >= 0.45 and burns["busy_alone"] >= 0.45, burns

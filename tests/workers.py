@@ -30,7 +30,8 @@ inherit the variable."""
 
 TIMELINE_ENV = "TESSERA_TEST_TIMELINE"
 """A file: each worker appends one JSON line per test (when it asked for the machine, got it, asked for and got it
-alone, ended), to see where a run's time goes (docs/testing.md)."""
+alone, ended; the CPU time its processes took; the machine's busy CPU time while it held it alone), to see where a
+run's time goes (scripts/test_timeline.py, docs/testing.md)."""
 
 _POLL_SECONDS = 0.2
 
@@ -62,8 +63,10 @@ class _Share:
 
     def begin(self, test: str) -> None:
         self.times = {"worker": os.environ.get("PYTEST_XDIST_WORKER"), "test": test, "asked": time.time()}
+        self.timeline = os.environ.get(TIMELINE_ENV)
         fcntl.flock(self.machine, fcntl.LOCK_SH)  # waits while the other worker's test holds the machine alone
         self.times["got"] = time.time()
+        self.cpu = tree_cpu_seconds(os.getpid()) if self.timeline else 0.0
         self.alone = False
         self.stop.clear()
         self.watcher = threading.Thread(target=self._watch, daemon=True)
@@ -76,6 +79,7 @@ class _Share:
             self.times["asked_alone"] = time.time()
             fcntl.flock(self.machine, fcntl.LOCK_EX)  # waits for the other worker's test to end
             self.times["got_alone"] = time.time()
+            self.busy = machine_busy_seconds() if self.timeline else 0.0
             self.alone = True
 
     def end(self) -> None:
@@ -83,11 +87,14 @@ class _Share:
         if self.watcher is not None:
             self.watcher.join()
         with self.mutex:
+            if self.timeline:
+                self.times["cpu"] = tree_cpu_seconds(os.getpid()) - self.cpu
+                if self.alone:
+                    self.times["busy_alone"] = machine_busy_seconds() - self.busy
             fcntl.flock(self.machine, fcntl.LOCK_UN)
             self.alone = False
-        timeline = os.environ.get(TIMELINE_ENV)
-        if timeline:
-            with open(timeline, "a") as f:
+        if self.timeline:
+            with open(self.timeline, "a") as f:
                 f.write(json.dumps({**self.times, "ended": time.time()}) + "\n")
 
     def _watch(self) -> None:
@@ -116,6 +123,32 @@ def descendants(pid: int) -> list[int]:
             found += children
             todo += children
     return found
+
+
+_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """The CPU time (user and system) of ``pid`` and of its live descendants, each with the time of the children
+    it has reaped: the difference over a test is what its processes took (forked ranks are reaped by their
+    forkserver, a descendant that lives on; a process whose parent died before reaping it is lost)."""
+    total = 0
+    for p in [pid, *descendants(pid)]:
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += sum(int(x) for x in fields[11:15])  # utime, stime, cutime, cstime
+    return total / _TICKS
+
+
+def machine_busy_seconds() -> float:
+    """The CPU time the machine's cores have spent busy since it booted: user, nice, system, irq and softirq time
+    (not idle, I/O wait or time the hypervisor stole)."""
+    with open("/proc/stat") as f:
+        user, nice, system, _idle, _iowait, irq, softirq = (int(x) for x in f.readline().split()[1:8])
+    return (user + nice + system + irq + softirq) / _TICKS
 
 
 def ranks_among(pids: list[int]) -> int:
