@@ -13,6 +13,7 @@ import math
 from typing import Optional
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 
 from engine.config import LRScheduler as LRSchedulerConfig
@@ -159,6 +160,48 @@ class AdamWWithBf16Weights(torch.optim.Optimizer):
         return loss
 
 
+class _OnLocalShards:
+    """torch's per-tensor Adam/AdamW kernel run on each DTensor parameter's local shard, where the parameter and
+    its gradient are placed alike on one mesh (FSDP2's and TP's parameters): the same elementwise update, without
+    DTensor's dispatch and sharding propagation for every operation of every tensor (a tenth of a multi-rank
+    step's time on CPU, most of it on 2-D meshes). The moments stay DTensors (updated in place through their
+    local tensors), so checkpoints hold what torch's own optimizer holds. Other parameters (plain tensors, a
+    gradient placed otherwise) take torch's path as they are."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        swapped = []  # (group, index, parameter, its local tensor, its state)
+        try:
+            for group in self.param_groups:
+                for i, p in enumerate(group["params"]):
+                    g = p.grad
+                    if not (isinstance(p, DTensor) and isinstance(g, DTensor) and g.device_mesh == p.device_mesh
+                            and g.placements == p.placements):
+                        continue
+                    local, held = p.to_local(), self.state.pop(p, {})
+                    local.grad = g.to_local()
+                    self.state[local] = {k: local_tensor(v) for k, v in held.items()}
+                    group["params"][i] = local
+                    swapped.append((group, i, p, local, held))
+            return super().step(closure)
+        finally:
+            for group, i, p, local, held in swapped:
+                group["params"][i] = p
+                local.grad = None
+                # The moments made on a first step are plain tensors: DTensors placed like their parameter.
+                self.state[p] = {k: held.get(k, v) if k in held or k == "step" else DTensor.from_local(
+                    v, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+                    for k, v in self.state.pop(local, {}).items()}
+
+
+class AdamWOnLocalShards(_OnLocalShards, torch.optim.AdamW):
+    pass
+
+
+class AdamOnLocalShards(_OnLocalShards, torch.optim.Adam):
+    pass
+
+
 def describe_optimizer(optimizer: torch.optim.Optimizer) -> str:
     """Which optimizer and which kernel updates the weights, as built (for the run's log)."""
     if isinstance(optimizer, AdamWWithBf16Weights):
@@ -166,7 +209,8 @@ def describe_optimizer(optimizer: torch.optim.Optimizer) -> str:
         return f"{name} on split bf16 weights ({'compiled' if optimizer.compiled else 'eager'})"
     group = optimizer.param_groups[0]
     kernel = "fused" if group.get("fused") else "foreach" if group.get("foreach") else "for-loop"
-    return f"{type(optimizer).__name__} {kernel}"
+    name = next(c for c in type(optimizer).__mro__ if c.__module__.startswith("torch.optim")).__name__
+    return f"{name} {kernel}"
 
 
 def build_optimizer(model: torch.nn.Module, cfg: OptimizerConfig, device: torch.device,
@@ -188,11 +232,12 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimizerConfig, device: torch.
         foreach=impl == "foreach",
     )
     groups = param_groups(model, cfg.weight_decay)
+    per_tensor = impl == "for-loop"
     if cfg.name == "AdamW":
-        return torch.optim.AdamW(groups, **kwargs)
+        return (AdamWOnLocalShards if per_tensor else torch.optim.AdamW)(groups, **kwargs)
     assert cfg.name == "Adam", cfg.name
     # Adam couples weight decay into the gradient (L2); kept for users who ask for it explicitly.
-    return torch.optim.Adam(groups, **kwargs)
+    return (AdamOnLocalShards if per_tensor else torch.optim.Adam)(groups, **kwargs)
 
 
 def lr_factor(step: int, total_steps: int, cfg: LRSchedulerConfig) -> float:

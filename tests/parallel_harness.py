@@ -32,8 +32,9 @@ BASE = [
     "--metrics.log_freq", "1",
     "--debug.deterministic",
     # Per-tensor optimizer kernels: DTensor propagates the sharding of a foreach op over all of its tensors
-    # on first use (seconds per rank per layout on 2 cores, most of a 5-step run); for-loop steps cache it
-    # per shape. The numerics are the same; test_parallel keeps one layout on the default foreach kernels.
+    # on first use (seconds per rank per layout on 2 cores, most of a 5-step run); the for-loop kernel steps
+    # each DTensor on its local shard (engine/optim.py). The numerics are the same; test_parallel keeps one
+    # layout on the default foreach kernels.
     "--optimizer.implementation", "for-loop",
 ]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -198,3 +198,83 @@ def test_betas_and_eps_reach_the_bf16_weights_optimizer():
     opt = build_optimizer(torch.nn.Linear(4, 4), cfg, torch.device("cpu"), bf16_weights=True)
     assert isinstance(opt, AdamWWithBf16Weights)
     assert all(g["betas"] == (0.8, 0.99) and g["eps"] == 1e-6 for g in opt.param_groups)
+
+
+ADAMW = {"lr": 0.1, "weight_decay": 0.1, "foreach": False}
+
+
+def local_shards_job(world_size: int, rank: int) -> dict:
+    """(A harness job, one rank.) Three AdamW steps on DTensor parameters, on their local shards and through
+    DTensor, from the same values; which operations of the local-shard steps saw a DTensor."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    from engine.optim import AdamWOnLocalShards
+
+    class DTensorOps(TorchDispatchMode):
+        seen: list = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if any(isinstance(a, DTensor) for a in tree_leaves((args, kwargs or {}))):
+                self.seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        mesh = init_device_mesh("cpu", (world_size,))
+        g = torch.Generator().manual_seed(0)
+        values = {"w": (torch.randn(4, 3, generator=g), [Shard(0)]), "b": (torch.randn(3, generator=g), [Replicate()])}
+        runs = {}
+        for name in ("local", "dtensor"):
+            params = {k: torch.nn.Parameter(distribute_tensor(v.clone(), mesh, pl)) for k, (v, pl) in values.items()}
+            # A gradient placed unlike its parameter (a pending sum) takes DTensor's path in either.
+            params["p"] = torch.nn.Parameter(distribute_tensor(torch.ones(2), mesh, [Replicate()]))
+            if name == "local":  # the parameters placed like their gradients, watched; the other one on its own
+                opts = [(AdamWOnLocalShards([params["w"], params["b"]], **ADAMW), True),
+                        (AdamWOnLocalShards([params["p"]], **ADAMW), False)]
+            else:  # torch's per-tensor kernel updates each tensor on its own: one optimizer for all is the same
+                opts = [(torch.optim.AdamW(params.values(), **ADAMW), False)]
+            seen = []
+            for step in range(3):
+                for k, p in params.items():
+                    grad = torch.full(p.shape, float(step + 1)) * (torch.arange(p.numel()).view(p.shape) - 1.5)
+                    p.grad = DTensor.from_local(grad, mesh, [Partial()]) if k == "p" else \
+                        distribute_tensor(grad, mesh, p.placements)
+                for opt, watched in opts:
+                    if watched:
+                        with DTensorOps() as mode:
+                            opt.step()
+                        seen += mode.seen
+                    else:
+                        opt.step()
+            state = {p: v for opt, _ in opts for p, v in opt.state.items()}
+            runs[name] = {"params": {k: p.full_tensor() for k, p in params.items()},
+                          "state": {k: {s: (v.full_tensor() if isinstance(v, DTensor) else v, type(v).__name__,
+                                            getattr(v, "placements", None) == params[k].placements)
+                                        for s, v in state[params[k]].items()} for k in params},
+                          "seen": seen}
+        return runs
+    finally:
+        dist.destroy_process_group()
+
+
+def test_adamw_on_local_shards_is_torchs_adamw_on_dtensors(tmp_path):
+    """optimizer.implementation for-loop steps FSDP2's and TP's DTensor parameters on their local shards: the same
+    values as torch's AdamW stepping the DTensors (parameters and moments, bit for bit, over three steps), the
+    moments still DTensors placed like their parameters (what checkpoints hold), and no operation of the update
+    dispatched through DTensor; a gradient placed unlike its parameter takes torch's path."""
+    from tests.parallel_harness import run_jobs
+
+    runs = run_jobs(1, local_shards_job, {"runs": ()}, str(tmp_path))["runs"]
+    local, reference = runs["local"], runs["dtensor"]
+    for k in ("w", "b", "p"):
+        assert torch.equal(local["params"][k], reference["params"][k]), k
+        assert local["state"][k].keys() == reference["state"][k].keys() == {"step", "exp_avg", "exp_avg_sq"}
+        for s, (value, kind, placed) in local["state"][k].items():
+            want, want_kind, _ = reference["state"][k][s]
+            assert torch.equal(value, want) and kind == want_kind, (k, s)
+            assert placed == (s != "step"), (k, s)  # the moments placed like the parameter
+    assert local["seen"] == [], local["seen"][:5]

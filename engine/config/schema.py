@@ -236,7 +236,8 @@ class Optimizer:
     """Weight decay, applied to matrices only, the embedding and output included (never to norms and biases, as
     Megatron-LM does): decoupled with AdamW, added to the gradient (L2) with Adam."""
     implementation: str = "auto"
-    """Optimizer kernel: auto (fused on CUDA, foreach on CPU), fused, foreach or for-loop."""
+    """Optimizer kernel: auto (fused on CUDA, foreach on CPU), fused, foreach or for-loop (per tensor, each
+    DTensor parameter stepped on its local shard)."""
 
 
 @dataclass
