@@ -18,7 +18,7 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from engine.config import LRScheduler as LRSchedulerConfig
 from engine.config import Optimizer as OptimizerConfig
-from parallelize.bf16_weights import local_tensor, master_weight, split
+from parallelize.bf16_weights import local_tensor, master_weight, placed_like, split
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
@@ -188,10 +188,10 @@ class _OnLocalShards:
             for group, i, p, local, held in swapped:
                 group["params"][i] = p
                 local.grad = None
-                # The moments made on a first step are plain tensors: DTensors placed like their parameter.
-                self.state[p] = {k: held.get(k, v) if k in held or k == "step" else DTensor.from_local(
-                    v, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
-                    for k, v in self.state.pop(local, {}).items()}
+                # The held DTensors were updated in place; moments made on a first step become DTensors.
+                made = self.state.pop(local, {})
+                self.state[p] = {k: held[k] if k in held else v if k == "step" else placed_like(v, p)
+                                 for k, v in made.items()}
 
 
 class AdamWOnLocalShards(_OnLocalShards, torch.optim.AdamW):

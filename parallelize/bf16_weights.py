@@ -104,7 +104,7 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def _like(local: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+def placed_like(local: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """``local`` as the same kind of tensor as ``like``: a DTensor with its mesh, placements and shape, or as is."""
     if not isinstance(like, DTensor):
         return local
@@ -116,7 +116,7 @@ def _state_dict_hook(module: nn.Module, state_dict: dict, prefix: str, local_met
     """The fp32 weights in the state dict, as without split weights (``state_dict_weight``: GPU or CPU)."""
     for name in module._split_names:
         high = module._parameters[name].detach()
-        state_dict[prefix + name] = _like(state_dict_weight(local_tensor(high), module._buffers[_low_name(name)]), high)
+        state_dict[prefix + name] = placed_like(state_dict_weight(local_tensor(high), module._buffers[_low_name(name)]), high)
 
 
 def _load_state_dict_pre_hook(module: nn.Module, state_dict: dict, prefix: str, *args) -> None:
@@ -203,7 +203,7 @@ def split_fsdp_weights(parts: Iterable[nn.Module]) -> dict[nn.Parameter, torch.T
             for module, name in owners[id(t)]:
                 _keep_low(module, name, low)
             lows[t] = low
-            return _like(high, t)
+            return placed_like(high, t)
 
         part._apply(to_high)
     for p, low in lows.items():
