@@ -3,8 +3,13 @@
 import compileall
 import os
 
-import pytest
-import torch
+# One CPU thread per process (read when torch loads, and inherited by every process a test starts): the two
+# workers' tests, and the ranks they start, already fill both cores, and a second OpenMP thread per process only
+# competes for them (docs/testing.md: the suite took twice the CPU time with two).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
