@@ -480,12 +480,14 @@ def test_layouts_match_one_process(tmp_path):
 def test_compiled_moe_blocks_under_per_op_checkpointing_match_eager(tmp_path):
     """A MoE block records its auxiliary loss and expert counts in its forward and trains the auxiliary loss
     through its output: compiled inside per-op checkpointing (parallelize/compile.py lets the recompute skip the
-    counts) it trains as the eager model does."""
+    counts) it trains as the eager model does. Dynamo and AOT autograd trace it (aot_eager: the recompute is
+    AOT autograd's partition; without the setting Dynamo refuses the trace); test_moe compiles the layer with
+    Inductor."""
     batches = global_batches(GLOBAL, 3)
     args = _args("debugmodel_moe_L2", "--model.moe_aux_loss_coeff", "0.5")
     eager = run_layout(args, 1, 0, batches, str(tmp_path / "eager"))
-    compiled = run_layout([*args, "--compile.enable", "--activation_checkpoint.mode", "selective"],
-                          1, 0, batches, str(tmp_path / "compiled"))
+    compiled = run_layout([*args, "--compile.enable", "--compile.backend", "aot_eager",
+                           "--activation_checkpoint.mode", "selective"], 1, 0, batches, str(tmp_path / "compiled"))
     assert compiled["losses"] == pytest.approx(eager["losses"], rel=1e-5)
     assert compiled["grad_norms"] == pytest.approx(eager["grad_norms"], rel=1e-5)
 
