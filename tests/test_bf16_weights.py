@@ -306,6 +306,8 @@ def test_where_split_weights_apply():
 
 
 COMPILED_OP_AC = ["--compile.enable", "--activation_checkpoint.mode", "selective"]
+# Traced by Dynamo and AOT autograd, run by eager kernels (no Inductor C++ code generation, which a GPU does not run).
+TRACED_OP_AC = ["--compile.enable", "--compile.backend", "aot_eager", "--activation_checkpoint.mode", "selective"]
 SPLIT_LINE = "bf16 autocast on bf16 weights (fp32 masters split in two)"
 
 
@@ -377,12 +379,13 @@ def test_resume_on_split_weights_is_bit_identical_and_checkpoints_are_interchang
 
 
 def test_float8_layers_train_on_split_weights(tmp_path, capsys, cpu_autocast):
-    """torchao's Float8Linear (emulated) on split bf16 weights, compiled under per-op AC: the layers keep their
-    class and read their bf16 weights; the curve follows float8 on fp32 weights (eager) within float8's
-    tolerance (each weight is cast to float8 from its bf16 value, not from fp32: not the same bits)."""
+    """torchao's Float8Linear (emulated) on split bf16 weights, traced under per-op AC (TRACED_OP_AC: the GPU check
+    runs float8 through Inductor): the layers keep their class and read their bf16 weights; the curve follows
+    float8 on fp32 weights (eager) within float8's tolerance (each weight is cast to float8 from its bf16 value, not
+    from fp32: not the same bits)."""
     pytest.importorskip("torchao")
     common = ["--training.steps", "6", "--float8.enable", "--float8.emulate", *LEARNING]
-    ours, out = _train(tmp_path / "split", capsys, *common, *COMPILED_OP_AC)
+    ours, out = _train(tmp_path / "split", capsys, *common, *TRACED_OP_AC)
     assert SPLIT_LINE in out and "float8 tensorwise (emulated)" in out
     plain, _ = _train(tmp_path / "plain", capsys, *common, "--training.no-bf16_weights")
     assert [r["loss"] for r in ours] == pytest.approx([r["loss"] for r in plain], rel=1e-2)
