@@ -59,8 +59,8 @@ llama3_flavors: dict[str, TransformerModelArgs] = {
     "debugmodel": _DEBUG,
     # The debug model with 2 layers, for tests whose checks do not need depth (each layer costs CPU time).
     "debugmodel_L2": dataclasses.replace(_DEBUG, n_layers=2),
-    # The debug model with its output projection tied to the embedding, as Llama 3.2's.
-    "debugmodel_tied": dataclasses.replace(_DEBUG, tie_embeddings=True),
+    # The 2-layer debug model with its output projection tied to the embedding, as Llama 3.2's.
+    "debugmodel_tied": dataclasses.replace(_DEBUG, n_layers=2, tie_embeddings=True),
     "1B": _llama3_2(dim=2048, n_layers=16, n_heads=32),
     "3B": _llama3_2(dim=3072, n_layers=28, n_heads=24),
     "8B": _8B,
