@@ -13,16 +13,22 @@ import torch
 @contextlib.contextmanager
 def scheduled_gc(every: int):
     """Python's automatic garbage collection off for the loop; ``collect(step)`` runs it (the young
-    generations) every ``every`` steps, between steps. ``every`` 0: automatic collection, as outside."""
+    generations) every ``every`` steps, between steps. ``every`` 0: automatic collection for the loop (the
+    entry point turns it off for set-up). Either way the collector is left as it was found."""
+    was_enabled = gc.isenabled()
     if not every:
-        yield lambda step: None
+        gc.enable()
+        try:
+            yield lambda step: None
+        finally:
+            if not was_enabled:
+                gc.disable()
         return
 
     def collect(step: int) -> None:
         if step % every == 0:
             gc.collect(1)
 
-    was_enabled = gc.isenabled()
     gc.disable()
     gc.collect()  # start clean: what set-up left behind
     try:

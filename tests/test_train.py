@@ -607,6 +607,25 @@ def test_garbage_collection_runs_between_steps(tmp_path, capsys, monkeypatch):
     assert gc.isenabled()
 
 
+def test_the_loop_sets_the_collector_and_leaves_it_as_it_found_it():
+    """gc_freq 0 collects automatically in the loop even where the entry point turned the collector off for
+    set-up; gc_freq N turns it off; both leave it as they found it."""
+    import gc
+
+    from engine.step_guards import scheduled_gc
+
+    was = gc.isenabled()
+    try:
+        for outside in (False, True):
+            for every, inside in ((0, True), (2, False)):
+                (gc.enable if outside else gc.disable)()
+                with scheduled_gc(every):
+                    assert gc.isenabled() is inside, (outside, every)
+                assert gc.isenabled() is outside, (outside, every)
+    finally:
+        (gc.enable if was else gc.disable)()
+
+
 @pytest.mark.parametrize("release", [True, False])
 def test_first_steps_cached_memory_is_released_before_its_log(tmp_path, capsys, monkeypatch, release):
     """training.empty_cache_after_first_step: the allocator's cache is emptied once, after the first step and
