@@ -299,7 +299,7 @@ if __name__ == "__main__":
     from engine.lifetime import exit_now
 
     # What set-up builds (torch and the engine's modules, the model) lives for the whole run: Python's automatic full
-    # collections while it loads find nothing to free (about 0.3 s of each process's start). The training loop
+    # collections while it loads find nothing to free and slow every start (docs/testing.md). The training loop
     # collects on its own schedule (engine.step_guards.scheduled_gc).
     gc.disable()
     exit_now(main())  # without the interpreter's slow teardown of torch
