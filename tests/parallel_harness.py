@@ -40,6 +40,11 @@ BASE = [
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHALLOW = ["--model.flavor", "debugmodel_L2"]
 """The debug model with 2 layers: for layouts whose checks do not need depth (each layer costs every rank CPU time)."""
+AOT_EAGER = ["--compile.enable", "--compile.backend", "aot_eager"]
+"""Compiled blocks run by eager kernels: Dynamo's graphs and AOT autograd's partition (where compile's failures under
+TP, CP and MoE side effects were), without Inductor's C++ code generation, which a GPU does not run (it builds Triton
+kernels) and which costs a CPU 10 to 40 s per test. FSDP2's compiled layout and the tests of compiled numerics
+compile with Inductor (docs/testing.md)."""
 
 
 def free_port() -> int:

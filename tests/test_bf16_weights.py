@@ -19,6 +19,7 @@ from engine.optim import AdamWWithBf16Weights, build_optimizer, clip_grad_norm_,
 from engine.plot import read_metrics
 from models.loss import cross_entropy_sum
 from parallelize.bf16_weights import bf16_weights_apply, master_weight, split, split_matmul_weights
+from tests.parallel_harness import AOT_EAGER
 from tests.test_model import build, debug_args
 
 # Few tokens per step: a CPU without AVX-512 runs bf16 matmuls (autocast's) tens of times slower than fp32 ones
@@ -306,8 +307,7 @@ def test_where_split_weights_apply():
 
 
 COMPILED_OP_AC = ["--compile.enable", "--activation_checkpoint.mode", "selective"]
-# Traced by Dynamo and AOT autograd, run by eager kernels (no Inductor C++ code generation, which a GPU does not run).
-TRACED_OP_AC = ["--compile.enable", "--compile.backend", "aot_eager", "--activation_checkpoint.mode", "selective"]
+TRACED_OP_AC = [*AOT_EAGER, "--activation_checkpoint.mode", "selective"]  # traced, not Inductor-compiled
 SPLIT_LINE = "bf16 autocast on bf16 weights (fp32 masters split in two)"
 
 

@@ -13,7 +13,7 @@ import shutil
 import pytest
 import torch
 
-from tests.parallel_harness import global_batches, run_layout, run_world
+from tests.parallel_harness import AOT_EAGER, global_batches, run_layout, run_world
 
 STEPS = 3
 GLOBAL = 8
@@ -37,10 +37,10 @@ LAYOUTS = {
         # dispatch in backward (and counts the tokens once)
         "cp2_ep2_ac_full": _layout(8, *_dims(dp_shard=1, cp=2, ep=2), "--activation_checkpoint.mode", "full"),
         # compiled blocks around the dispatch (it stays out of the graphs), under per-op AC, whose recomputation
-        # all-gathers the experts inside the checkpointed block; the graphs run by eager kernels (aot_eager: as
-        # test_parallel's TP and CP layouts), Inductor's MoE kernels being test_moe's and test_qwen3's
-        "ep2_compile_ac_op": _layout(4, *_dims(dp_shard=2, ep=2), "--compile.enable", "--compile.backend",
-                                     "aot_eager", "--activation_checkpoint.mode", "selective"),
+        # all-gathers the experts inside the checkpointed block; the graphs run by eager kernels (AOT_EAGER, as
+        # test_parallel's TP and CP layouts), Inductor's MoE kernels being test_moe's
+        "ep2_compile_ac_op": _layout(4, *_dims(dp_shard=2, ep=2), *AOT_EAGER, "--activation_checkpoint.mode",
+                                     "selective"),
     },
     4: {
         "ep4": _layout(2, *_dims(dp_shard=4, ep=4)),

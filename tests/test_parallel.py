@@ -15,7 +15,7 @@ import torch
 
 from engine.config import parse_args
 from parallelize.pipeline_parallel import split_backward_takes_custom_functions
-from tests.parallel_harness import SHALLOW, global_batches, run_layout, run_world
+from tests.parallel_harness import AOT_EAGER, SHALLOW, global_batches, run_layout, run_world
 
 STEPS = 3
 GLOBAL = 8
@@ -33,11 +33,6 @@ def _layout(local: int, *args: str, deep: bool = False) -> list[str]:
 
 
 FSDP2_TP2 = ["--parallelism.dp_shard", "2", "--parallelism.tp", "2"]
-# Compiled blocks run by eager kernels: Dynamo's graphs and AOT autograd's partition (where compile's failures
-# under TP were: both TP layouts below fail without their fixes on this backend too), without Inductor's C++
-# code generation, which a GPU does not run (it builds Triton kernels) and which costs a CPU 10 to 20 s per
-# layout. FSDP2's compiled layout and the single-process ones compile with Inductor (docs/testing.md).
-AOT_EAGER = ["--compile.enable", "--compile.backend", "aot_eager"]
 PP_SCHEDULES = ["GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"]
 
 
@@ -63,7 +58,8 @@ LAYOUTS = {
         "fsdp2_compile_ac_op": _layout(4, "--parallelism.dp_shard", "2", "--compile.enable",
                                        "--activation_checkpoint.mode", "selective"),
         # Without FSDP the first compiled block takes the embedding's pending reduce-scatter (torch 2.13's backward
-        # failed there: parallelize.compile.wait_before_compiled_blocks). AOT_EAGER: see its definition.
+        # failed there: parallelize.compile.wait_before_compiled_blocks). AOT_EAGER: both TP layouts fail without their
+        # fixes on this backend too (see its definition).
         "tp2_compile": _layout(8, "--parallelism.tp", "2", *AOT_EAGER),
         # Full AC compiles inside the checkpoint (torch 2.13 failed compiling the wrapper under TP: the shipped
         # 70B and 405B configs' combination; parallelize.compile.apply_compile).

@@ -19,7 +19,7 @@ from models.moe import MoE
 from models.qwen3 import Qwen3HFAdapter, Qwen3ModelArgs, qwen3_flavors
 from models.qwen3.parallelize import parallelize_qwen3, pipeline_stage
 from models.registry import get_model_spec
-from tests.parallel_harness import global_batches, run_jobs, run_layout
+from tests.parallel_harness import AOT_EAGER, global_batches, run_jobs, run_layout
 
 transformers = pytest.importorskip("transformers")
 
@@ -486,8 +486,8 @@ def test_compiled_moe_blocks_under_per_op_checkpointing_match_eager(tmp_path):
     batches = global_batches(GLOBAL, 3)
     args = _args("debugmodel_moe_L2", "--model.moe_aux_loss_coeff", "0.5")
     eager = run_layout(args, 1, 0, batches, str(tmp_path / "eager"))
-    compiled = run_layout([*args, "--compile.enable", "--compile.backend", "aot_eager",
-                           "--activation_checkpoint.mode", "selective"], 1, 0, batches, str(tmp_path / "compiled"))
+    compiled = run_layout([*args, *AOT_EAGER, "--activation_checkpoint.mode", "selective"], 1, 0, batches,
+                          str(tmp_path / "compiled"))
     assert compiled["losses"] == pytest.approx(eager["losses"], rel=1e-5)
     assert compiled["grad_norms"] == pytest.approx(eager["grad_norms"], rel=1e-5)
 
