@@ -16,26 +16,20 @@ def scheduled_gc(every: int):
     generations) every ``every`` steps, between steps. ``every`` 0: automatic collection for the loop (the
     entry point turns it off for set-up). Either way the collector is left as it was found."""
     was_enabled = gc.isenabled()
-    if not every:
-        gc.enable()
-        try:
-            yield lambda step: None
-        finally:
-            if not was_enabled:
-                gc.disable()
-        return
 
     def collect(step: int) -> None:
-        if step % every == 0:
+        if every and step % every == 0:
             gc.collect(1)
 
-    gc.disable()
-    gc.collect()  # start clean: what set-up left behind
+    if every:
+        gc.disable()
+        gc.collect()  # start clean: what set-up left behind
+    else:
+        gc.enable()
     try:
         yield collect
     finally:
-        if was_enabled:
-            gc.enable()
+        (gc.enable if was_enabled else gc.disable)()
 
 
 def release_cached_memory(device: torch.device) -> None:
