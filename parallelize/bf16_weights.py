@@ -116,7 +116,8 @@ def _state_dict_hook(module: nn.Module, state_dict: dict, prefix: str, local_met
     """The fp32 weights in the state dict, as without split weights (``state_dict_weight``: GPU or CPU)."""
     for name in module._split_names:
         high = module._parameters[name].detach()
-        state_dict[prefix + name] = placed_like(state_dict_weight(local_tensor(high), module._buffers[_low_name(name)]), high)
+        whole = state_dict_weight(local_tensor(high), module._buffers[_low_name(name)])
+        state_dict[prefix + name] = placed_like(whole, high)
 
 
 def _load_state_dict_pre_hook(module: nn.Module, state_dict: dict, prefix: str, *args) -> None:
